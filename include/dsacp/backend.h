@@ -1,0 +1,87 @@
+// The backend interface: memory and the step's kernels. The executor calls kernels only through it.
+// Implementations: cpu (the oracle, multithreaded loops) and, later, cuda.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "dsacp/kernel_params.h"
+#include "dsacp/status.h"
+
+namespace dsacp {
+
+// Memory owned by a backend; released by the deleter the backend set.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* ptr, size_t bytes, std::function<void(void*)> deleter)
+      : ptr_(ptr), bytes_(bytes), deleter_(std::move(deleter)) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      ptr_ = o.ptr_;
+      bytes_ = o.bytes_;
+      deleter_ = std::move(o.deleter_);
+      o.ptr_ = nullptr;
+      o.bytes_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+  void reset() {
+    if (ptr_ != nullptr && deleter_) deleter_(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  std::function<void(void*)> deleter_;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  virtual Result<DeviceBuffer> allocate(size_t bytes) = 0;
+  virtual Status copy_to_device(void* dst, const void* src, size_t bytes) = 0;
+  virtual Status copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+  // Fills count elements of dtype with value (NaN allowed): used to poison unused cache slots.
+  virtual Status fill(void* dst, DType dtype, int64_t count, float value) = 0;
+  virtual Status synchronize() = 0;
+
+  // Kernels. Call them through the *_run functions below, which validate the parameters first.
+  virtual Status cache_write(const CacheWriteParams& p) = 0;
+  virtual Status indexer_topk(const IndexerTopkParams& p) = 0;
+  virtual Status sparse_mla(const SparseMlaParams& p) = 0;
+  virtual Status lse_merge(const LseMergeParams& p) = 0;
+};
+
+// The CPU backend: plain loops with fp32 accumulation, split over `num_threads` threads
+// (0 = hardware concurrency).
+std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
+
+// Validated entry points (one validation for all backends).
+Status cache_write_run(Backend& backend, const CacheWriteParams& p);
+Status indexer_topk_run(Backend& backend, const IndexerTopkParams& p);
+Status sparse_mla_run(Backend& backend, const SparseMlaParams& p);
+Status lse_merge_run(Backend& backend, const LseMergeParams& p);
+
+Status validate(const CacheWriteParams& p);
+Status validate(const IndexerTopkParams& p);
+Status validate(const SparseMlaParams& p);
+Status validate(const LseMergeParams& p);
+
+}  // namespace dsacp

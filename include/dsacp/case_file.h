@@ -1,0 +1,65 @@
+// The case file (contract §4): one batch step as safetensors, and the result file.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dsacp/batch.h"
+#include "dsacp/safetensors.h"
+#include "dsacp/status.h"
+#include "dsacp/tensor.h"
+
+namespace dsacp {
+
+struct CaseDims {
+  int32_t H = 0, Dl = 0, Dr = 0, Hi = 0, Di = 0;
+};
+
+struct CaseFile {
+  std::vector<Request> requests;  // from query_lens, context_lens
+  int32_t topk = 0;               // __metadata__ "topk" (K >= 1)
+  float scale = 0.f;              // __metadata__ "scale" (finite)
+  CaseDims dims;
+  Tensor q_nope;         // [T, H, Dl], BF16 or F32
+  Tensor q_rope;         // [T, H, Dr]
+  Tensor kv_latent;      // [T, Dl]
+  Tensor k_rope;         // [T, Dr]
+  Tensor idx_q;          // [T, Hi, Di]
+  Tensor idx_w;          // [T, Hi], F32
+  Tensor idx_k;          // [T, Di]
+  Tensor ctx_kv_latent;  // [sum C, Dl]
+  Tensor ctx_k_rope;     // [sum C, Dr]
+  Tensor ctx_idx_k;      // [sum C, Di]
+
+  int64_t num_tokens() const { return q_nope.numel() == 0 && q_nope.shape().empty() ? 0 : q_nope.dim(0); }
+};
+
+// Validates names, dtypes, shapes and lengths; one-line errors such as
+// "case: tensor \"q_rope\" has shape [5, 2, 8], expected [T=6, H=2, Dr=8]" or
+// "case: __metadata__ has no \"topk\"".
+Result<CaseFile> case_from_safetensors(SafetensorsFile file);
+Result<CaseFile> case_read(const std::string& path);
+Result<SafetensorsFile> case_to_safetensors(const CaseFile& c);
+Status case_write(const std::string& path, const CaseFile& c);
+
+// Parameters of a random case (counter-based values, so the same seed gives the same case).
+struct CaseGenSpec {
+  std::vector<Request> requests;
+  CaseDims dims{4, 32, 16, 4, 32};
+  int32_t topk = 64;
+  float scale = 0.125f;
+  DType dtype = DType::kF32;  // of every float tensor except idx_w (always F32)
+  uint64_t seed = 1;
+};
+Result<CaseFile> case_generate(const CaseGenSpec& spec);
+
+struct StepResult {
+  Tensor topk_indices;  // [T, K], I32
+  Tensor out;           // [T, H, Dl], F32 or BF16
+  Tensor lse;           // [T, H], F32
+};
+Status result_write(const std::string& path, const StepResult& r);
+Result<StepResult> result_read(const std::string& path);
+
+}  // namespace dsacp

@@ -1,0 +1,93 @@
+// Parameter blocks of the step's kernels, shared by every backend (CPU oracle, CUDA).
+// Pointers are in the backend's memory (host memory for the CPU backend, device memory for CUDA).
+// Shapes use the project's vocabulary: T, H, Dl, Dr, Hi, Di, K, page_size, num_pages.
+#pragma once
+
+#include <cstdint>
+
+#include "dsacp/dtype.h"
+
+namespace dsacp {
+
+// One paged pool of one layer: [num_pages, page_size, dim], row-major.
+struct PagedPoolView {
+  void* data = nullptr;  // [num_pages, page_size, dim], f32 or bf16
+  DType dtype = DType::kBF16;
+  int64_t num_pages = 0;
+  int32_t page_size = 0;
+  int32_t dim = 0;
+};
+
+// Block table: request b's logical page c lives in physical page data[b * max_pages + c].
+struct BlockTableView {
+  const int32_t* data = nullptr;  // [num_requests, max_pages]
+  int32_t num_requests = 0;
+  int32_t max_pages = 0;
+};
+
+// Scatter rows into flat slots of a pool: pool[slot / page_size, slot % page_size, :] = rows[t, :].
+// A slot of -1 skips the row; any other slot outside [0, num_pages * page_size) is an error.
+struct CacheWriteParams {
+  const void* rows = nullptr;  // [T, dim], f32 or bf16
+  DType rows_dtype = DType::kBF16;
+  int64_t num_rows = 0;        // T
+  const int64_t* slots = nullptr;  // [T]
+  PagedPoolView pool;
+};
+
+// Per query token: which request's block table it reads and how many key positions it sees.
+// Key positions are request-relative: key j of request b is at block_table[b, j / page_size], j % page_size.
+struct QueryRowsView {
+  int64_t num_tokens = 0;               // T
+  const int32_t* request = nullptr;     // [T] row of the block table
+  const int32_t* key_len = nullptr;     // [T] keys [0, key_len) are visible; 0 = none
+};
+
+// Lightning indexer score and exact top-k in the contract's canonical form:
+//   s(t, j) = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) over visible j;
+//   the K largest, ties to the lower position, ascending, front-packed, -1 padded.
+struct IndexerTopkParams {
+  QueryRowsView rows;
+  int32_t Hi = 0, Di = 0, K = 0;
+  const void* q = nullptr;  // [T, Hi, Di], f32 or bf16
+  DType q_dtype = DType::kBF16;
+  const float* w = nullptr;  // [T, Hi], f32
+  PagedPoolView keys;        // [num_pages, page_size, Di]
+  BlockTableView block_table;
+  int32_t* topk = nullptr;   // [T, K] out
+};
+
+// Sparse MLA attention over the chosen keys, with natural-log LSE.
+//   l(h, j) = scale * (q_nope[t,h,:] . latent[j,:] + q_rope[t,h,:] . rope[j,:]) for j in topk[t, :],
+//   an entry e is used iff 0 <= e < key_len[t] (entries are front-packed: the scan stops at the first
+//   unused one); out = softmax(l) @ latent; lse = ln sum exp l. No chosen key: out = 0, lse = -inf.
+struct SparseMlaParams {
+  QueryRowsView rows;
+  int32_t H = 0, Dl = 0, Dr = 0, K = 0;
+  float scale = 0.f;
+  const void* q_nope = nullptr;  // [T, H, Dl]
+  const void* q_rope = nullptr;  // [T, H, Dr]
+  DType q_dtype = DType::kBF16;
+  PagedPoolView latent;          // [num_pages, page_size, Dl]
+  PagedPoolView rope;            // [num_pages, page_size, Dr]
+  BlockTableView block_table;
+  const int32_t* topk = nullptr; // [T, K]
+  void* out = nullptr;           // [T, H, Dl], f32 or bf16
+  DType out_dtype = DType::kF32;
+  float* lse = nullptr;          // [T, H], f32
+};
+
+// Exact merge of S partial attention results over disjoint key sets (reference-design 4.4 step 6):
+//   L_s = lse_s if finite else -inf; w_s = exp(L_s - logsumexp L) (0 when every L_s is -inf);
+//   out = sum_s w_s out_s; lse = logsumexp_s L_s (-inf when all are -inf, and out = 0).
+struct LseMergeParams {
+  int32_t num_parts = 0;         // S
+  int64_t num_rows = 0;          // T * H
+  int32_t Dl = 0;
+  const float* part_out = nullptr;  // [S, T*H, Dl]
+  const float* part_lse = nullptr;  // [S, T*H]
+  float* out = nullptr;             // [T*H, Dl]
+  float* lse = nullptr;             // [T*H]
+};
+
+}  // namespace dsacp

@@ -1,0 +1,84 @@
+// Paged caches of one layer: latent (Dl), rope (Dr) and indexer-key (Di) pools over one page allocator,
+// block tables per request and slot mappings (slot = page * page_size + offset; -1 = skip).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/batch.h"
+#include "dsacp/kernel_params.h"
+#include "dsacp/status.h"
+
+namespace dsacp {
+
+// A free list of physical pages. With a non-zero shuffle seed the free list starts in a shuffled order,
+// so consecutive logical pages land on scattered physical pages (paging bugs show).
+class PageAllocator {
+ public:
+  explicit PageAllocator(int64_t num_pages, uint64_t shuffle_seed = 0);
+  // n pages or an error "out of pages: asked for 5, 3 of 64 free" (nothing is taken on failure).
+  Result<std::vector<int32_t>> allocate(int64_t n);
+  // Returns pages to the free list; a page that is out of range or already free is an error.
+  Status release(const std::vector<int32_t>& pages);
+  int64_t num_pages() const { return num_pages_; }
+  int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
+  int64_t num_used() const { return num_pages_ - num_free(); }
+
+ private:
+  int64_t num_pages_;
+  std::vector<int32_t> free_;     // popped from the back
+  std::vector<uint8_t> in_use_;   // [num_pages]
+};
+
+// The physical pages of one request's sequence, in logical order.
+struct SequencePages {
+  std::vector<int32_t> pages;
+  // Grows the list so it covers `num_tokens` tokens (ceil(num_tokens / page_size) pages).
+  Status reserve(PageAllocator& allocator, int64_t num_tokens, int32_t page_size);
+  Status release(PageAllocator& allocator);
+};
+
+// Host block table [num_requests, max_pages]; unused entries are -1.
+struct BlockTable {
+  int32_t num_requests = 0;
+  int32_t max_pages = 0;
+  std::vector<int32_t> data;
+  static BlockTable from_sequences(const std::vector<const SequencePages*>& sequences);
+  int32_t page(int32_t request, int64_t logical_page) const { return data[static_cast<size_t>(request) * max_pages + logical_page]; }
+};
+
+// Slot of key position `pos` of `request`: block_table[request, pos / page_size] * page_size + pos % page_size;
+// an error when the position has no page.
+Result<int64_t> slot_of(const BlockTable& table, int32_t request, int64_t pos, int32_t page_size);
+
+// Slots of the batch's new tokens (positions context_len + i), in token order.
+Result<std::vector<int64_t>> new_token_slots(const std::vector<Request>& requests, const BlockTable& table,
+                                             int32_t page_size);
+
+struct PagedCacheConfig {
+  int64_t num_pages = 0;
+  int32_t page_size = 64;
+  int32_t Dl = 512, Dr = 64, Di = 128;
+  DType dtype = DType::kBF16;  // storage of all three pools
+};
+
+// The three pools of one layer, in a backend's memory.
+class PagedKvCache {
+ public:
+  // Allocates the pools; with poison_unused every slot starts as NaN (so a read of an unwritten slot shows).
+  static Result<PagedKvCache> create(Backend& backend, const PagedCacheConfig& config, bool poison_unused = true);
+
+  const PagedCacheConfig& config() const { return config_; }
+  PagedPoolView latent() const { return view(latent_, config_.Dl); }
+  PagedPoolView rope() const { return view(rope_, config_.Dr); }
+  PagedPoolView index_keys() const { return view(index_keys_, config_.Di); }
+  size_t bytes() const { return latent_.bytes() + rope_.bytes() + index_keys_.bytes(); }
+
+ private:
+  PagedPoolView view(const DeviceBuffer& b, int32_t dim) const;
+  PagedCacheConfig config_;
+  DeviceBuffer latent_, rope_, index_keys_;
+};
+
+}  // namespace dsacp

@@ -1,0 +1,56 @@
+// The single-device DSA step: write the new tokens' KV into the paged caches, then indexer + exact top-k,
+// then sparse MLA attention, for a mixed batch (decodes, MTP decodes, fresh and chunked prefills).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/batch.h"
+#include "dsacp/paged_cache.h"
+#include "dsacp/status.h"
+
+namespace dsacp {
+
+struct StepConfig {
+  int32_t H = 0, Dl = 0, Dr = 0, Hi = 0, Di = 0;
+  int32_t K = 0;            // top-k
+  float scale = 0.f;        // softmax scale, given by the caller
+  DType act_dtype = DType::kBF16;   // q_nope, q_rope, kv_latent, k_rope, idx_q, idx_k
+  DType out_dtype = DType::kF32;
+  int32_t decode_threshold = kMaxDecodeThreshold;
+};
+
+// The step's inputs, in the backend's memory, requests' tokens consecutive in request order.
+struct StepInputs {
+  const void* q_nope = nullptr;     // [T, H, Dl], act_dtype
+  const void* q_rope = nullptr;     // [T, H, Dr], act_dtype
+  const void* kv_latent = nullptr;  // [T, Dl], act_dtype
+  const void* k_rope = nullptr;     // [T, Dr], act_dtype
+  const void* idx_q = nullptr;      // [T, Hi, Di], act_dtype
+  const float* idx_w = nullptr;     // [T, Hi], f32
+  const void* idx_k = nullptr;      // [T, Di], act_dtype
+};
+
+struct StepOutputs {
+  int32_t* topk = nullptr;  // [T, K]
+  void* out = nullptr;      // [T, H, Dl], out_dtype
+  float* lse = nullptr;     // [T, H]
+};
+
+// The single-device plan: pure host data.
+struct SingleDevicePlan {
+  BatchLayout layout;
+  std::vector<int64_t> slots;          // [T] cache slot of each new token
+  std::vector<int32_t> token_request;  // [T]
+  std::vector<int32_t> token_key_len;  // [T] context_len + i + 1
+};
+Result<SingleDevicePlan> single_device_plan(const std::vector<Request>& requests, const BlockTable& table,
+                                            int32_t page_size, int32_t decode_threshold = kMaxDecodeThreshold);
+
+// Checks the config against the cache and the block table against the batch (every position of every
+// request has a page in range), then runs the step.
+Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
+                const BlockTable& table, PagedKvCache& cache, const StepInputs& inputs, const StepOutputs& outputs);
+
+}  // namespace dsacp

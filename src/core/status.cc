@@ -1,0 +1,31 @@
+#include "dsacp/status.h"
+
+namespace dsacp {
+
+const char* status_code_name(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return "ok";
+    case StatusCode::kInvalidArgument: return "invalid argument";
+    case StatusCode::kOutOfRange: return "out of range";
+    case StatusCode::kUnsupported: return "unsupported";
+    case StatusCode::kResourceExhausted: return "resource exhausted";
+    case StatusCode::kIoError: return "i/o error";
+    case StatusCode::kDataLoss: return "data loss";
+    case StatusCode::kInternal: return "internal error";
+    case StatusCode::kTimeout: return "timeout";
+    case StatusCode::kBackendError: return "backend error";
+  }
+  return "unknown";
+}
+
+std::string Status::to_string() const {
+  if (ok()) return "ok";
+  return std::string(status_code_name(code_)) + ": " + message_;
+}
+
+Status Status::with_context(const std::string& context) const {
+  if (ok()) return *this;
+  return Status(code_, context + ": " + message_);
+}
+
+}  // namespace dsacp
