@@ -73,6 +73,10 @@ class Backend {
 // (0 = hardware concurrency).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
 
+// The CUDA backend on `device` (kernels built for sm_90a: H100/H200). Without a usable device, or in a build
+// without CUDA (DSACP_ENABLE_CUDA=OFF), an "unsupported" status says why.
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device = 0);
+
 // Validated entry points (one validation for all backends).
 Status cache_write_run(Backend& backend, const CacheWriteParams& p);
 Status indexer_topk_run(Backend& backend, const IndexerTopkParams& p);

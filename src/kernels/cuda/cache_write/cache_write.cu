@@ -1,0 +1,95 @@
+// Cache write (scatter rows into flat pool slots, f32 <-> bf16 conversion with round-to-nearest-even) and fill.
+// One warp per row. A slot of -1 skips the row; any other slot outside the pool is reported and skipped.
+// Two rows aimed at one slot race here (the CPU oracle lets the last row win); the step never produces them.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace dsacp::cuda {
+namespace {
+
+__device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+template <typename SrcT, typename DstT>
+__global__ void cache_write_kernel(const SrcT* __restrict__ rows, const int64_t* __restrict__ slots, int64_t n,
+                                   int dim, int64_t num_slots, DstT* __restrict__ pool, DeviceErrorWord err) {
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (t >= n) return;
+  const int64_t slot = slots[t];
+  if (slot == -1) return;
+  if (slot < 0 || slot >= num_slots) {
+    if (lane == 0) report_device_error(err, kDevBadSlot, t);
+    return;
+  }
+  const SrcT* src = rows + t * dim;
+  DstT* dst = pool + slot * dim;
+  for (int d = lane; d < dim; d += 32) store_f(dst, d, load_f(src, d));
+}
+
+template <typename T>
+__global__ void fill_kernel(T* __restrict__ dst, int64_t count, float value) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    store_f(dst, i, value);
+  }
+}
+
+template <typename SrcT, typename DstT>
+Status launch_cw(const CacheWriteParams& p, const LaunchContext& ctx) {
+  const int64_t threads = p.num_rows * 32;
+  const int64_t blocks = (threads + 255) / 256;
+  cache_write_kernel<SrcT, DstT><<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(
+      static_cast<const SrcT*>(p.rows), p.slots, p.num_rows, p.pool.dim, p.pool.num_pages * p.pool.page_size,
+      static_cast<DstT*>(p.pool.data), ctx.error);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_kernel");
+  return Status::ok_status();
+}
+
+}  // namespace
+
+Status cache_write_supported(const CacheWriteParams& p) {
+  auto ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
+  if (!ok(p.rows_dtype) || !ok(p.pool.dtype)) {
+    return unsupported(std::string("cache_write: rows ") + dtype_name(p.rows_dtype) + ", pool " +
+                       dtype_name(p.pool.dtype) + " (CUDA cache_write supports F32 and BF16)");
+  }
+  if (p.num_rows >= (int64_t{1} << 26)) return unsupported("cache_write: more than 2^26 rows in one call");
+  return Status::ok_status();
+}
+
+Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx) {
+  DSACP_RETURN_IF_ERROR(cache_write_supported(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  const bool sb = p.rows_dtype == DType::kBF16, db = p.pool.dtype == DType::kBF16;
+  if (sb && db) return launch_cw<__nv_bfloat16, __nv_bfloat16>(p, ctx);
+  if (sb) return launch_cw<__nv_bfloat16, float>(p, ctx);
+  if (db) return launch_cw<float, __nv_bfloat16>(p, ctx);
+  return launch_cw<float, float>(p, ctx);
+}
+
+Status launch_fill(void* dst, DType dtype, int64_t count, float value, const LaunchContext& ctx) {
+  if (count <= 0) return Status::ok_status();
+  const int64_t blocks = std::min<int64_t>((count + 255) / 256, int64_t{ctx.num_sms} * 32);
+  if (dtype == DType::kBF16) {
+    fill_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(
+        static_cast<__nv_bfloat16*>(dst), count, value);
+  } else if (dtype == DType::kF32) {
+    fill_kernel<float><<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(static_cast<float*>(dst), count, value);
+  } else {
+    int32_t v = static_cast<int32_t>(value);
+    // i32 fill: reinterpret through a float-typed kernel would change bits; use a memset-like loop instead.
+    fill_kernel<float><<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(static_cast<float*>(dst), count,
+                                                                              __builtin_bit_cast(float, v));
+  }
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("fill_kernel");
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cuda

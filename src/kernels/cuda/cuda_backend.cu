@@ -1,0 +1,240 @@
+// The CUDA backend (sm_90a): device memory, copies, and the step's kernels on one stream.
+// Each kernel call validates what the backend supports, launches, then reads the launch's device error word
+// (one small device-to-host copy and a stream synchronization) so that a bad page id, request row or slot comes
+// back as a Status from the same call. Every CUDA call is checked; nothing aborts.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace dsacp {
+namespace {
+
+using cuda::LaunchContext;
+
+// A grow-only device scratch buffer.
+struct Scratch {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  Status reserve(size_t want) {
+    if (want <= bytes) return Status::ok_status();
+    if (ptr != nullptr) {
+      DSACP_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
+      ptr = nullptr;
+      bytes = 0;
+    }
+    const cudaError_t err = cudaMalloc(&ptr, want);
+    if (err != cudaSuccess) {
+      ptr = nullptr;
+      (void)cudaGetLastError();
+      return resource_exhausted("CUDA backend: cannot allocate " + std::to_string(want) +
+                                " bytes of scratch: " + cudaGetErrorName(err));
+    }
+    bytes = want;
+    return Status::ok_status();
+  }
+  void release() {
+    if (ptr != nullptr) (void)cudaFree(ptr);
+    ptr = nullptr;
+    bytes = 0;
+  }
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, int num_sms, cudaStream_t stream, int32_t* err_dev, int32_t* err_host)
+      : device_(device), num_sms_(num_sms), stream_(stream), err_dev_(err_dev), err_host_(err_host) {}
+  ~CudaBackend() override {
+    (void)cudaSetDevice(device_);
+    (void)cudaStreamSynchronize(stream_);
+    for (Scratch* s : {&plan_items_, &plan_offsets_, &scores_, &mla_ws_}) s->release();
+    (void)cudaFree(err_dev_);
+    (void)cudaFreeHost(err_host_);
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda:" + std::to_string(device_); }
+
+  Result<DeviceBuffer> allocate(size_t bytes) override {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return resource_exhausted("CUDA backend: cudaMalloc of " + std::to_string(bytes) + " bytes failed: " +
+                                cudaGetErrorName(err));
+    }
+    const int device = device_;
+    return DeviceBuffer(p, bytes, [device](void* q) {
+      (void)cudaSetDevice(device);
+      (void)cudaFree(q);
+    });
+  }
+
+  Status copy_to_device(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return Status::ok_status();
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return Status::ok_status();
+  }
+
+  Status copy_to_host(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return Status::ok_status();
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return Status::ok_status();
+  }
+
+  Status fill(void* dst, DType dtype, int64_t count, float value) override {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return cuda::launch_fill(dst, dtype, count, value, ctx());
+  }
+
+  Status synchronize() override {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return Status::ok_status();
+  }
+
+  Status cache_write(const CacheWriteParams& p) override {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_RETURN_IF_ERROR(cuda::launch_cache_write(p, ctx()));
+    return check_device_error("cache_write");
+  }
+
+  Status indexer_topk(const IndexerTopkParams& p) override {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_RETURN_IF_ERROR(cuda::indexer_topk_supported(p));
+    const int64_t T = p.rows.num_tokens;
+    std::vector<int32_t> request(static_cast<size_t>(T)), key_len(static_cast<size_t>(T));
+    DSACP_RETURN_IF_ERROR(copy_to_host(request.data(), p.rows.request, T * sizeof(int32_t)));
+    DSACP_RETURN_IF_ERROR(copy_to_host(key_len.data(), p.rows.key_len, T * sizeof(int32_t)));
+    DSACP_ASSIGN_OR_RETURN(cuda::IndexerPlan plan, cuda::indexer_plan(p, request.data(), key_len.data()));
+    DSACP_RETURN_IF_ERROR(plan_items_.reserve(std::max<size_t>(1, plan.items.size()) * sizeof(cuda::ScoreItem)));
+    DSACP_RETURN_IF_ERROR(plan_offsets_.reserve(std::max<size_t>(1, plan.score_offset.size()) * sizeof(int64_t)));
+    DSACP_RETURN_IF_ERROR(scores_.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(
+        copy_to_device(plan_items_.ptr, plan.items.data(), plan.items.size() * sizeof(cuda::ScoreItem)));
+    DSACP_RETURN_IF_ERROR(
+        copy_to_device(plan_offsets_.ptr, plan.score_offset.data(), plan.score_offset.size() * sizeof(int64_t)));
+    cuda::IndexerPlanDevice dev;
+    dev.items = static_cast<const cuda::ScoreItem*>(plan_items_.ptr);
+    dev.score_offset = static_cast<const int64_t*>(plan_offsets_.ptr);
+    dev.scores = static_cast<float*>(scores_.ptr);
+    DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx()));
+    return check_device_error("indexer_topk");
+  }
+
+  Status sparse_mla(const SparseMlaParams& p) override {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p));
+    const int splits = cuda::sparse_mla_num_splits(p, num_sms_);
+    const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits);
+    if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws_.reserve(static_cast<size_t>(ws) * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws_.ptr), ctx()));
+    return check_device_error("sparse_mla");
+  }
+
+  Status lse_merge(const LseMergeParams& p) override {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_RETURN_IF_ERROR(cuda::launch_lse_merge(p, p.out, DType::kF32, ctx()));
+    return check_device_error("lse_merge");
+  }
+
+ private:
+  LaunchContext ctx() const {
+    LaunchContext c;
+    c.stream = stream_;
+    c.num_sms = num_sms_;
+    c.error.word = err_dev_;
+    return c;
+  }
+
+  // Waits for the stream and turns a recorded device error into a Status (then clears it).
+  Status check_device_error(const char* kernel) {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_, err_dev_, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                               stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    const int32_t code = err_host_[0], row = err_host_[1];
+    if (code == cuda::kDevOk) return Status::ok_status();
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(err_dev_, 0, 2 * sizeof(int32_t), stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    const std::string k(kernel);
+    const std::string r = std::to_string(row);
+    switch (code) {
+      case cuda::kDevBadRequest:
+        return out_of_range(k + ": token " + r + ": rows.request outside the block table's rows");
+      case cuda::kDevBadKeyLen:
+        return out_of_range(k + ": token " + r + ": rows.key_len must be >= 0");
+      case cuda::kDevBadPage:
+        return out_of_range(k + ": token " + r +
+                            ": a key it uses maps to a block_table entry outside [0, num_pages) or past max_pages");
+      case cuda::kDevBadSlot:
+        return out_of_range(k + ": row " + r + ": slot outside [0, num_pages*page_size) (and not -1)");
+      default:
+        return internal_error(k + ": unknown device error code " + std::to_string(code));
+    }
+  }
+
+  int device_;
+  int num_sms_;
+  cudaStream_t stream_;
+  int32_t* err_dev_;
+  int32_t* err_host_;
+  Scratch plan_items_, plan_offsets_, scores_, mla_ws_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return unsupported(std::string("CUDA backend: no CUDA device (") +
+                       (err != cudaSuccess ? cudaGetErrorName(err) : "0 devices") + ")");
+  }
+  if (device < 0 || device >= count) {
+    return invalid_argument("CUDA backend: device " + std::to_string(device) + " outside [0, " +
+                            std::to_string(count) + ")");
+  }
+  DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  cudaDeviceProp prop{};
+  DSACP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  if (prop.major != 9 || prop.minor != 0) {
+    return unsupported("CUDA backend: built for sm_90a (H100/H200); device " + std::to_string(device) + " (" +
+                       prop.name + ") is sm_" + std::to_string(prop.major) + std::to_string(prop.minor));
+  }
+  cudaStream_t stream = nullptr;
+  DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int32_t* err_dev = nullptr;
+  int32_t* err_host = nullptr;
+  cudaError_t e = cudaMalloc(&err_dev, 2 * sizeof(int32_t));
+  const char* failed = "cudaMalloc(error word)";
+  if (e == cudaSuccess) {
+    e = cudaMallocHost(&err_host, 2 * sizeof(int32_t));
+    failed = "cudaMallocHost(error word)";
+  }
+  if (e == cudaSuccess) {
+    e = cudaMemset(err_dev, 0, 2 * sizeof(int32_t));
+    failed = "cudaMemset(error word)";
+  }
+  if (e != cudaSuccess) {
+    if (err_dev != nullptr) (void)cudaFree(err_dev);
+    if (err_host != nullptr) (void)cudaFreeHost(err_host);
+    (void)cudaStreamDestroy(stream);
+    return cuda::cuda_status(e, failed, __FILE__, __LINE__);
+  }
+  return std::unique_ptr<Backend>(new CudaBackend(device, prop.multiProcessorCount, stream, err_dev, err_host));
+}
+
+}  // namespace dsacp

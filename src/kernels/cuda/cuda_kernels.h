@@ -1,0 +1,78 @@
+// Host-side launch API of the CUDA kernels (internal to dsacp; the public entry is make_cuda_backend).
+// The backend validates, launches through these, then reads the launch's device error word. Benchmarks call the
+// launch functions directly so that the timed region holds only device work.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "dsacp/kernel_params.h"
+#include "dsacp/status.h"
+#include "kernels/cuda/common/device_error.h"
+
+namespace dsacp::cuda {
+
+struct LaunchContext {
+  cudaStream_t stream = nullptr;
+  int num_sms = 132;
+  DeviceErrorWord error;  // where kernels record data-dependent errors
+};
+
+// ---- cache write, fill, merge --------------------------------------------------------------------------------
+Status cache_write_supported(const CacheWriteParams& p);
+Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx);
+Status launch_fill(void* dst, DType dtype, int64_t count, float value, const LaunchContext& ctx);
+// out (f32 or bf16) = LSE merge of num_parts partial (f32) results; lse may be null.
+Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx);
+
+// ---- sparse MLA ----------------------------------------------------------------------------------------------
+// "unsupported" with the supported set when the parameters are outside it.
+Status sparse_mla_supported(const SparseMlaParams& p);
+// How many key splits the launch uses (1 = no split-K): enough CTAs to fill the GPU for small batches.
+int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms);
+// f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1).
+int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits);
+Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx);
+
+// ---- indexer + top-k -----------------------------------------------------------------------------------------
+Status indexer_topk_supported(const IndexerTopkParams& p);
+
+// One CTA of the score kernel: tokens [t0, t0 + nt) of one request against keys [k0, k0 + kScoreKeys).
+struct ScoreItem {
+  int32_t t0;
+  int32_t nt;
+  int32_t k0;
+  int32_t pad;
+};
+
+// Host plan of one indexer call: tokens are cut into chunks whose scores fit the score budget; each chunk's
+// tokens are grouped (consecutive tokens of one request), and each group's visible key range cut into items.
+struct IndexerPlan {
+  struct Chunk {
+    int64_t t0, t1;                 // tokens [t0, t1)
+    int64_t item_begin, item_end;   // items of the chunk
+    int64_t score_floats;           // floats of the chunk's score rows
+    int32_t max_group_tokens;       // largest token group of the chunk (sizes the score kernel's smem)
+  };
+  std::vector<Chunk> chunks;
+  std::vector<ScoreItem> items;
+  std::vector<int64_t> score_offset;  // [T] start of token t's row in its chunk's score buffer
+  int64_t max_score_floats = 0;
+};
+inline constexpr int64_t kIndexerScoreBudgetFloats = int64_t{1} << 25;  // 128 MiB of fp32 scores per chunk
+// request/key_len are host copies of p.rows; validates them as the CPU oracle does.
+Result<IndexerPlan> indexer_plan(const IndexerTopkParams& p, const int32_t* request, const int32_t* key_len,
+                                 int64_t score_budget_floats = kIndexerScoreBudgetFloats);
+
+// Device copies of the plan plus the score buffer (max_score_floats).
+struct IndexerPlanDevice {
+  const ScoreItem* items = nullptr;
+  const int64_t* score_offset = nullptr;
+  float* scores = nullptr;
+};
+Status launch_indexer_topk(const IndexerTopkParams& p, const IndexerPlan& plan, const IndexerPlanDevice& dev,
+                           const LaunchContext& ctx);
+
+}  // namespace dsacp::cuda

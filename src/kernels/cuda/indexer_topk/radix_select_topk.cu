@@ -1,0 +1,134 @@
+// Exact top-k per row in the contract's canonical form, by radix select on an order-preserving 32-bit key.
+//
+// rank key u(s): larger = better; NaN = 0 (below everything), -0 == +0, the same map as the CPU oracle. The
+// K-th largest key u* is found with four 8-bit histogram passes over the row (one CTA of 1024 threads per row,
+// shared-memory histogram, warp-aggregated atomics via match.any). Then every position with u > u* is taken,
+// plus the first `need` positions with u == u* in position order (ties go to the lower position). The output
+// pass walks the row in position order (warp-contiguous segments, lane-interleaved, ballot + popc compaction),
+// so the row comes out ascending and front-packed with no sort; rows with key_len <= K are 0..n-1 then -1.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/indexer_topk/indexer_kernels.h"
+
+namespace dsacp::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ uint32_t rank_key(float s) {
+  if (s != s) return 0u;
+  if (s == 0.f) s = 0.f;
+  uint32_t u = __float_as_uint(s);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return u == 0u ? 1u : u;
+}
+
+__global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float* __restrict__ scores,
+                                                                     const int64_t* __restrict__ score_offset,
+                                                                     const int32_t* __restrict__ key_len,
+                                                                     int64_t t0, int32_t K,
+                                                                     int32_t* __restrict__ topk) {
+  __shared__ uint32_t hist[256];
+  __shared__ uint32_t s_prefix, s_remaining;
+  __shared__ int32_t s_cnt_gt[kWarps], s_cnt_eq[kWarps], s_base_out[kWarps], s_base_eq[kWarps];
+
+  const int64_t t = t0 + blockIdx.x;
+  const int32_t n = key_len[t];
+  int32_t* out = topk + t * K;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (n <= K) {
+    for (int i = tid; i < K; i += kThreads) out[i] = i < n ? i : -1;
+    return;
+  }
+  const float* row = scores + score_offset[t];
+
+  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(K);
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    for (int base = 0; base < n; base += kThreads) {
+      const int i = base + tid;
+      bool part = false;
+      uint32_t digit = 0;
+      if (i < n) {
+        const uint32_t u = rank_key(row[i]);
+        part = (u & mask) == prefix;
+        digit = (u >> shift) & 0xffu;
+      }
+      const uint32_t peers = __match_any_sync(0xffffffffu, part ? digit : 0x100u + lane);
+      if (part && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+    }
+    __syncthreads();
+    if (tid == 0) {
+      uint32_t cum = 0;
+      int d = 255;
+      for (; d > 0; --d) {
+        if (cum + hist[d] >= remaining) break;
+        cum += hist[d];
+      }
+      s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
+      s_remaining = remaining - cum;
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    remaining = s_remaining;
+    mask |= 0xffu << shift;
+  }
+  const uint32_t thr = prefix;   // u*, the K-th largest key
+  const int32_t need = static_cast<int32_t>(remaining);  // how many u == u* to take (lowest positions first)
+
+  // ordered compaction: warp w owns positions [w*seg, (w+1)*seg)
+  const int32_t seg = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
+  const int32_t lo = warp * seg, hi = min(n, lo + seg);
+  int32_t cgt = 0, ceq = 0;
+  for (int32_t i0 = lo; i0 < hi; i0 += 32) {
+    const int32_t i = i0 + lane;
+    const uint32_t u = i < hi ? rank_key(row[i]) : 0u;
+    cgt += __popc(__ballot_sync(0xffffffffu, i < hi && u > thr));
+    ceq += __popc(__ballot_sync(0xffffffffu, i < hi && u == thr));
+  }
+  if (lane == 0) {
+    s_cnt_gt[warp] = cgt;
+    s_cnt_eq[warp] = ceq;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int32_t out_base = 0, eq_base = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      s_base_out[w] = out_base;
+      s_base_eq[w] = eq_base;
+      const int32_t take_eq = max(0, min(s_cnt_eq[w], need - eq_base));
+      out_base += s_cnt_gt[w] + take_eq;
+      eq_base += s_cnt_eq[w];
+    }
+  }
+  __syncthreads();
+  int32_t out_base = s_base_out[warp], eq_base = s_base_eq[warp];
+  const uint32_t lt_mask = (1u << lane) - 1u;
+  for (int32_t i0 = lo; i0 < hi; i0 += 32) {
+    const int32_t i = i0 + lane;
+    const uint32_t u = i < hi ? rank_key(row[i]) : 0u;
+    const bool eq = i < hi && u == thr;
+    const uint32_t eq_ballot = __ballot_sync(0xffffffffu, eq);
+    const bool sel = (i < hi && u > thr) || (eq && eq_base + __popc(eq_ballot & lt_mask) < need);
+    const uint32_t sel_ballot = __ballot_sync(0xffffffffu, sel);
+    if (sel) out[out_base + __popc(sel_ballot & lt_mask)] = i;
+    out_base += __popc(sel_ballot);
+    eq_base += __popc(eq_ballot);
+  }
+}
+
+}  // namespace
+
+Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, const int64_t* score_offset,
+                                const float* scores, const LaunchContext& ctx) {
+  if (t1 <= t0) return Status::ok_status();
+  radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, 0, ctx.stream>>>(
+      scores, score_offset, p.rows.key_len, t0, p.K, p.topk);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cuda

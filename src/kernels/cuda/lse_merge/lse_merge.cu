@@ -1,0 +1,71 @@
+// LSE merge of S partial attention results over disjoint key sets (also the split-K combine of sparse MLA).
+// One CTA per (token, head) row; every thread derives the part weights (fixed order, f64 like the CPU oracle),
+// then scales its columns. A part whose LSE is not finite has weight 0 and its out is never read.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace dsacp::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __restrict__ part_out,
+                                                             const float* __restrict__ part_lse, int num_parts,
+                                                             int64_t rows, int dl, OutT* __restrict__ out,
+                                                             float* __restrict__ lse) {
+  const int64_t r = blockIdx.x;
+  double max_lse = -INFINITY;
+  for (int s = 0; s < num_parts; ++s) {
+    const float l = part_lse[s * rows + r];
+    if (isfinite(l)) max_lse = fmax(max_lse, static_cast<double>(l));
+  }
+  OutT* o = out + r * dl;
+  if (max_lse == -INFINITY) {
+    for (int d = threadIdx.x; d < dl; d += kThreads) o[d] = static_cast<OutT>(0.f);
+    if (threadIdx.x == 0 && lse != nullptr) lse[r] = -INFINITY;
+    return;
+  }
+  double sum = 0.0;
+  for (int s = 0; s < num_parts; ++s) {
+    const float l = part_lse[s * rows + r];
+    if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
+  }
+  for (int d = threadIdx.x; d < dl; d += kThreads) {
+    float acc = 0.f;
+    for (int s = 0; s < num_parts; ++s) {
+      const float l = part_lse[s * rows + r];
+      if (!isfinite(l)) continue;
+      const float w = static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum);
+      acc += w * part_out[(s * rows + r) * dl + d];
+    }
+    o[d] = static_cast<OutT>(acc);
+  }
+  if (threadIdx.x == 0 && lse != nullptr) lse[r] = static_cast<float>(max_lse + log(sum));
+}
+
+}  // namespace
+
+Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx) {
+  if (p.num_rows == 0) return Status::ok_status();
+  if (p.num_rows >= (int64_t{1} << 31)) return unsupported("lse_merge: num_rows >= 2^31 (CUDA grid limit)");
+  const dim3 grid(static_cast<unsigned>(p.num_rows));
+  if (out_dtype == DType::kBF16) {
+    lse_merge_kernel<__nv_bfloat16><<<grid, kThreads, 0, ctx.stream>>>(
+        p.part_out, p.part_lse, p.num_parts, p.num_rows, p.Dl, static_cast<__nv_bfloat16*>(out), p.lse);
+  } else if (out_dtype == DType::kF32) {
+    lse_merge_kernel<float><<<grid, kThreads, 0, ctx.stream>>>(p.part_out, p.part_lse, p.num_parts, p.num_rows,
+                                                               p.Dl, static_cast<float*>(out), p.lse);
+  } else {
+    return unsupported(std::string("lse_merge: out dtype ") + dtype_name(out_dtype) + " (supported: F32, BF16)");
+  }
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("lse_merge_kernel");
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cuda

@@ -1,0 +1,461 @@
+// Sparse MLA attention (decode and prefill, one kernel) on tensor cores: mma.sync m16n8k16 bf16 -> f32.
+//
+// One CTA = (query token t, head group of HG heads, key split s). Heads are the M dimension, so H = 16, 32, 64
+// map to 1, 2, 4 row tiles of 16 natively (H = 128 is two head groups of 64); nothing is padded.
+//
+// Per CTA:
+//   prologue  count the token's used top-k entries (front-packed: stop at the first entry outside
+//             [0, key_len)), resolve this split's entries to physical cache rows through the block table
+//             (a bad page is reported and its row treated as absent), load Q [HG, 576] into shared memory.
+//   main loop tiles of kBN = 32 chosen keys: the latent (512) and rope (64) rows are gathered with cp.async
+//             into a 3-stage ring of [32, 576] bf16 tiles (XOR-swizzled 16-byte chunks, conflict-free ldmatrix);
+//             S = Q K^T by mma (one 16x16 block per warp), online softmax in registers (exp2, running max and
+//             sum per row), P (bf16) to shared memory, then O += P V by mma with O [16, 512/CS] held in
+//             registers by each warp (warp = row tile x column slice).
+//   epilogue  out = O / l, lse = m + ln l; with split-K, normalized partials and their LSE go to a workspace
+//             and launch_lse_merge combines them (exact, fixed order).
+// Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
+// unused cache slots never reaches the result. A token with no used entry gives out = 0, lse = -inf.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <string>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/common/mma_sm80.cuh"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace dsacp::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = 8;
+constexpr int kBN = 32;            // keys per tile
+constexpr int kStages = 3;         // cp.async ring depth
+constexpr int kDl = 512, kDr = 64, kD = 576;
+constexpr int kChunks = kD / 8;    // 16-byte chunks per row
+constexpr int kMaxSplitKeys = 2048;  // entries one CTA handles (row-index table size)
+constexpr int kSStride = kBN + 8;  // f32 S row stride
+constexpr int kPStride = kBN + 8;  // bf16 P row stride (80-byte rows: conflict-free ldmatrix)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int HG>
+struct Smem {
+  static constexpr int kQ = HG * kD * 2;
+  static constexpr int kKV = kStages * kBN * kD * 2;
+  static constexpr int kS = HG * kSStride * 4;
+  static constexpr int kP = HG * kPStride * 2;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffKV = kOffQ + kQ;
+  static constexpr int kOffS = kOffKV + kKV;
+  static constexpr int kOffP = kOffS + kS;
+  static constexpr int kOffAlpha = kOffP + kP;            // [HG] f32
+  static constexpr int kOffL = kOffAlpha + HG * 4;        // [HG] f32
+  static constexpr int kOffM = kOffL + HG * 4;            // [HG] f32
+  static constexpr int kOffRow = kOffM + HG * 4;          // [kMaxSplitKeys] i32
+  static constexpr int kOffMisc = kOffRow + kMaxSplitKeys * 4;  // [4] i32
+  static constexpr int kBytes = kOffMisc + 16;
+};
+
+// Byte offset of 16-byte chunk c of row r in a [rows, 576] bf16 tile with XOR swizzle.
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return static_cast<uint32_t>(r * (kD * 2) + ((c ^ (r & 7)) << 4));
+}
+
+struct MlaArgs {
+  const int32_t* request;   // [T]
+  const int32_t* key_len;   // [T]
+  const __nv_bfloat16* q_nope;  // [T, H, 512]
+  const __nv_bfloat16* q_rope;  // [T, H, 64]
+  const __nv_bfloat16* latent;  // [num_pages * page_size, 512]
+  const __nv_bfloat16* rope;    // [num_pages * page_size, 64]
+  const int32_t* block_table;   // [num_requests, max_pages]
+  const int32_t* topk;          // [T, K]
+  void* out;                    // [T, H, 512] f32 or bf16 (splits == 1)
+  float* lse;                   // [T, H]
+  float* part_out;              // [S, T, H, 512] (splits > 1)
+  float* part_lse;              // [S, T, H]
+  int64_t T;
+  int32_t H, K, page_size, max_pages, num_requests, splits, split_len;
+  int64_t num_pages;
+  float scale_log2;             // scale * log2(e)
+  bool out_bf16;
+  DeviceErrorWord err;
+};
+
+template <int HG>
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaArgs a) {
+  using L = Smem<HG>;
+  constexpr int RG = HG / 16;          // row tiles
+  constexpr int CS = kWarps / RG;      // column slices of O
+  constexpr int kCols = kDl / CS;      // O columns per warp
+  constexpr int kNT = kCols / 8;       // O n-tiles per warp
+  constexpr int TPR = kThreads / HG;   // softmax threads per row
+  constexpr int KPT = kBN / TPR;       // keys per softmax thread
+  static_assert(KPT >= 1 && kNT % 2 == 0, "tile shape");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_u32(smem + L::kOffQ);
+  const uint32_t sKV = smem_u32(smem + L::kOffKV);
+  float* sS = reinterpret_cast<float*>(smem + L::kOffS);
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + L::kOffP);
+  float* sAlpha = reinterpret_cast<float*>(smem + L::kOffAlpha);
+  float* sL = reinterpret_cast<float*>(smem + L::kOffL);
+  float* sM = reinterpret_cast<float*>(smem + L::kOffM);
+  int32_t* sRow = reinterpret_cast<int32_t*>(smem + L::kOffRow);
+  int32_t* sMisc = reinterpret_cast<int32_t*>(smem + L::kOffMisc);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t t = blockIdx.x;
+  const int h0 = blockIdx.y * HG;
+  const int split = blockIdx.z;
+
+  // ---- prologue: used entries, this split's rows ----
+  const int32_t b = a.request[t];
+  const int32_t len = a.key_len[t];
+  const bool row_ok = b >= 0 && b < a.num_requests && len >= 0;
+  if (tid == 0) {
+    sMisc[0] = a.K;
+    if (!row_ok) report_device_error(a.err, b < 0 || b >= a.num_requests ? kDevBadRequest : kDevBadKeyLen, t);
+  }
+  __syncthreads();
+  const int32_t* trow = a.topk + t * a.K;
+  if (row_ok) {
+    for (int i = tid; i < a.K; i += kThreads) {
+      const int32_t e = trow[i];
+      if (e < 0 || e >= len) atomicMin(&sMisc[0], i);
+    }
+  }
+  __syncthreads();
+  const int n_used = row_ok ? sMisc[0] : 0;
+  const int kb = split * a.split_len;
+  const int ke = min(n_used, kb + a.split_len);
+  const int nkeys = max(0, ke - kb);
+  for (int i = tid; i < nkeys; i += kThreads) {
+    const int32_t e = trow[kb + i];
+    const int32_t c = e / a.page_size;
+    int32_t page = -1;
+    if (c < a.max_pages) page = a.block_table[static_cast<int64_t>(b) * a.max_pages + c];
+    if (page < 0 || page >= a.num_pages) {
+      report_device_error(a.err, kDevBadPage, t);
+      sRow[i] = -1;
+    } else {
+      sRow[i] = page * a.page_size + e % a.page_size;
+    }
+  }
+
+  // ---- Q [HG, 576] ----
+  for (int idx = tid; idx < HG * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int64_t qrow = t * a.H + h0 + r;
+    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
+                             : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
+    cp_async_16(sQ + swz(r, c), src, 16);
+  }
+  __syncthreads();  // sRow visible to the gather
+
+  const int ntiles = (nkeys + kBN - 1) / kBN;
+  auto load_tile = [&](int tile, int stage) {
+    const uint32_t base = sKV + stage * (kBN * kD * 2);
+    for (int idx = tid; idx < kBN * kChunks; idx += kThreads) {
+      const int j = idx / kChunks, c = idx % kChunks;
+      const int key = tile * kBN + j;
+      const int32_t row = key < nkeys ? sRow[key] : -1;
+      const void* src = a.latent;
+      int bytes = 0;
+      if (row >= 0) {
+        src = c < 64 ? static_cast<const void*>(a.latent + static_cast<int64_t>(row) * kDl + c * 8)
+                     : static_cast<const void*>(a.rope + static_cast<int64_t>(row) * kDr + (c - 64) * 8);
+        bytes = 16;
+      }
+      cp_async_16(base + swz(j, c), src, bytes);
+    }
+  };
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < ntiles) load_tile(st, st);
+    cp_async_commit();
+  }
+
+  // softmax state: thread owns row sr, keys [sk0, sk0 + KPT) of each tile
+  const int sr = tid / TPR;
+  const int sk0 = (tid % TPR) * KPT;
+  float m_run = -INFINITY, l_run = 0.f;
+
+  // PV warp tile
+  const int prg = warp % RG, pcs = warp / RG;
+  float o[kNT][4];
+#pragma unroll
+  for (int i = 0; i < kNT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    {
+      const int nt = tile + kStages - 1;
+      if (nt < ntiles) load_tile(nt, nt % kStages);
+      cp_async_commit();
+    }
+    const uint32_t kv = sKV + (tile % kStages) * (kBN * kD * 2);
+
+    // ---- S = Q K^T: warp -> 16x16 block (rows rb*16, keys cb*16) ----
+    if (warp < RG * (kBN / 16)) {
+      const int rb = warp % RG, cb = warp / RG;
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const int arow = rb * 16 + (lane & 15);
+      const int akc = lane >> 4;
+      const int bkey = cb * 16 + (lane & 7) + ((lane >> 4) << 3);
+      const int bkc = (lane >> 3) & 1;
+#pragma unroll 6
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        uint32_t af[4], bf[4];
+        ldmatrix_x4(sQ + swz(arow, ks * 2 + akc), af[0], af[1], af[2], af[3]);
+        ldmatrix_x4(kv + swz(bkey, ks * 2 + bkc), bf[0], bf[1], bf[2], bf[3]);
+        mma_bf16_16816(acc[0], af, bf[0], bf[1]);
+        mma_bf16_16816(acc[1], af, bf[2], bf[3]);
+      }
+      const int r = rb * 16 + (lane >> 2);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int c = cb * 16 + nt * 8 + (lane & 3) * 2;
+        *reinterpret_cast<float2*>(&sS[r * kSStride + c]) =
+            make_float2(acc[nt][0] * a.scale_log2, acc[nt][1] * a.scale_log2);
+        *reinterpret_cast<float2*>(&sS[(r + 8) * kSStride + c]) =
+            make_float2(acc[nt][2] * a.scale_log2, acc[nt][3] * a.scale_log2);
+      }
+    }
+    __syncthreads();
+
+    // ---- online softmax (log2 domain) ----
+    {
+      float s[KPT];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < KPT; ++i) {
+        const int key = tile * kBN + sk0 + i;
+        const bool valid = key < nkeys && sRow[key] >= 0;
+        s[i] = valid ? sS[sr * kSStride + sk0 + i] : -INFINITY;
+        mx = fmaxf(mx, s[i]);
+      }
+#pragma unroll
+      for (int off = TPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m_run, mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run - m_use);
+      float psum = 0.f;
+#pragma unroll
+      for (int i = 0; i < KPT; i += 2) {
+        const float p0 = exp2f(s[i] - m_use);
+        const float p1 = KPT > 1 ? exp2f(s[i + 1] - m_use) : 0.f;
+        psum += p0 + p1;
+        if (KPT > 1) {
+          *reinterpret_cast<uint32_t*>(&sP[sr * kPStride + sk0 + i]) = pack_bf16x2(p0, p1);
+        } else {
+          sP[sr * kPStride + sk0 + i] = __float2bfloat16_rn(p0);
+        }
+      }
+#pragma unroll
+      for (int off = TPR / 2; off > 0; off >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+      l_run = l_run * alpha + psum;
+      m_run = m_new;
+      if ((tid % TPR) == 0) sAlpha[sr] = alpha;
+    }
+    __syncthreads();
+
+    // ---- O = alpha O + P V ----
+    {
+      const float al0 = sAlpha[prg * 16 + (lane >> 2)];
+      const float al1 = sAlpha[prg * 16 + (lane >> 2) + 8];
+#pragma unroll
+      for (int i = 0; i < kNT; ++i) {
+        o[i][0] *= al0;
+        o[i][1] *= al0;
+        o[i][2] *= al1;
+        o[i][3] *= al1;
+      }
+      const uint32_t pbase = smem_u32(sP);
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        uint32_t af[4];
+        ldmatrix_x4(pbase + ((prg * 16 + (lane & 15)) * kPStride + kk * 16 + (lane >> 4) * 8) * 2, af[0], af[1],
+                    af[2], af[3]);
+        const int vkey = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+          uint32_t bf[4];
+          const int chunk = (pcs * kCols + np * 16) / 8 + (lane >> 4);
+          ldmatrix_x4_trans(kv + swz(vkey, chunk), bf[0], bf[1], bf[2], bf[3]);
+          mma_bf16_16816(o[2 * np], af, bf[0], bf[1]);
+          mma_bf16_16816(o[2 * np + 1], af, bf[2], bf[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue ----
+  if ((tid % TPR) == 0) {
+    sL[sr] = l_run;
+    sM[sr] = m_run;
+  }
+  __syncthreads();
+  const int r0 = prg * 16 + (lane >> 2);
+  const float l0 = sL[r0], l1 = sL[r0 + 8];
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const int64_t row0 = t * a.H + h0 + r0;  // (token, head) row of r0; r0 + 8 is row0 + 8
+  if (a.splits == 1) {
+#pragma unroll
+    for (int i = 0; i < kNT; ++i) {
+      const int c = pcs * kCols + i * 8 + (lane & 3) * 2;
+      if (a.out_bf16) {
+        auto* out = static_cast<__nv_bfloat16*>(a.out);
+        *reinterpret_cast<uint32_t*>(out + row0 * kDl + c) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
+        *reinterpret_cast<uint32_t*>(out + (row0 + 8) * kDl + c) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
+      } else {
+        auto* out = static_cast<float*>(a.out);
+        *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
+        *reinterpret_cast<float2*>(out + (row0 + 8) * kDl + c) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
+      }
+    }
+  } else {
+    float* out = a.part_out + static_cast<int64_t>(split) * a.T * a.H * kDl;
+#pragma unroll
+    for (int i = 0; i < kNT; ++i) {
+      const int c = pcs * kCols + i * 8 + (lane & 3) * 2;
+      *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
+      *reinterpret_cast<float2*>(out + (row0 + 8) * kDl + c) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+  }
+  if (tid < HG) {
+    const float l = sL[tid];
+    const float v = l > 0.f ? (sM[tid] + log2f(l)) * kLn2 : -INFINITY;
+    const int64_t r = t * a.H + h0 + tid;
+    if (a.splits == 1) {
+      a.lse[r] = v;
+    } else {
+      a.part_lse[static_cast<int64_t>(split) * a.T * a.H + r] = v;
+    }
+  }
+}
+
+template <int HG>
+Status launch_hg(const MlaArgs& args, int groups, const LaunchContext& ctx) {
+  constexpr int bytes = Smem<HG>::kBytes;
+  static_assert(bytes <= 227 * 1024, "shared memory");
+  DSACP_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(sparse_mla_mma_kernel<HG>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
+  sparse_mla_mma_kernel<HG><<<grid, kThreads, bytes, ctx.stream>>>(args);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_mma_kernel");
+  return Status::ok_status();
+}
+
+int split_len_for(int K, int splits) {
+  const int per = (K + splits - 1) / splits;
+  return (per + kBN - 1) / kBN * kBN;
+}
+
+}  // namespace
+
+Status sparse_mla_supported(const SparseMlaParams& p) {
+  const std::string supported =
+      " (CUDA sparse_mla supports H in {16, 32, 64, 128}, Dl = 512, Dr = 64, bf16 q_nope/q_rope/latent/rope, "
+      "f32 or bf16 out, page_size 1..1024, num_pages * page_size < 2^31)";
+  if (p.H != 16 && p.H != 32 && p.H != 64 && p.H != 128) return unsupported("sparse_mla: H=" + std::to_string(p.H) + supported);
+  if (p.Dl != kDl || p.Dr != kDr) {
+    return unsupported("sparse_mla: Dl=" + std::to_string(p.Dl) + ", Dr=" + std::to_string(p.Dr) + supported);
+  }
+  if (p.q_dtype != DType::kBF16 || p.latent.dtype != DType::kBF16 || p.rope.dtype != DType::kBF16) {
+    return unsupported(std::string("sparse_mla: q ") + dtype_name(p.q_dtype) + ", latent " +
+                       dtype_name(p.latent.dtype) + ", rope " + dtype_name(p.rope.dtype) + supported);
+  }
+  if (p.out_dtype != DType::kF32 && p.out_dtype != DType::kBF16) {
+    return unsupported(std::string("sparse_mla: out ") + dtype_name(p.out_dtype) + supported);
+  }
+  if (p.latent.page_size < 1 || p.latent.page_size > 1024) {
+    return unsupported("sparse_mla: page_size=" + std::to_string(p.latent.page_size) + supported);
+  }
+  if (p.latent.num_pages * p.latent.page_size >= (int64_t{1} << 31)) {
+    return unsupported("sparse_mla: num_pages * page_size=" + std::to_string(p.latent.num_pages * p.latent.page_size) +
+                       supported);
+  }
+  if (p.rows.num_tokens >= (int64_t{1} << 31)) return unsupported("sparse_mla: T >= 2^31" + supported);
+  return Status::ok_status();
+}
+
+int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
+  const int64_t ctas = p.rows.num_tokens * (p.H > 64 ? p.H / 64 : 1);
+  int splits = 1;
+  if (ctas > 0 && ctas * 3 / 2 < num_sms) splits = static_cast<int>((num_sms + ctas / 2) / ctas);
+  // at least 64 keys per split, at most kMaxSplitKeys
+  splits = std::max(1, std::min(splits, std::max(1, p.K / 64)));
+  splits = std::min(splits, 64);
+  while (split_len_for(p.K, splits) > kMaxSplitKeys) ++splits;
+  return splits;
+}
+
+int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits) {
+  if (splits <= 1) return 0;
+  return static_cast<int64_t>(splits) * p.rows.num_tokens * p.H * (kDl + 1);
+}
+
+Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx) {
+  DSACP_RETURN_IF_ERROR(sparse_mla_supported(p));
+  if (p.rows.num_tokens == 0) return Status::ok_status();
+  MlaArgs a{};
+  a.request = p.rows.request;
+  a.key_len = p.rows.key_len;
+  a.q_nope = static_cast<const __nv_bfloat16*>(p.q_nope);
+  a.q_rope = static_cast<const __nv_bfloat16*>(p.q_rope);
+  a.latent = static_cast<const __nv_bfloat16*>(p.latent.data);
+  a.rope = static_cast<const __nv_bfloat16*>(p.rope.data);
+  a.block_table = p.block_table.data;
+  a.topk = p.topk;
+  a.out = p.out;
+  a.lse = p.lse;
+  a.T = p.rows.num_tokens;
+  a.H = p.H;
+  a.K = p.K;
+  a.page_size = p.latent.page_size;
+  a.max_pages = p.block_table.max_pages;
+  a.num_requests = p.block_table.num_requests;
+  a.num_pages = p.latent.num_pages;
+  a.splits = std::max(1, splits);
+  a.split_len = split_len_for(p.K, a.splits);
+  if (a.split_len > kMaxSplitKeys) return internal_error("sparse_mla: split of more than 2048 keys");
+  a.scale_log2 = p.scale * kLog2e;
+  a.out_bf16 = p.out_dtype == DType::kBF16;
+  a.err = ctx.error;
+  const int64_t rows = a.T * a.H;
+  if (a.splits > 1) {
+    if (workspace == nullptr) return internal_error("sparse_mla: split-K without a workspace");
+    a.part_out = workspace;
+    a.part_lse = workspace + static_cast<int64_t>(a.splits) * rows * kDl;
+  }
+  const int hg = p.H > 64 ? 64 : p.H;
+  const int groups = p.H / hg;
+  switch (hg) {
+    case 16: DSACP_RETURN_IF_ERROR(launch_hg<16>(a, groups, ctx)); break;
+    case 32: DSACP_RETURN_IF_ERROR(launch_hg<32>(a, groups, ctx)); break;
+    default: DSACP_RETURN_IF_ERROR(launch_hg<64>(a, groups, ctx)); break;
+  }
+  if (a.splits > 1) {
+    LseMergeParams m;
+    m.num_parts = a.splits;
+    m.num_rows = rows;
+    m.Dl = kDl;
+    m.part_out = a.part_out;
+    m.part_lse = a.part_lse;
+    m.out = nullptr;
+    m.lse = p.lse;
+    DSACP_RETURN_IF_ERROR(launch_lse_merge(m, p.out, p.out_dtype, ctx));
+  }
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cuda
