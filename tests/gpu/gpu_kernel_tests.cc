@@ -1,0 +1,617 @@
+// GPU kernel tests: every CUDA kernel against the CPU oracle on random and hostile inputs (shuffled pages, NaN in
+// unused cache slots, -1 rows and garbage after them, page sizes 1/61/64, a 140K-key context, a latent pool whose
+// element offsets pass 2^31), bit-identical reruns, error statuses for bad indices and unsupported shapes.
+// Self-contained (no GoogleTest, so it builds on the GPU machine as is). Exit 0 = all passed, 1 = a failure,
+// 77 = no usable GPU (ctest SKIP_RETURN_CODE). Usage: dsacp_gpu_tests [--quick] [--json FILE]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/dtype.h"
+
+using namespace dsacp;
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+std::vector<std::string> g_log;
+
+void report(bool ok, const std::string& name, const std::string& detail) {
+  ++g_checks;
+  if (!ok) ++g_failures;
+  std::string line = std::string(ok ? "[  OK  ] " : "[ FAIL ] ") + name + (detail.empty() ? "" : "  " + detail);
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  g_log.push_back(line);
+}
+
+// Counter-based generator: value = f(seed, index).
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+float uni(uint64_t seed, uint64_t i) {  // [-1, 1)
+  return static_cast<float>((mix(seed * 0x100000001b3ull + i) >> 40) * (2.0 / 16777216.0) - 1.0);
+}
+
+constexpr uint16_t kBf16NaN = 0x7fc0;
+
+struct Dev {  // device copy of a host vector
+  DeviceBuffer buf;
+  template <typename T>
+  T* ptr() const { return buf.as<T>(); }
+};
+
+template <typename T>
+Dev upload(Backend& be, const std::vector<T>& v) {
+  Dev d;
+  auto r = be.allocate(std::max<size_t>(1, v.size() * sizeof(T)));
+  if (!r.ok()) {
+    std::printf("allocate failed: %s\n", r.status().to_string().c_str());
+    std::exit(1);
+  }
+  d.buf = std::move(r).value();
+  Status s = be.copy_to_device(d.buf.get(), v.data(), v.size() * sizeof(T));
+  if (!s.ok()) {
+    std::printf("upload failed: %s\n", s.to_string().c_str());
+    std::exit(1);
+  }
+  return d;
+}
+template <typename T>
+std::vector<T> download(Backend& be, const Dev& d, size_t n) {
+  std::vector<T> v(n);
+  Status s = be.copy_to_host(v.data(), d.buf.get(), n * sizeof(T));
+  if (!s.ok()) {
+    std::printf("download failed: %s\n", s.to_string().c_str());
+    std::exit(1);
+  }
+  return v;
+}
+
+// A paged layout: requests' pages drawn from a shuffled range of physical pages [first_page, num_pages).
+struct Paging {
+  int32_t page_size = 64;
+  int64_t num_pages = 0;
+  int32_t num_requests = 0, max_pages = 0;
+  std::vector<int32_t> bt;  // [num_requests, max_pages], -1 unused
+  int64_t row_of(int32_t b, int64_t j) const {
+    return static_cast<int64_t>(bt[static_cast<size_t>(b) * max_pages + j / page_size]) * page_size + j % page_size;
+  }
+};
+
+Paging make_paging(const std::vector<int64_t>& lens, int32_t page_size, int64_t extra_pages, uint64_t seed,
+                   int64_t first_page = 0) {
+  Paging p;
+  p.page_size = page_size;
+  p.num_requests = static_cast<int32_t>(lens.size());
+  int64_t need = 0;
+  int64_t maxp = 1;
+  for (int64_t l : lens) {
+    need += (l + page_size - 1) / page_size;
+    maxp = std::max<int64_t>(maxp, (l + page_size - 1) / page_size);
+  }
+  p.max_pages = static_cast<int32_t>(maxp);
+  p.num_pages = first_page + need + extra_pages;
+  std::vector<int32_t> ids(static_cast<size_t>(need + extra_pages));
+  std::iota(ids.begin(), ids.end(), static_cast<int32_t>(first_page));
+  for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[mix(seed + i) % i]);
+  p.bt.assign(static_cast<size_t>(p.num_requests) * p.max_pages, -1);
+  size_t next = 0;
+  for (int32_t b = 0; b < p.num_requests; ++b) {
+    for (int64_t c = 0; c < (lens[b] + page_size - 1) / page_size; ++c) p.bt[b * p.max_pages + c] = ids[next++];
+  }
+  return p;
+}
+
+// A bf16 pool [num_pages * page_size, dim]: NaN everywhere, random values in the requests' rows.
+std::vector<uint16_t> make_pool(const Paging& pg, const std::vector<int64_t>& lens, int dim, uint64_t seed) {
+  std::vector<uint16_t> pool(static_cast<size_t>(pg.num_pages * pg.page_size * dim), kBf16NaN);
+  for (int32_t b = 0; b < pg.num_requests; ++b) {
+    for (int64_t j = 0; j < lens[b]; ++j) {
+      const int64_t r = pg.row_of(b, j);
+      for (int d = 0; d < dim; ++d) {
+        pool[r * dim + d] = f32_to_bf16(uni(seed + b, static_cast<uint64_t>(j) * dim + d)).bits;
+      }
+    }
+  }
+  return pool;
+}
+
+std::vector<uint16_t> random_bf16(size_t n, uint64_t seed, float amp = 1.f) {
+  std::vector<uint16_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = f32_to_bf16(amp * uni(seed, i)).bits;
+  return v;
+}
+
+double rel_norm(const std::vector<float>& a, const std::vector<float>& ref, bool* nan_mismatch) {
+  double num = 0, den = 0;
+  *nan_mismatch = false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const bool fa = std::isfinite(a[i]), fr = std::isfinite(ref[i]);
+    if (fa != fr) {
+      *nan_mismatch = true;
+      continue;
+    }
+    if (!fa) continue;
+    num += (static_cast<double>(a[i]) - ref[i]) * (static_cast<double>(a[i]) - ref[i]);
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::vector<float> to_f32(const std::vector<uint16_t>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_f32(bf16{v[i]});
+  return f;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+void test_cache_write(Backend& gpu, Backend& cpu) {
+  for (DType src : {DType::kBF16, DType::kF32}) {
+    const int dim = 576 - 64;  // latent
+    const int64_t T = 37;
+    Paging pg = make_paging({200}, 61, 3, 11);
+    std::vector<int64_t> slots(T);
+    for (int64_t t = 0; t < T; ++t) slots[t] = (t % 7 == 3) ? -1 : pg.row_of(0, 150 - 4 * t > 0 ? 150 - 4 * t : t);
+    std::vector<uint16_t> rows_b = random_bf16(T * dim, 5);
+    std::vector<float> rows_f(T * dim);
+    for (size_t i = 0; i < rows_f.size(); ++i) rows_f[i] = uni(6, i) * 3.f;
+    const int64_t pool_elems = pg.num_pages * pg.page_size * dim;
+    std::vector<uint16_t> pool_cpu(pool_elems, kBf16NaN);
+    Dev pool_gpu = upload(gpu, pool_cpu);
+    Dev slots_gpu = upload(gpu, slots);
+    Dev rows_gpu = src == DType::kBF16 ? upload(gpu, rows_b) : upload(gpu, rows_f);
+    CacheWriteParams p;
+    p.rows_dtype = src;
+    p.num_rows = T;
+    p.pool = {nullptr, DType::kBF16, pg.num_pages, pg.page_size, dim};
+    CacheWriteParams pc = p, pgp = p;
+    pc.rows = src == DType::kBF16 ? static_cast<const void*>(rows_b.data()) : rows_f.data();
+    pc.slots = slots.data();
+    pc.pool.data = pool_cpu.data();
+    pgp.rows = rows_gpu.buf.get();
+    pgp.slots = slots_gpu.ptr<int64_t>();
+    pgp.pool.data = pool_gpu.buf.get();
+    Status sc = cache_write_run(cpu, pc), sg = cache_write_run(gpu, pgp);
+    std::vector<uint16_t> got = download<uint16_t>(gpu, pool_gpu, pool_elems);
+    const bool same = sc.ok() && sg.ok() && std::memcmp(got.data(), pool_cpu.data(), pool_elems * 2) == 0;
+    report(same, std::string("cache_write ") + dtype_name(src) + "->BF16 page 61, -1 slots",
+           sg.ok() ? "bit-exact vs CPU" : sg.to_string());
+    // a bad slot is an error
+    slots[5] = pg.num_pages * pg.page_size;
+    Dev bad = upload(gpu, slots);
+    pgp.slots = bad.ptr<int64_t>();
+    Status sb = cache_write_run(gpu, pgp);
+    report(!sb.ok() && sb.code() == StatusCode::kOutOfRange, "cache_write bad slot -> out_of_range", sb.to_string());
+  }
+}
+
+void test_lse_merge(Backend& gpu, Backend& cpu) {
+  const int S = 3, Dl = 512;
+  const int64_t rows = 77;
+  std::vector<float> part_out(S * rows * Dl), part_lse(S * rows);
+  for (size_t i = 0; i < part_out.size(); ++i) part_out[i] = uni(21, i);
+  for (int64_t i = 0; i < S * rows; ++i) {
+    const int k = static_cast<int>(mix(22 + i) % 8);
+    part_lse[i] = k == 0 ? -std::numeric_limits<float>::infinity() : k == 1 ? NAN : 5.f * uni(23, i);
+    if (k <= 1) {
+      for (int d = 0; d < Dl; ++d) part_out[i * Dl + d] = NAN;  // never read
+    }
+  }
+  for (int s = 0; s < S; ++s) part_lse[s * rows + 4] = -std::numeric_limits<float>::infinity();  // empty row
+  std::vector<float> out_c(rows * Dl), lse_c(rows);
+  LseMergeParams p;
+  p.num_parts = S;
+  p.num_rows = rows;
+  p.Dl = Dl;
+  LseMergeParams pc = p;
+  pc.part_out = part_out.data();
+  pc.part_lse = part_lse.data();
+  pc.out = out_c.data();
+  pc.lse = lse_c.data();
+  Status sc = lse_merge_run(cpu, pc);
+  Dev po = upload(gpu, part_out), pl = upload(gpu, part_lse), o = upload(gpu, out_c), l = upload(gpu, lse_c);
+  LseMergeParams pg = p;
+  pg.part_out = po.ptr<float>();
+  pg.part_lse = pl.ptr<float>();
+  pg.out = o.ptr<float>();
+  pg.lse = l.ptr<float>();
+  Status sg = lse_merge_run(gpu, pg);
+  bool nm1 = false, nm2 = false;
+  const double e1 = rel_norm(download<float>(gpu, o, rows * Dl), out_c, &nm1);
+  const double e2 = rel_norm(download<float>(gpu, l, rows), lse_c, &nm2);
+  report(sc.ok() && sg.ok() && !nm1 && !nm2 && e1 < 1e-6 && e2 < 1e-6, "lse_merge 3 parts, -inf/NaN parts, empty row",
+         "rel err out " + std::to_string(e1) + " lse " + std::to_string(e2) + (sg.ok() ? "" : " " + sg.to_string()));
+}
+
+// ------------------------------------------------------------------------------------------------------------
+struct MlaCase {
+  std::string name;
+  int H = 16;
+  int K = 2048;
+  int page_size = 64;
+  std::vector<int64_t> ctx;      // per request: keys visible to its first token
+  std::vector<int> qlen;         // per request: query tokens (token i sees ctx + i + 1 keys... here ctx + i)
+  DType out_dtype = DType::kF32;
+  bool hostile_rows = true;      // -1 rows, garbage after -1, an all-invalid row
+  int64_t first_page = 0;        // pages from this id up (to push offsets past 2^31)
+  int64_t extra_pages = 5;
+};
+
+void run_mla_case(Backend& gpu, Backend& cpu, const MlaCase& c) {
+  const int Dl = 512, Dr = 64;
+  std::vector<int64_t> lens;
+  std::vector<int32_t> request, key_len;
+  for (size_t b = 0; b < c.ctx.size(); ++b) {
+    lens.push_back(c.ctx[b] + c.qlen[b]);
+    for (int i = 0; i < c.qlen[b]; ++i) {
+      request.push_back(static_cast<int32_t>(b));
+      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
+    }
+  }
+  const int64_t T = static_cast<int64_t>(request.size());
+  Paging pg = make_paging(lens, c.page_size, c.extra_pages, 31 + c.H, c.first_page);
+  std::vector<uint16_t> latent = make_pool(pg, lens, Dl, 100);
+  std::vector<uint16_t> rope = make_pool(pg, lens, Dr, 200);
+  std::vector<uint16_t> qn = random_bf16(T * c.H * Dl, 300), qr = random_bf16(T * c.H * Dr, 301);
+  std::vector<int32_t> topk(T * c.K, -1);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t len = key_len[t];
+    int64_t n = std::min<int64_t>(c.K, len);
+    if (c.hostile_rows && t % 5 == 2) n = n / 3;          // short row: -1 then garbage
+    if (c.hostile_rows && t == T - 1 && T > 1) n = 0;     // all-invalid row
+    // n distinct positions: stride walk from a random start (gcd-free stride)
+    int64_t stride = 1 + static_cast<int64_t>(mix(400 + t) % 97);
+    while (std::gcd(stride, len) != 1) ++stride;
+    int64_t pos = static_cast<int64_t>(mix(500 + t) % len);
+    for (int64_t i = 0; i < n; ++i) {
+      topk[t * c.K + i] = static_cast<int32_t>(pos);
+      pos = (pos + stride) % len;
+    }
+    if (c.hostile_rows && n < c.K) {
+      for (int64_t i = n + 1; i < c.K; i += 3) topk[t * c.K + i] = static_cast<int32_t>(i % len);  // garbage after -1
+    }
+  }
+  const float scale = 0.0721f;
+  std::vector<float> out_c(T * c.H * Dl), lse_c(T * c.H);
+  SparseMlaParams p;
+  p.rows.num_tokens = T;
+  p.H = c.H;
+  p.Dl = Dl;
+  p.Dr = Dr;
+  p.K = c.K;
+  p.scale = scale;
+  p.q_dtype = DType::kBF16;
+  p.latent = {nullptr, DType::kBF16, pg.num_pages, pg.page_size, Dl};
+  p.rope = {nullptr, DType::kBF16, pg.num_pages, pg.page_size, Dr};
+  p.block_table = {nullptr, pg.num_requests, pg.max_pages};
+  p.out_dtype = DType::kF32;
+  SparseMlaParams pc = p;
+  pc.rows.request = request.data();
+  pc.rows.key_len = key_len.data();
+  pc.q_nope = qn.data();
+  pc.q_rope = qr.data();
+  pc.latent.data = latent.data();
+  pc.rope.data = rope.data();
+  pc.block_table.data = pg.bt.data();
+  pc.topk = topk.data();
+  pc.out = out_c.data();
+  pc.lse = lse_c.data();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status sc = sparse_mla_run(cpu, pc);
+  const double cpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!sc.ok()) {
+    report(false, "sparse_mla " + c.name, "CPU oracle failed: " + sc.to_string());
+    return;
+  }
+  Dev d_req = upload(gpu, request), d_len = upload(gpu, key_len), d_qn = upload(gpu, qn), d_qr = upload(gpu, qr);
+  Dev d_lat = upload(gpu, latent), d_rope = upload(gpu, rope), d_bt = upload(gpu, pg.bt), d_topk = upload(gpu, topk);
+  const size_t out_bytes = T * c.H * Dl * dtype_size(c.out_dtype);
+  std::vector<uint8_t> poison(out_bytes, 0xff);  // NaN pattern: every element must be written
+  Dev d_out = upload(gpu, poison);
+  Dev d_lse = upload(gpu, std::vector<float>(T * c.H, NAN));
+  SparseMlaParams pgp = p;
+  pgp.rows.request = d_req.ptr<int32_t>();
+  pgp.rows.key_len = d_len.ptr<int32_t>();
+  pgp.q_nope = d_qn.buf.get();
+  pgp.q_rope = d_qr.buf.get();
+  pgp.latent.data = d_lat.buf.get();
+  pgp.rope.data = d_rope.buf.get();
+  pgp.block_table.data = d_bt.ptr<int32_t>();
+  pgp.topk = d_topk.ptr<int32_t>();
+  pgp.out = d_out.buf.get();
+  pgp.out_dtype = c.out_dtype;
+  pgp.lse = d_lse.ptr<float>();
+  Status sg = sparse_mla_run(gpu, pgp);
+  if (!sg.ok()) {
+    report(false, "sparse_mla " + c.name, sg.to_string());
+    return;
+  }
+  std::vector<float> out_g;
+  std::vector<uint8_t> raw1 = download<uint8_t>(gpu, d_out, out_bytes);
+  if (c.out_dtype == DType::kBF16) {
+    std::vector<uint16_t> b(T * c.H * Dl);
+    std::memcpy(b.data(), raw1.data(), out_bytes);
+    out_g = to_f32(b);
+  } else {
+    out_g.resize(T * c.H * Dl);
+    std::memcpy(out_g.data(), raw1.data(), out_bytes);
+  }
+  std::vector<float> lse_g = download<float>(gpu, d_lse, T * c.H);
+  bool nm_out = false, nm_lse = false;
+  const double e_out = rel_norm(out_g, out_c, &nm_out);
+  const double e_lse = rel_norm(lse_g, lse_c, &nm_lse);
+  bool neg_inf_ok = true;
+  for (int64_t i = 0; i < T * c.H; ++i) {
+    if (std::isinf(lse_c[i]) != std::isinf(lse_g[i])) neg_inf_ok = false;
+  }
+  // rerun: bit-identical
+  Status sg2 = sparse_mla_run(gpu, pgp);
+  std::vector<uint8_t> raw2 = download<uint8_t>(gpu, d_out, out_bytes);
+  std::vector<float> lse_g2 = download<float>(gpu, d_lse, T * c.H);
+  const bool same = sg2.ok() && raw1 == raw2 && std::memcmp(lse_g.data(), lse_g2.data(), lse_g.size() * 4) == 0;
+  const double tol = c.out_dtype == DType::kBF16 ? 1e-2 : 5e-3;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "T=%lld rel err out %.2e lse %.2e, rerun %s, cpu %.2fs", static_cast<long long>(T),
+                e_out, e_lse, same ? "bit-identical" : "DIFFERS", cpu_s);
+  report(!nm_out && !nm_lse && neg_inf_ok && e_out < tol && e_lse < 1e-3 && same, "sparse_mla " + c.name, buf);
+
+  // hostile: a block-table entry out of range -> out_of_range, never a crash
+  if (c.name.find("page61") != std::string::npos) {
+    std::vector<int32_t> bt = pg.bt;
+    for (int32_t& v : bt) {
+      if (v >= 0) {
+        v = static_cast<int32_t>(pg.num_pages + 3);
+        break;
+      }
+    }
+    Dev d_bad = upload(gpu, bt);
+    SparseMlaParams pb = pgp;
+    pb.block_table.data = d_bad.ptr<int32_t>();
+    Status s = sparse_mla_run(gpu, pb);
+    // only an error if some chosen key of request 0 lands on logical page 0; a pass is also acceptable then
+    report(s.ok() || s.code() == StatusCode::kOutOfRange, "sparse_mla bad page id -> out_of_range or unused",
+           s.to_string());
+    std::vector<int32_t> bad_req = request;
+    bad_req[0] = pg.num_requests + 2;
+    Dev d_br = upload(gpu, bad_req);
+    pb = pgp;
+    pb.rows.request = d_br.ptr<int32_t>();
+    s = sparse_mla_run(gpu, pb);
+    report(s.code() == StatusCode::kOutOfRange, "sparse_mla bad request row -> out_of_range", s.to_string());
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+struct IdxCase {
+  std::string name;
+  int K = 2048;
+  int page_size = 64;
+  std::vector<int64_t> ctx;
+  std::vector<int> qlen;
+};
+
+void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
+  const int Hi = 64, Di = 128;
+  std::vector<int64_t> lens;
+  std::vector<int32_t> request, key_len;
+  for (size_t b = 0; b < c.ctx.size(); ++b) {
+    lens.push_back(c.ctx[b] + c.qlen[b]);
+    for (int i = 0; i < c.qlen[b]; ++i) {
+      request.push_back(static_cast<int32_t>(b));
+      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
+    }
+  }
+  const int64_t T = static_cast<int64_t>(request.size());
+  Paging pg = make_paging(lens, c.page_size, 4, 77);
+  std::vector<uint16_t> keys = make_pool(pg, lens, Di, 600);
+  // duplicate a few key rows so exact ties occur (ties must go to the lower position)
+  for (int32_t b = 0; b < pg.num_requests; ++b) {
+    for (int64_t j = 7; j + 100 < lens[b]; j += 997) {
+      std::memcpy(&keys[pg.row_of(b, j + 100) * Di], &keys[pg.row_of(b, j) * Di], Di * 2);
+    }
+  }
+  std::vector<uint16_t> q = random_bf16(T * Hi * Di, 700);
+  std::vector<float> w(T * Hi);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = 0.125f * uni(701, i);
+  std::vector<int32_t> topk_c(T * c.K);
+  IndexerTopkParams p;
+  p.rows.num_tokens = T;
+  p.Hi = Hi;
+  p.Di = Di;
+  p.K = c.K;
+  p.q_dtype = DType::kBF16;
+  p.keys = {nullptr, DType::kBF16, pg.num_pages, pg.page_size, Di};
+  p.block_table = {nullptr, pg.num_requests, pg.max_pages};
+  IndexerTopkParams pc = p;
+  pc.rows.request = request.data();
+  pc.rows.key_len = key_len.data();
+  pc.q = q.data();
+  pc.w = w.data();
+  pc.keys.data = keys.data();
+  pc.block_table.data = pg.bt.data();
+  pc.topk = topk_c.data();
+  const auto t0 = std::chrono::steady_clock::now();
+  Status sc = indexer_topk_run(cpu, pc);
+  const double cpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!sc.ok()) {
+    report(false, "indexer_topk " + c.name, "CPU oracle failed: " + sc.to_string());
+    return;
+  }
+  Dev d_req = upload(gpu, request), d_len = upload(gpu, key_len), d_q = upload(gpu, q), d_w = upload(gpu, w);
+  Dev d_keys = upload(gpu, keys), d_bt = upload(gpu, pg.bt);
+  Dev d_topk = upload(gpu, std::vector<int32_t>(T * c.K, 0x7eadbeef));
+  IndexerTopkParams pgp = p;
+  pgp.rows.request = d_req.ptr<int32_t>();
+  pgp.rows.key_len = d_len.ptr<int32_t>();
+  pgp.q = d_q.buf.get();
+  pgp.w = d_w.ptr<float>();
+  pgp.keys.data = d_keys.buf.get();
+  pgp.block_table.data = d_bt.ptr<int32_t>();
+  pgp.topk = d_topk.ptr<int32_t>();
+  Status sg = indexer_topk_run(gpu, pgp);
+  if (!sg.ok()) {
+    report(false, "indexer_topk " + c.name, sg.to_string());
+    return;
+  }
+  std::vector<int32_t> topk_g = download<int32_t>(gpu, d_topk, T * c.K);
+  Status sg2 = indexer_topk_run(gpu, pgp);
+  std::vector<int32_t> topk_g2 = download<int32_t>(gpu, d_topk, T * c.K);
+  const bool rerun_same = sg2.ok() && topk_g == topk_g2;
+
+  // Validate each GPU row: canonical form, and a set that is a correct top-k under fp64 scores up to near-ties.
+  int64_t rows_exact = 0, bad_rows = 0, swaps = 0;
+  std::string first_bad;
+  std::vector<double> ref;
+  std::vector<float> kf(Di);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = key_len[t];
+    const int32_t* g = &topk_g[t * c.K];
+    const int32_t* cr = &topk_c[t * c.K];
+    if (std::equal(g, g + c.K, cr)) {
+      ++rows_exact;
+      continue;
+    }
+    const int64_t want = std::min<int64_t>(c.K, n);
+    bool ok = true;
+    for (int64_t i = 0; i < c.K; ++i) {
+      if (i < want && (g[i] < 0 || g[i] >= n || (i > 0 && g[i] <= g[i - 1]))) ok = false;
+      if (i >= want && g[i] != -1) ok = false;
+    }
+    if (ok) {
+      // fp64 scores of the row
+      const int32_t b = request[t];
+      ref.assign(static_cast<size_t>(n), 0.0);
+      double max_abs = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const uint16_t* kr = &keys[pg.row_of(b, j) * Di];
+        double s = 0;
+        for (int h = 0; h < Hi; ++h) {
+          double dot = 0;
+          const uint16_t* qr = &q[(t * Hi + h) * Di];
+          for (int d = 0; d < Di; ++d) dot += static_cast<double>(bf16_to_f32(bf16{qr[d]})) * bf16_to_f32(bf16{kr[d]});
+          s += static_cast<double>(w[t * Hi + h]) * std::max(dot, 0.0);
+        }
+        ref[j] = s;
+        max_abs = std::max(max_abs, std::abs(s));
+      }
+      std::vector<uint8_t> chosen(static_cast<size_t>(n), 0);
+      double min_chosen = std::numeric_limits<double>::infinity();
+      for (int64_t i = 0; i < want; ++i) {
+        chosen[g[i]] = 1;
+        min_chosen = std::min(min_chosen, ref[g[i]]);
+      }
+      double max_unchosen = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        if (!chosen[j]) max_unchosen = std::max(max_unchosen, ref[j]);
+      }
+      const double tol = 2e-5 * max_abs + 1e-6;
+      if (max_unchosen > min_chosen + tol) ok = false;
+      for (int64_t i = 0; i < want; ++i) swaps += std::find(cr, cr + want, g[i]) == cr + want;
+    }
+    if (!ok) {
+      ++bad_rows;
+      if (first_bad.empty()) first_bad = " first bad row t=" + std::to_string(t);
+    }
+  }
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "T=%lld rows identical to CPU %lld, near-tie swaps %lld, bad rows %lld, rerun %s, cpu %.2fs",
+                static_cast<long long>(T), static_cast<long long>(rows_exact), static_cast<long long>(swaps),
+                static_cast<long long>(bad_rows), rerun_same ? "bit-identical" : "DIFFERS", cpu_s);
+  report(bad_rows == 0 && rerun_same, "indexer_topk " + c.name, std::string(buf) + first_bad);
+}
+
+void test_unsupported(Backend& gpu) {
+  SparseMlaParams p;
+  p.H = 8;
+  p.Dl = 512;
+  p.Dr = 64;
+  Status s = gpu.sparse_mla(p);
+  report(s.code() == StatusCode::kUnsupported && s.message().find("16, 32, 64, 128") != std::string::npos,
+         "sparse_mla H=8 -> unsupported naming the supported set", s.to_string());
+  IndexerTopkParams q;
+  q.Hi = 32;
+  q.Di = 128;
+  q.q_dtype = DType::kBF16;
+  q.keys.dtype = DType::kBF16;
+  s = gpu.indexer_topk(q);
+  report(s.code() == StatusCode::kUnsupported, "indexer_topk Hi=32 -> unsupported", s.to_string());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  const char* json = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+  }
+  auto gr = make_cuda_backend(0);
+  if (!gr.ok()) {
+    std::printf("SKIP: %s\n", gr.status().to_string().c_str());
+    return 77;
+  }
+  std::unique_ptr<Backend> gpu = std::move(gr).value();
+  std::unique_ptr<Backend> cpu = make_cpu_backend(0);
+
+  test_unsupported(*gpu);
+  test_cache_write(*gpu, *cpu);
+  test_lse_merge(*gpu, *cpu);
+
+  std::vector<MlaCase> mla;
+  mla.push_back({"decode H=16 page64 K=2048 split-K", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});
+  mla.push_back({"decode H=32 page61 K=2048 MTP", 32, 2048, 61, {5000, 2500}, {3, 2}});
+  mla.push_back({"decode H=64 page1 K=512", 64, 512, 1, {1500, 700, 40}, {1, 2, 1}});
+  mla.push_back({"decode H=128 page64 K=2048 bf16 out", 128, 2048, 64, {4096, 3000}, {2, 1}, DType::kBF16});
+  mla.push_back({"prefill H=128 page64 K=2048", 128, 2048, 64, {0}, {quick ? 300 : 700}});
+  mla.push_back({"prefill H=16 page61 K=300 chunked", 16, 300, 61, {900, 0}, {200, 150}});
+  if (!quick) {
+    // element offsets past 2^31: pages from 4.2M rows up (latent row offset * 512 > 2^31)
+    MlaCase big{"decode H=64 offsets past 2^31", 64, 2048, 64, {5000, 3000}, {1, 1}};
+    big.first_page = (int64_t{1} << 31) / 512 / 64 + 10;
+    big.extra_pages = 2;
+    mla.push_back(big);
+  }
+  for (const MlaCase& c : mla) run_mla_case(*gpu, *cpu, c);
+
+  std::vector<IdxCase> idx;
+  idx.push_back({"decode b=4 ctx 5000 page64", 2048, 64, {5000, 4100, 2049, 100}, {1, 1, 1, 1}});
+  idx.push_back({"MTP b=2 x3 page61 K=512", 512, 61, {3000, 1200}, {3, 3}});
+  idx.push_back({"prefill 600 causal page1 K=256", 256, 1, {0}, {600}});
+  idx.push_back({"chunked prefill ctx 1000 + 333 page64 K=2048", 2048, 64, {1000}, {333}});
+  if (!quick) idx.push_back({"decode ctx 140000 (128K+) page64", 2048, 64, {140000, 131072}, {1, 1}});
+  for (const IdxCase& c : idx) run_indexer_case(*gpu, *cpu, c);
+
+  std::printf("\n%d checks, %d failures\n", g_checks, g_failures);
+  if (json != nullptr) {
+    FILE* f = std::fopen(json, "w");
+    if (f != nullptr) {
+      std::fprintf(f, "{\"checks\": %d, \"failures\": %d, \"log\": [\n", g_checks, g_failures);
+      for (size_t i = 0; i < g_log.size(); ++i) {
+        std::string s;
+        for (char ch : g_log[i]) {
+          if (ch == '"' || ch == '\\') s += '\\';
+          s += ch;
+        }
+        std::fprintf(f, "  \"%s\"%s\n", s.c_str(), i + 1 < g_log.size() ? "," : "");
+      }
+      std::fprintf(f, "]}\n");
+      std::fclose(f);
+    }
+  }
+  return g_failures == 0 ? 0 : 1;
+}
