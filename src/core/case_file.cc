@@ -18,9 +18,9 @@ namespace {
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 // The case tensors in the contract's order; missing ones are reported in this order.
-constexpr std::array<const char*, 12> kCaseTensors = {
-    "query_lens", "context_lens", "q_nope",        "q_rope",     "kv_latent", "k_rope",
-    "idx_q",      "idx_w",        "idx_k",         "ctx_kv_latent", "ctx_k_rope", "ctx_idx_k"};
+constexpr std::array<const char*, 12> kCaseTensors = {"query_lens", "context_lens",  "q_nope",     "q_rope",
+                                                      "kv_latent",  "k_rope",        "idx_q",      "idx_w",
+                                                      "idx_k",      "ctx_kv_latent", "ctx_k_rope", "ctx_idx_k"};
 constexpr std::array<const char*, 2> kCaseMetadata = {"topk", "scale"};
 constexpr std::array<const char*, 3> kResultTensors = {"topk_indices", "out", "lse"};
 
@@ -174,7 +174,8 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
     sum_c += c;
     h->requests[static_cast<size_t>(r)] = Request{q, c};
   }
-  if (T > kInt32Max) return invalid_argument("case: sum of query_lens is " + std::to_string(T) + ", more than 2^31 - 1");
+  if (T > kInt32Max)
+    return invalid_argument("case: sum of query_lens is " + std::to_string(T) + ", more than 2^31 - 1");
 
   // Dims from q_nope, q_rope and idx_q; then every tensor against them.
   const Tensor& q_nope = *f.find("q_nope");
@@ -281,8 +282,10 @@ Result<SafetensorsFile> case_to_safetensors(const CaseFile& c) {
   DSACP_ASSIGN_OR_RETURN(f.tensors["query_lens"], lengths_tensor(c.requests, true));
   DSACP_ASSIGN_OR_RETURN(f.tensors["context_lens"], lengths_tensor(c.requests, false));
   const std::pair<const char*, const Tensor*> floats[] = {
-      {"q_nope", &c.q_nope}, {"q_rope", &c.q_rope},   {"kv_latent", &c.kv_latent},         {"k_rope", &c.k_rope},
-      {"idx_q", &c.idx_q},   {"idx_w", &c.idx_w},     {"idx_k", &c.idx_k},                 {"ctx_kv_latent", &c.ctx_kv_latent},
+      {"q_nope", &c.q_nope},         {"q_rope", &c.q_rope},
+      {"kv_latent", &c.kv_latent},   {"k_rope", &c.k_rope},
+      {"idx_q", &c.idx_q},           {"idx_w", &c.idx_w},
+      {"idx_k", &c.idx_k},           {"ctx_kv_latent", &c.ctx_kv_latent},
       {"ctx_k_rope", &c.ctx_k_rope}, {"ctx_idx_k", &c.ctx_idx_k}};
   for (const auto& [name, t] : floats) {
     if (t->data() == nullptr) return invalid_argument(std::string("case: tensor \"") + name + "\" holds no data");
@@ -296,11 +299,10 @@ Result<SafetensorsFile> case_to_safetensors(const CaseFile& c) {
   if (h.dims.H != c.dims.H || h.dims.Dl != c.dims.Dl || h.dims.Dr != c.dims.Dr || h.dims.Hi != c.dims.Hi ||
       h.dims.Di != c.dims.Di) {
     return invalid_argument("case: dims say H=" + std::to_string(c.dims.H) + ", Dl=" + std::to_string(c.dims.Dl) +
-                            ", Dr=" + std::to_string(c.dims.Dr) + ", Hi=" + std::to_string(c.dims.Hi) +
-                            ", Di=" + std::to_string(c.dims.Di) + " but the tensors have H=" +
-                            std::to_string(h.dims.H) + ", Dl=" + std::to_string(h.dims.Dl) +
-                            ", Dr=" + std::to_string(h.dims.Dr) + ", Hi=" + std::to_string(h.dims.Hi) +
-                            ", Di=" + std::to_string(h.dims.Di));
+                            ", Dr=" + std::to_string(c.dims.Dr) + ", Hi=" + std::to_string(c.dims.Hi) + ", Di=" +
+                            std::to_string(c.dims.Di) + " but the tensors have H=" + std::to_string(h.dims.H) +
+                            ", Dl=" + std::to_string(h.dims.Dl) + ", Dr=" + std::to_string(h.dims.Dr) +
+                            ", Hi=" + std::to_string(h.dims.Hi) + ", Di=" + std::to_string(h.dims.Di));
   }
   return f;
 }

@@ -54,7 +54,8 @@ Result<CaseFile> case_generate(const CaseGenSpec& spec) {
     T += q.query_len;
     sum_c += q.context_len;
   }
-  if (T > kInt32Max) return invalid_argument("case_generate: " + std::to_string(T) + " query tokens, more than 2^31 - 1");
+  if (T > kInt32Max)
+    return invalid_argument("case_generate: " + std::to_string(T) + " query tokens, more than 2^31 - 1");
   const CaseDims& d = spec.dims;
   if (d.H < 1 || d.Dl < 1 || d.Dr < 1 || d.Hi < 1 || d.Di < 1) {
     return invalid_argument("case_generate: dims must be >= 1, got " +

@@ -158,8 +158,8 @@ Result<SafetensorsFile> safetensors_parse(std::string_view bytes) {
   uint64_t header_len = 0;
   std::memcpy(&header_len, bytes.data(), 8);
   if (header_len > kMaxHeaderBytes) {
-    return bad("header length " + std::to_string(header_len) + " is absurd (limit " +
-               std::to_string(kMaxHeaderBytes) + " bytes)");
+    return bad("header length " + std::to_string(header_len) + " is absurd (limit " + std::to_string(kMaxHeaderBytes) +
+               " bytes)");
   }
   if (header_len > bytes.size() - 8) {
     return bad("header length " + std::to_string(header_len) + " exceeds the " + std::to_string(bytes.size() - 8) +
@@ -239,8 +239,8 @@ Result<std::string> safetensors_serialize(const SafetensorsFile& file) {
       return invalid_argument(std::string(kPrefix) + "tensor " + json::quote(name) + " holds no data");
     }
     if (header.size() > 1) header += ",";
-    header += json::quote(name) + ":{\"dtype\":\"" + dtype_name(t.dtype()) + "\",\"shape\":" +
-              shape_to_string(t.shape()) + ",\"data_offsets\":[" + std::to_string(offset) + "," +
+    header += json::quote(name) + ":{\"dtype\":\"" + dtype_name(t.dtype()) +
+              "\",\"shape\":" + shape_to_string(t.shape()) + ",\"data_offsets\":[" + std::to_string(offset) + "," +
               std::to_string(offset + t.nbytes()) + "]}";
     offset += t.nbytes();
   }

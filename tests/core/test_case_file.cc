@@ -1,7 +1,5 @@
 // The case file (contract §4) and the result file: generator, round trips, and every refusal with its
 // one-line message.
-#include "dsacp/case_file.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "dsacp/case_file.h"
 #include "dsacp/random.h"
 
 namespace dsacp {

@@ -1,7 +1,5 @@
 // safetensors reader/writer and the JSON parser under it: round trips, every refusal the reader promises,
 // and a mutation loop (truncations, byte flips, header edits) that must never crash.
-#include "dsacp/safetensors.h"
-
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -9,6 +7,7 @@
 
 #include "core/json.h"
 #include "dsacp/random.h"
+#include "dsacp/safetensors.h"
 
 namespace dsacp {
 namespace {
@@ -89,10 +88,27 @@ TEST(SafetensorsJson, ParsesValues) {
 }
 
 TEST(SafetensorsJson, RefusesNonStrictJson) {
-  const char* bad[] = {"",        "{",          "{\"a\":1,}",   "[1,]",       "{\"a\" 1}",   "01",
-                       "1.",      "-",          "+1",           "NaN",        "'a'",         "{\"a\":1}x",
-                       "\"\x01\"", "\"\\x\"",   "\"\\ud800\"",  "\"\\udc00\"", "\"\xff\"",   "\"\xc0\x80\"",
-                       "tru",     "{\"a\":1,\"a\":2}", "\"abc"};
+  const char* bad[] = {"",
+                       "{",
+                       "{\"a\":1,}",
+                       "[1,]",
+                       "{\"a\" 1}",
+                       "01",
+                       "1.",
+                       "-",
+                       "+1",
+                       "NaN",
+                       "'a'",
+                       "{\"a\":1}x",
+                       "\"\x01\"",
+                       "\"\\x\"",
+                       "\"\\ud800\"",
+                       "\"\\udc00\"",
+                       "\"\xff\"",
+                       "\"\xc0\x80\"",
+                       "tru",
+                       "{\"a\":1,\"a\":2}",
+                       "\"abc"};
   for (const char* s : bad) EXPECT_FALSE(json::parse(s).ok()) << s;
   EXPECT_NE(json::parse("{\"a\":1,\"a\":2}").status().message().find("duplicate key \"a\""), std::string::npos);
   EXPECT_NE(json::parse(std::string(100, '[')).status().message().find("nesting deeper"), std::string::npos);
@@ -143,8 +159,7 @@ TEST(SafetensorsFile, RoundTripOnDisk) {
 
 TEST(SafetensorsFile, ReadsHeaderWrittenByOthers) {
   // Whitespace, key order and an absent __metadata__ as other writers produce them.
-  const std::string header =
-      "{ \"x\" : { \"shape\" : [2], \"data_offsets\" : [0, 8], \"dtype\" : \"I32\" } }      ";
+  const std::string header = "{ \"x\" : { \"shape\" : [2], \"data_offsets\" : [0, 8], \"dtype\" : \"I32\" } }      ";
   Result<SafetensorsFile> f = safetensors_parse(raw_file(header, std::string("\1\0\0\0\2\0\0\0", 8)));
   ASSERT_TRUE(f.ok()) << f.status().message();
   EXPECT_TRUE(f->metadata.empty());
@@ -197,8 +212,9 @@ TEST(SafetensorsFile, RefusesBadHeaders) {
 
 TEST(SafetensorsFile, RefusesBadDataOffsets) {
   // The message the header documents.
-  expect_refused(raw_file(R"({"q_nope":{"dtype":"F32","shape":[4,2,8],"data_offsets":[0,96]}})", std::string(96, 0)),
-                 "safetensors: tensor \"q_nope\": data_offsets [0, 96] do not match shape [4, 2, 8] of F32 (256 bytes)");
+  expect_refused(
+      raw_file(R"({"q_nope":{"dtype":"F32","shape":[4,2,8],"data_offsets":[0,96]}})", std::string(96, 0)),
+      "safetensors: tensor \"q_nope\": data_offsets [0, 96] do not match shape [4, 2, 8] of F32 (256 bytes)");
   // Shape whose byte count overflows.
   expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", ""),
                  "do not match shape");
