@@ -155,6 +155,8 @@ TEST(SafetensorsFile, RoundTripOnDisk) {
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::kIoError);
   EXPECT_NE(missing.status().message().find(path), std::string::npos);
+  // A directory is not a file: an i/o error, not an empty parse.
+  EXPECT_EQ(safetensors_read(std::filesystem::temp_directory_path().string()).status().code(), StatusCode::kIoError);
 }
 
 TEST(SafetensorsFile, ReadsHeaderWrittenByOthers) {
