@@ -21,7 +21,6 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr std::array<const char*, 12> kCaseTensors = {"query_lens", "context_lens",  "q_nope",     "q_rope",
                                                       "kv_latent",  "k_rope",        "idx_q",      "idx_w",
                                                       "idx_k",      "ctx_kv_latent", "ctx_k_rope", "ctx_idx_k"};
-constexpr std::array<const char*, 2> kCaseMetadata = {"topk", "scale"};
 constexpr std::array<const char*, 3> kResultTensors = {"topk_indices", "out", "lse"};
 
 template <size_t N>
@@ -142,12 +141,7 @@ struct CaseHeader {
 // Validates a whole case (names, metadata, lengths, dtypes, shapes) without taking anything from it.
 Status check_case(const SafetensorsFile& f, CaseHeader* h) {
   DSACP_RETURN_IF_ERROR(check_tensor_names("case", f, kCaseTensors));
-  for (const auto& [key, value] : f.metadata) {
-    if (!contains(kCaseMetadata, key)) {
-      return invalid_argument("case: unexpected __metadata__ key " + json::quote(key) +
-                              " (a case holds exactly: " + join(kCaseMetadata) + ")");
-    }
-  }
+  // Other __metadata__ keys (notes such as "format": "pt" that writers add) are allowed and not used.
   DSACP_RETURN_IF_ERROR(parse_topk(f.metadata, &h->topk));
   DSACP_RETURN_IF_ERROR(parse_scale(f.metadata, &h->scale));
 
