@@ -19,11 +19,13 @@ struct IndexerCase {
   std::vector<RequestShape> requests;
 };
 
-std::string case_name(const ::testing::TestParamInfo<IndexerCase>& info) {
-  const IndexerCase& c = info.param;
-  return "Hi" + std::to_string(c.hi) + "_Di" + std::to_string(c.di) + "_K" + std::to_string(c.k) + "_ps" +
+std::string case_label(const IndexerCase& c) {
+  return std::string("Hi") + std::to_string(c.hi) + "_Di" + std::to_string(c.di) + "_K" + std::to_string(c.k) + "_ps" +
          std::to_string(c.page_size) + "_" + dtype_label(c.dtype) + "_" + requests_name(c.requests);
 }
+std::string case_name(const ::testing::TestParamInfo<IndexerCase>& info) { return case_label(info.param); }
+// gtest prints the parameter of a failing case with this instead of raw bytes.
+void PrintTo(const IndexerCase& c, std::ostream* os) { *os << case_label(c); }
 
 // A batch ready to run: dense keys per request (for the reference), the paged pool, queries and weights.
 struct IndexerProblem {
