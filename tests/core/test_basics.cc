@@ -60,7 +60,7 @@ TEST(Bf16, RoundsToNearestEven) {
 }
 
 TEST(Bf16, RoundTripIsIdempotentAndWithinHalfUlp) {
-  for (uint32_t u = 0; u < 0x7f800000u; u += 0x00012345u) {
+  for (uint32_t u = 0x00800000u; u < 0x7f7f0000u; u += 0x00012345u) {  // normal floats below bf16 overflow
     const float f = from_bits(u);
     const float r = round_to_bf16(f);
     EXPECT_EQ(bits_of(round_to_bf16(r)), bits_of(r));

@@ -108,6 +108,7 @@ TEST(PcpPlan, TenTokenRestoreAndKeyLengths) {
   EXPECT_EQ(r1->head_key_lens, (V{6}));
   EXPECT_EQ(r1->tail_key_lens, (V{9}));
   // Chunked prefill with context: the corrected formula C + c(r+1), C + c(2P-r).
+  o.decode_threshold = 4;  // 10 tokens with context is a prefill chunk, not an MTP decode
   auto c0 = pcp_plan({{10, 7}}, o, 0, s, 0, table_of({{0, 1, 2}}), 4);
   ASSERT_TRUE(c0.ok());
   EXPECT_EQ(c0->head_key_lens, (V{10}));
