@@ -7,6 +7,7 @@
 
 #include "dsacp/backend.h"
 #include "dsacp/batch.h"
+#include "dsacp/case_file.h"
 #include "dsacp/paged_cache.h"
 #include "dsacp/status.h"
 
@@ -52,5 +53,26 @@ Result<SingleDevicePlan> single_device_plan(const std::vector<Request>& requests
 // request has a page in range), then runs the step.
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& inputs, const StepOutputs& outputs);
+
+// Host-memory conveniences over step_run (used by the CLI and tests): upload, run, download.
+
+// Host tensors of the step's inputs: act_dtype for all but idx_w (F32). Shapes are checked.
+struct HostStepInputs {
+  const Tensor* q_nope = nullptr;     // [T, H, Dl]
+  const Tensor* q_rope = nullptr;     // [T, H, Dr]
+  const Tensor* kv_latent = nullptr;  // [T, Dl]
+  const Tensor* k_rope = nullptr;     // [T, Dr]
+  const Tensor* idx_q = nullptr;      // [T, Hi, Di]
+  const Tensor* idx_w = nullptr;      // [T, Hi]
+  const Tensor* idx_k = nullptr;      // [T, Di]
+};
+Result<StepResult> step_run_host(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
+                                 const BlockTable& table, PagedKvCache& cache, const HostStepInputs& inputs);
+
+// Writes the requests' context rows (positions [0, context_len), request after request) into the cache.
+// Rows are [sum C, dim] host tensors of the cache's dims; their dtype is converted to the cache's.
+Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vector<Request>& requests,
+                          const BlockTable& table, const Tensor& ctx_latent, const Tensor& ctx_rope,
+                          const Tensor& ctx_index_keys);
 
 }  // namespace dsacp

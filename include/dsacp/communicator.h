@@ -1,0 +1,69 @@
+// Collectives between the ranks of a context-parallel group. The executor talks to other ranks only
+// through this interface; implementations: local (ranks as threads in one process — the embedded default
+// and what tests use); NCCL and MPI come later behind the same interface.
+//
+// Every collective is called by every rank of the group in the same order. Every wait is bounded by the
+// group's timeout and turns into a kTimeout error instead of a hang. A rank that fails calls abort(): every
+// rank waiting in (or later entering) a collective of that group gets an error naming the failed rank.
+// Buffers are in the backend's memory (host memory for the CPU backend).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsacp/status.h"
+
+namespace dsacp {
+
+// A collective in flight. wait() completes it (bounded by the group's timeout); a handle that is destroyed
+// without wait() waits in its destructor, so buffers are never left in use.
+class CollectiveHandle {
+ public:
+  virtual ~CollectiveHandle() = default;
+  virtual Status wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // recv [size * bytes] = concat over ranks of each rank's send [bytes] (rank order).
+  virtual Result<std::unique_ptr<CollectiveHandle>> all_gather_async(const void* send, void* recv, size_t bytes) = 0;
+  // send [size * bytes]: block k goes to rank k; recv [size * bytes]: block k came from rank k.
+  virtual Result<std::unique_ptr<CollectiveHandle>> all_to_all_async(const void* send, void* recv, size_t bytes) = 0;
+  // buf [bytes] on every rank takes the root's content.
+  virtual Result<std::unique_ptr<CollectiveHandle>> broadcast_async(void* buf, size_t bytes, int root) = 0;
+  virtual Status barrier() = 0;
+  // Marks this rank failed with a reason; every collective of the group then fails on every rank.
+  virtual void abort(const std::string& reason) = 0;
+
+  // Blocking forms.
+  Status all_gather(const void* send, void* recv, size_t bytes);
+  Status all_to_all(const void* send, void* recv, size_t bytes);
+  Status broadcast(void* buf, size_t bytes, int root);
+
+  // All-gather along dimension `dim` of a row-major [outer, local_dim, inner] block of `elem_size`-byte
+  // elements: recv is [outer, size * local_dim, inner], rank r's slice at [:, r*local_dim : (r+1)*local_dim, :].
+  // `scratch` must hold size * outer * local_dim * inner elements (the gathered rank-major blocks).
+  // The default implementation rearranges with host memcpy (host-memory communicators); device-memory
+  // communicators override it.
+  virtual Status all_gather_dim(const void* send, void* recv, void* scratch, int64_t outer, int64_t local_dim,
+                                int64_t inner, size_t elem_size);
+};
+
+// A group of `size` ranks that live as threads of this process. make_communicator(r) gives rank r's
+// endpoint; each rank's thread uses only its own endpoint.
+class LocalGroup {
+ public:
+  static std::shared_ptr<LocalGroup> create(int size, std::chrono::milliseconds timeout = std::chrono::seconds(120));
+  virtual ~LocalGroup() = default;
+  virtual std::unique_ptr<Communicator> make_communicator(int rank) = 0;
+};
+
+}  // namespace dsacp

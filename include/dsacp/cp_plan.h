@@ -1,0 +1,116 @@
+// Context-parallel planning: pure host functions of (batch, layout, rank). No kernels, no communication.
+//
+// KV sharding (reference-design 3.2): with Pt CP ranks and interleave I, key position p of a request lives
+// on rank owner(p) = (p / I) mod Pt at local position lp(p) = (p / I / Pt) * I + p mod I. Every rank shares
+// one block table per request; rank cr stores its local position lp in page block_table[b, lp / page_size].
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsacp/batch.h"
+#include "dsacp/paged_cache.h"
+#include "dsacp/status.h"
+
+namespace dsacp {
+
+struct KvSharding {
+  int32_t Pt = 1;  // CP ranks that share the KV
+  int32_t I = 1;   // interleave: consecutive positions per shard unit
+
+  int32_t owner(int64_t p) const { return static_cast<int32_t>((p / I) % Pt); }
+  int64_t local_pos(int64_t p) const { return (p / I / Pt) * I + p % I; }
+  // The global position of local position lp on rank cr (inverse of owner/local_pos).
+  int64_t global_pos(int64_t lp, int32_t cr) const { return ((lp / I) * Pt + cr) * I + lp % I; }
+  // How many of a request's S positions rank cr stores.
+  int64_t local_len(int64_t S, int32_t cr) const;
+  // Pages a request of S positions needs in the shared block table (rank 0 stores the most).
+  int64_t pages_needed(int64_t S, int32_t page_size) const;
+};
+
+Status validate_sharding(const KvSharding& s);
+
+// Slot on rank cr of key position p of `request`, or -1 when another rank owns it.
+Result<int64_t> sharded_slot(const KvSharding& s, int32_t cr, const BlockTable& table, int32_t request, int64_t p,
+                             int32_t page_size);
+
+// ---------------------------------------------------------------------------------------------------
+// PCP (reference-design §3): every prefill is padded to a multiple of 2P and cut into 2P chunks; rank r
+// takes chunk r (head) and chunk 2P-1-r (tail). Decodes are not split: every rank holds all their tokens.
+
+struct PcpRankPlan {
+  BatchLayout layout;  // classification of the whole batch (decodes first)
+  int32_t P = 1, rank = 0;
+
+  // Local rows, in order: every decode token, then per prefill its head chunk, then its tail chunk.
+  std::vector<int32_t> row_request;  // [T_loc] request of the row
+  std::vector<int32_t> row_offset;   // [T_loc] padded offset among the request's new tokens
+  std::vector<uint8_t> row_is_pad;   // [T_loc] 1 for padding rows (offset >= query_len)
+  std::vector<int32_t> row_key_len;  // [T_loc] keys the row sees: context_len + offset + 1; 0 for pads
+  int64_t num_local_tokens = 0;         // T_loc (equal on every rank)
+  int64_t num_local_decode_tokens = 0;  // the first rows
+
+  // 3.3 / 3.4: the global padded layout (decodes span Q*P, prefills Qpad), P * T_loc rows.
+  std::vector<int64_t> padded_query_lens;  // [R]
+  std::vector<int64_t> chunk_size;         // [R] c = Qpad / 2P for prefills, 0 for decodes
+  std::vector<int64_t> all_positions;      // [P*T_loc] padded position of gathered row k*T_loc + i
+  std::vector<int64_t> restore_index;      // [P*T_loc] argsort(all_positions): restored = gathered[restore]
+  std::vector<uint8_t> unpad_mask;         // [P*T_loc] per padded position
+  // Per padded position: this rank's cache slot (3.4, with the decode fix-up of 3.10), -1 = skip.
+  std::vector<int64_t> padded_slots;       // [P*T_loc]
+
+  // 3.5: relative to the prefill rows (local rows after the decode rows).
+  std::vector<int64_t> q_head_idx, q_tail_idx, q_full_idx;
+  // 3.7: per prefill request (in batch order): keys seen by the head call and by the tail call.
+  std::vector<int64_t> head_key_lens, tail_key_lens;
+
+  // 3.12: rows of this rank's output buffer (T_loc, or the graph bucket when larger).
+  int64_t output_rows = 0;
+
+  // The slot for gathered row j (rank k's local row i at j = k*T_loc + i): padded_slots[all_positions[j]].
+  std::vector<int64_t> gathered_row_slots() const;
+};
+
+struct PcpOptions {
+  int32_t P = 1;
+  int32_t decode_threshold = kMaxDecodeThreshold;
+  int64_t graph_bucket_tokens = 0;  // 0 = none
+};
+
+// The plan of PCP rank `rank`. `sharding` says where each key lives (Pt = P for pure PCP), `table` is the
+// shared block table, `cr` the rank's index in the sharding group.
+Result<PcpRankPlan> pcp_plan(const std::vector<Request>& requests, const PcpOptions& options, int32_t rank,
+                             const KvSharding& sharding, int32_t cr, const BlockTable& table, int32_t page_size);
+
+// The token split alone (3.3): padded offsets of rank r's rows of one prefill of Q tokens.
+std::vector<int64_t> pcp_prefill_offsets(int64_t Q, int32_t P, int32_t r);
+
+// The decode slot fix-up of 3.10 (MTP varlen compaction), in place on the decode region of padded slots:
+// out[st_b + j] = in[st_b + j*P] for j < Q_b, every other decode entry -1.
+void pcp_compact_decode_slots(std::vector<int64_t>& padded_slots, const std::vector<int32_t>& decode_query_lens,
+                              int32_t P);
+
+// ---------------------------------------------------------------------------------------------------
+// Gathered views (3.9): each rank packs rows of its sharded pools, the packs are all-gathered, and the
+// gathered rows form one paged view of the requests' whole KV, addressed by view_table.
+struct GatheredViewPlan {
+  int64_t rows_per_rank = 0;        // rows every rank contributes (-1 slots are padding)
+  std::vector<int64_t> pack_slots;  // [rows_per_rank] this rank's local slots to pack, -1 = padding row
+  // direct: the gathered buffer [Pt * rows_per_rank] is itself the view's pool (page granular: whole pages
+  // were packed, which needs I to be a multiple of page_size). Otherwise the view's pool is built as
+  // view_row[i] = gathered[unpack_rows[i]] (-1 = unused slot).
+  bool direct = false;
+  std::vector<int64_t> unpack_rows;  // [view_num_pages * page_size] when !direct
+  int64_t view_num_pages = 0;
+  BlockTable view_table;  // one row per request of `requests`, global logical pages
+  // Page granular only: the compact list of physical pages packed (3.9 valid_block_ids).
+  std::vector<int32_t> valid_block_ids;
+};
+
+// The compact gathered view of the given requests (rows of `table` selected by `request_ids`) for rank cr.
+// `seq_lens[i]` is the number of positions of request_ids[i] to cover.
+Result<GatheredViewPlan> gathered_view_plan(const std::vector<int32_t>& request_ids,
+                                            const std::vector<int64_t>& seq_lens, const BlockTable& table,
+                                            const KvSharding& sharding, int32_t cr, int32_t page_size);
+
+}  // namespace dsacp

@@ -1,0 +1,26 @@
+// Replay of one case (contract §4): load the context into paged caches whose pages are placed in a
+// shuffled order with NaN in every unused slot, run the step, return the result in the case's token order.
+#pragma once
+
+#include <cstdint>
+
+#include "dsacp/backend.h"
+#include "dsacp/case_file.h"
+#include "dsacp/status.h"
+
+namespace dsacp {
+
+struct ReplayOptions {
+  int32_t page_size = 64;
+  DType out_dtype = DType::kF32;
+  uint64_t page_shuffle_seed = 0x5eed;  // 0 = pages in order
+  int32_t spare_pages = 3;              // unused (NaN) pages in the pool besides the ones the batch needs
+};
+
+// The dtype the step computes in: BF16 when every float input of the case is BF16, else F32
+// (so no value the user handed in is rounded).
+DType case_compute_dtype(const CaseFile& c);
+
+Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const ReplayOptions& options);
+
+}  // namespace dsacp

@@ -1,0 +1,40 @@
+#include <cstring>
+
+#include "dsacp/communicator.h"
+
+namespace dsacp {
+
+Status Communicator::all_gather(const void* send, void* recv, size_t bytes) {
+  DSACP_ASSIGN_OR_RETURN(auto h, all_gather_async(send, recv, bytes));
+  return h->wait();
+}
+
+Status Communicator::all_to_all(const void* send, void* recv, size_t bytes) {
+  DSACP_ASSIGN_OR_RETURN(auto h, all_to_all_async(send, recv, bytes));
+  return h->wait();
+}
+
+Status Communicator::broadcast(void* buf, size_t bytes, int root) {
+  DSACP_ASSIGN_OR_RETURN(auto h, broadcast_async(buf, bytes, root));
+  return h->wait();
+}
+
+Status Communicator::all_gather_dim(const void* send, void* recv, void* scratch, int64_t outer, int64_t local_dim,
+                                    int64_t inner, size_t elem_size) {
+  if (outer < 0 || local_dim < 0 || inner < 0) return invalid_argument("all_gather_dim: negative extent");
+  const size_t row = static_cast<size_t>(local_dim * inner) * elem_size;  // one outer index, one rank
+  const size_t block = static_cast<size_t>(outer) * row;                    // one rank's contribution
+  if (outer == 1) return all_gather(send, recv, block);
+  DSACP_RETURN_IF_ERROR(all_gather(send, scratch, block));
+  const int P = size();
+  auto* out = static_cast<char*>(recv);
+  const auto* in = static_cast<const char*>(scratch);
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int k = 0; k < P; ++k) {
+      std::memcpy(out + (static_cast<size_t>(o) * P + k) * row, in + k * block + static_cast<size_t>(o) * row, row);
+    }
+  }
+  return Status();
+}
+
+}  // namespace dsacp

@@ -1,0 +1,143 @@
+#include "dsacp/paged_cache.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <string>
+
+#include "dsacp/random.h"
+
+namespace dsacp {
+
+PageAllocator::PageAllocator(int64_t num_pages, uint64_t shuffle_seed)
+    : num_pages_(std::clamp<int64_t>(num_pages, 0, std::numeric_limits<int32_t>::max())) {
+  free_.resize(static_cast<size_t>(num_pages_));
+  // Popped from the back: page 0 is handed out first.
+  for (int64_t i = 0; i < num_pages_; ++i) free_[static_cast<size_t>(i)] = static_cast<int32_t>(num_pages_ - 1 - i);
+  if (shuffle_seed != 0) {
+    for (int64_t i = num_pages_ - 1; i > 0; --i) {
+      const int64_t j = static_cast<int64_t>(counter_hash(shuffle_seed, 0x9a6e, static_cast<uint64_t>(i)) %
+                                             static_cast<uint64_t>(i + 1));
+      std::swap(free_[static_cast<size_t>(i)], free_[static_cast<size_t>(j)]);
+    }
+  }
+  in_use_.assign(static_cast<size_t>(num_pages_), 0);
+}
+
+Result<std::vector<int32_t>> PageAllocator::allocate(int64_t n) {
+  if (n < 0) return invalid_argument("cannot allocate a negative number of pages (" + std::to_string(n) + ")");
+  if (n > num_free()) {
+    return resource_exhausted("out of pages: asked for " + std::to_string(n) + ", " + std::to_string(num_free()) +
+                              " of " + std::to_string(num_pages_) + " free");
+  }
+  std::vector<int32_t> pages(free_.end() - n, free_.end());
+  std::reverse(pages.begin(), pages.end());
+  free_.resize(free_.size() - static_cast<size_t>(n));
+  for (int32_t p : pages) in_use_[static_cast<size_t>(p)] = 1;
+  return pages;
+}
+
+Status PageAllocator::release(const std::vector<int32_t>& pages) {
+  for (int32_t p : pages) {
+    if (p < 0 || p >= num_pages_) {
+      return out_of_range("release of page " + std::to_string(p) + ", outside [0, " + std::to_string(num_pages_) + ")");
+    }
+    if (!in_use_[static_cast<size_t>(p)]) return invalid_argument("release of page " + std::to_string(p) + ", which is free");
+  }
+  for (int32_t p : pages) {
+    in_use_[static_cast<size_t>(p)] = 0;
+    free_.push_back(p);
+  }
+  return Status();
+}
+
+Status SequencePages::reserve(PageAllocator& allocator, int64_t num_tokens, int32_t page_size) {
+  if (page_size < 1) return invalid_argument("page_size must be >= 1, got " + std::to_string(page_size));
+  if (num_tokens < 0) return invalid_argument("num_tokens must be >= 0, got " + std::to_string(num_tokens));
+  const int64_t need = (num_tokens + page_size - 1) / page_size;
+  if (need <= static_cast<int64_t>(pages.size())) return Status();
+  DSACP_ASSIGN_OR_RETURN(std::vector<int32_t> more, allocator.allocate(need - static_cast<int64_t>(pages.size())));
+  pages.insert(pages.end(), more.begin(), more.end());
+  return Status();
+}
+
+Status SequencePages::release(PageAllocator& allocator) {
+  DSACP_RETURN_IF_ERROR(allocator.release(pages));
+  pages.clear();
+  return Status();
+}
+
+BlockTable BlockTable::from_sequences(const std::vector<const SequencePages*>& sequences) {
+  BlockTable t;
+  t.num_requests = static_cast<int32_t>(sequences.size());
+  for (const SequencePages* s : sequences) t.max_pages = std::max<int32_t>(t.max_pages, static_cast<int32_t>(s->pages.size()));
+  t.max_pages = std::max(t.max_pages, 1);
+  t.data.assign(static_cast<size_t>(t.num_requests) * t.max_pages, -1);
+  for (size_t b = 0; b < sequences.size(); ++b) {
+    std::copy(sequences[b]->pages.begin(), sequences[b]->pages.end(), t.data.begin() + static_cast<int64_t>(b) * t.max_pages);
+  }
+  return t;
+}
+
+Result<int64_t> slot_of(const BlockTable& table, int32_t request, int64_t pos, int32_t page_size) {
+  if (request < 0 || request >= table.num_requests) {
+    return out_of_range("request " + std::to_string(request) + " is not in the block table (" +
+                        std::to_string(table.num_requests) + " rows)");
+  }
+  if (pos < 0) return out_of_range("negative key position " + std::to_string(pos));
+  const int64_t col = pos / page_size;
+  if (col >= table.max_pages || table.page(request, col) < 0) {
+    return out_of_range("request " + std::to_string(request) + ": key position " + std::to_string(pos) +
+                        " has no page (logical page " + std::to_string(col) + ")");
+  }
+  return int64_t{table.page(request, col)} * page_size + pos % page_size;
+}
+
+Result<std::vector<int64_t>> new_token_slots(const std::vector<Request>& requests, const BlockTable& table,
+                                             int32_t page_size) {
+  std::vector<int64_t> slots;
+  for (size_t b = 0; b < requests.size(); ++b) {
+    for (int32_t i = 0; i < requests[b].query_len; ++i) {
+      DSACP_ASSIGN_OR_RETURN(int64_t s,
+                             slot_of(table, static_cast<int32_t>(b), int64_t{requests[b].context_len} + i, page_size));
+      slots.push_back(s);
+    }
+  }
+  return slots;
+}
+
+Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConfig& config, bool poison_unused) {
+  if (config.num_pages < 1 || config.num_pages > std::numeric_limits<int32_t>::max()) {
+    return invalid_argument("num_pages must be in [1, 2^31 - 1], got " + std::to_string(config.num_pages));
+  }
+  if (config.page_size < 1) return invalid_argument("page_size must be >= 1, got " + std::to_string(config.page_size));
+  if (config.Dl < 1 || config.Dr < 1 || config.Di < 1) {
+    return invalid_argument("cache dims must be >= 1, got Dl=" + std::to_string(config.Dl) + " Dr=" +
+                            std::to_string(config.Dr) + " Di=" + std::to_string(config.Di));
+  }
+  if (config.dtype == DType::kI32) return invalid_argument("cache dtype must be F32 or BF16, got I32");
+  PagedKvCache c;
+  c.config_ = config;
+  const int64_t rows = config.num_pages * config.page_size;
+  const size_t elem = dtype_size(config.dtype);
+  DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(rows) * config.Dl * elem));
+  DSACP_ASSIGN_OR_RETURN(c.rope_, backend.allocate(static_cast<size_t>(rows) * config.Dr * elem));
+  DSACP_ASSIGN_OR_RETURN(c.index_keys_, backend.allocate(static_cast<size_t>(rows) * config.Di * elem));
+  const float fill = poison_unused ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), config.dtype, rows * config.Dl, fill));
+  DSACP_RETURN_IF_ERROR(backend.fill(c.rope_.get(), config.dtype, rows * config.Dr, fill));
+  DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), config.dtype, rows * config.Di, fill));
+  return c;
+}
+
+PagedPoolView PagedKvCache::view(const DeviceBuffer& b, int32_t dim) const {
+  PagedPoolView v;
+  v.data = b.get();
+  v.dtype = config_.dtype;
+  v.num_pages = config_.num_pages;
+  v.page_size = config_.page_size;
+  v.dim = dim;
+  return v;
+}
+
+}  // namespace dsacp

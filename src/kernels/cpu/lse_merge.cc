@@ -1,0 +1,48 @@
+// lse_merge: exact merge of partial attention results over disjoint key sets by their log-sum-exp.
+#include <cmath>
+#include <limits>
+
+#include "core/parallel.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace dsacp::cpu {
+
+Status lse_merge(const LseMergeParams& p, int num_threads) {
+  const int64_t rows = p.num_rows;
+  const int64_t dl = p.Dl;
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  parallel_for(rows, num_threads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      // A part with a NaN or infinite LSE holds no keys (or is broken): it counts as -inf, weight 0.
+      double max_lse = neg_inf;
+      for (int32_t s = 0; s < p.num_parts; ++s) {
+        const float l = p.part_lse[s * rows + r];
+        if (std::isfinite(l)) max_lse = std::max(max_lse, static_cast<double>(l));
+      }
+      float* out = p.out + r * dl;
+      if (max_lse == neg_inf) {
+        for (int64_t d = 0; d < dl; ++d) out[d] = 0.f;
+        p.lse[r] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      double sum = 0.0;
+      for (int32_t s = 0; s < p.num_parts; ++s) {
+        const float l = p.part_lse[s * rows + r];
+        if (std::isfinite(l)) sum += std::exp(static_cast<double>(l) - max_lse);
+      }
+      for (int64_t d = 0; d < dl; ++d) out[d] = 0.f;
+      // Parts in a fixed order; a part with weight 0 is skipped, so NaN in its out never leaks.
+      for (int32_t s = 0; s < p.num_parts; ++s) {
+        const float l = p.part_lse[s * rows + r];
+        if (!std::isfinite(l)) continue;
+        const float w = static_cast<float>(std::exp(static_cast<double>(l) - max_lse) / sum);
+        const float* part = p.part_out + (s * rows + r) * dl;
+        for (int64_t d = 0; d < dl; ++d) out[d] += w * part[d];
+      }
+      p.lse[r] = static_cast<float>(max_lse + std::log(sum));
+    }
+  });
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cpu

@@ -1,0 +1,165 @@
+// Parameter validation shared by every backend, and the validated entry points (*_run).
+// validate() only looks at scalars and pointer nullness: the pointers may be device memory, so anything
+// that depends on tensor contents (request ids, key lengths, page ids, slots) is checked by the backend.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "dsacp/backend.h"
+
+namespace dsacp {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// "<kernel>: <field> must be >= 1, got 0"
+Status check_positive(const char* kernel, const char* field, int64_t value) {
+  if (value >= 1) return Status::ok_status();
+  return invalid_argument(std::string(kernel) + ": " + field + " must be >= 1, got " + str(value));
+}
+
+Status check_non_negative(const char* kernel, const char* field, int64_t value) {
+  if (value >= 0) return Status::ok_status();
+  return invalid_argument(std::string(kernel) + ": " + field + " must be >= 0, got " + str(value));
+}
+
+Status check_pointer(const char* kernel, const char* field, const void* ptr) {
+  if (ptr != nullptr) return Status::ok_status();
+  return invalid_argument(std::string(kernel) + ": " + field + " must not be null");
+}
+
+Status check_float_dtype(const char* kernel, const char* field, DType dtype) {
+  if (dtype == DType::kF32 || dtype == DType::kBF16) return Status::ok_status();
+  return invalid_argument(std::string(kernel) + ": " + field + " must be F32 or BF16, got " + dtype_name(dtype));
+}
+
+Status check_equal(const char* kernel, const char* field, const char* what, int64_t expected, int64_t given) {
+  if (expected == given) return Status::ok_status();
+  return invalid_argument(std::string(kernel) + ": " + field + " must equal " + what + "=" + str(expected) + ", got " +
+                          str(given));
+}
+
+// A pool must be non-empty and its element count must fit int64 (slots and offsets are int64).
+Status check_pool(const char* kernel, const char* name, const PagedPoolView& pool) {
+  const std::string n(name);
+  DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".num_pages").c_str(), pool.num_pages));
+  DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".page_size").c_str(), pool.page_size));
+  DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".dim").c_str(), pool.dim));
+  DSACP_RETURN_IF_ERROR(check_pointer(kernel, (n + ".data").c_str(), pool.data));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(kernel, (n + ".dtype").c_str(), pool.dtype));
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  if (pool.num_pages > max / pool.page_size / pool.dim) {
+    return invalid_argument(std::string(kernel) + ": " + n + " has too many elements: num_pages=" +
+                            str(pool.num_pages) + " x page_size=" + str(pool.page_size) + " x dim=" + str(pool.dim) +
+                            " overflows int64");
+  }
+  return Status::ok_status();
+}
+
+Status check_block_table(const char* kernel, const BlockTableView& bt) {
+  DSACP_RETURN_IF_ERROR(check_positive(kernel, "block_table.num_requests", bt.num_requests));
+  DSACP_RETURN_IF_ERROR(check_positive(kernel, "block_table.max_pages", bt.max_pages));
+  return check_pointer(kernel, "block_table.data", bt.data);
+}
+
+Status check_rows(const char* kernel, const QueryRowsView& rows) {
+  DSACP_RETURN_IF_ERROR(check_non_negative(kernel, "rows.num_tokens", rows.num_tokens));
+  if (rows.num_tokens == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(kernel, "rows.request", rows.request));
+  return check_pointer(kernel, "rows.key_len", rows.key_len);
+}
+
+}  // namespace
+
+Status validate(const CacheWriteParams& p) {
+  const char* k = "cache_write";
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "rows_dtype", p.rows_dtype));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool));
+  if (p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "rows", p.rows));
+  return check_pointer(k, "slots", p.slots);
+}
+
+Status validate(const IndexerTopkParams& p) {
+  const char* k = "indexer_topk";
+  DSACP_RETURN_IF_ERROR(check_rows(k, p.rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "Hi", p.Hi));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "Di", p.Di));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "q_dtype", p.q_dtype));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "keys", p.keys));
+  DSACP_RETURN_IF_ERROR(check_equal(k, "keys.dim", "Di", p.Di, p.keys.dim));
+  DSACP_RETURN_IF_ERROR(check_block_table(k, p.block_table));
+  if (p.rows.num_tokens == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "q", p.q));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "w", p.w));
+  return check_pointer(k, "topk", p.topk);
+}
+
+Status validate(const SparseMlaParams& p) {
+  const char* k = "sparse_mla";
+  DSACP_RETURN_IF_ERROR(check_rows(k, p.rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "H", p.H));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "Dl", p.Dl));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "Dr", p.Dr));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  if (!std::isfinite(p.scale)) {
+    return invalid_argument(std::string(k) + ": scale must be finite, got " + std::to_string(p.scale));
+  }
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "q_dtype", p.q_dtype));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "out_dtype", p.out_dtype));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "latent", p.latent));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "rope", p.rope));
+  DSACP_RETURN_IF_ERROR(check_equal(k, "latent.dim", "Dl", p.Dl, p.latent.dim));
+  DSACP_RETURN_IF_ERROR(check_equal(k, "rope.dim", "Dr", p.Dr, p.rope.dim));
+  // Both pools are addressed through one block table, so their paging must agree.
+  DSACP_RETURN_IF_ERROR(check_equal(k, "rope.page_size", "latent.page_size", p.latent.page_size, p.rope.page_size));
+  DSACP_RETURN_IF_ERROR(check_equal(k, "rope.num_pages", "latent.num_pages", p.latent.num_pages, p.rope.num_pages));
+  DSACP_RETURN_IF_ERROR(check_block_table(k, p.block_table));
+  if (p.rows.num_tokens == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "q_nope", p.q_nope));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "q_rope", p.q_rope));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "topk", p.topk));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "out", p.out));
+  return check_pointer(k, "lse", p.lse);
+}
+
+Status validate(const LseMergeParams& p) {
+  const char* k = "lse_merge";
+  DSACP_RETURN_IF_ERROR(check_positive(k, "num_parts", p.num_parts));
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "Dl", p.Dl));
+  if (p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_out", p.part_out));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_lse", p.part_lse));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "out", p.out));
+  return check_pointer(k, "lse", p.lse);
+}
+
+Status cache_write_run(Backend& backend, const CacheWriteParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  return backend.cache_write(p);
+}
+
+Status indexer_topk_run(Backend& backend, const IndexerTopkParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.rows.num_tokens == 0) return Status::ok_status();
+  return backend.indexer_topk(p);
+}
+
+Status sparse_mla_run(Backend& backend, const SparseMlaParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.rows.num_tokens == 0) return Status::ok_status();
+  return backend.sparse_mla(p);
+}
+
+Status lse_merge_run(Backend& backend, const LseMergeParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  return backend.lse_merge(p);
+}
+
+}  // namespace dsacp

@@ -1,0 +1,132 @@
+// The single-device step executor: cache write -> indexer + top-k -> sparse MLA attention.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dsacp/step.h"
+
+namespace dsacp {
+namespace {
+
+Status check_config(const StepConfig& c, const PagedCacheConfig& cache) {
+  auto bad = [](const char* what, int64_t v) {
+    return invalid_argument(std::string("step config: ") + what + " must be >= 1, got " + std::to_string(v));
+  };
+  if (c.H < 1) return bad("H", c.H);
+  if (c.Dl < 1) return bad("Dl", c.Dl);
+  if (c.Dr < 1) return bad("Dr", c.Dr);
+  if (c.Hi < 1) return bad("Hi", c.Hi);
+  if (c.Di < 1) return bad("Di", c.Di);
+  if (c.K < 1) return bad("K (topk)", c.K);
+  if (c.Dl != cache.Dl || c.Dr != cache.Dr || c.Di != cache.Di) {
+    return invalid_argument("step config dims Dl=" + std::to_string(c.Dl) + " Dr=" + std::to_string(c.Dr) +
+                            " Di=" + std::to_string(c.Di) + " do not match the cache's Dl=" + std::to_string(cache.Dl) +
+                            " Dr=" + std::to_string(cache.Dr) + " Di=" + std::to_string(cache.Di));
+  }
+  if (c.act_dtype == DType::kI32 || c.out_dtype == DType::kI32) {
+    return invalid_argument("step config: activation and output dtypes must be F32 or BF16");
+  }
+  return Status();
+}
+
+// Every key position a request can see must sit on a page inside the pool.
+Status check_block_table(const std::vector<Request>& requests, const BlockTable& table, const PagedCacheConfig& cache) {
+  for (size_t b = 0; b < requests.size(); ++b) {
+    const int64_t pages = (requests[b].seq_len() + cache.page_size - 1) / cache.page_size;
+    if (pages > table.max_pages) {
+      return out_of_range("request " + std::to_string(b) + " needs " + std::to_string(pages) +
+                          " pages, the block table has " + std::to_string(table.max_pages) + " columns");
+    }
+    for (int64_t c = 0; c < pages; ++c) {
+      const int32_t p = table.page(static_cast<int32_t>(b), c);
+      if (p < 0 || p >= cache.num_pages) {
+        return out_of_range("block table row " + std::to_string(b) + " column " + std::to_string(c) + " holds page " +
+                            std::to_string(p) + ", outside [0, " + std::to_string(cache.num_pages) + ")");
+      }
+    }
+  }
+  return Status();
+}
+
+template <typename T>
+Result<DeviceBuffer> upload(Backend& backend, const std::vector<T>& v) {
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer buf, backend.allocate(std::max<size_t>(v.size() * sizeof(T), 1)));
+  if (!v.empty()) DSACP_RETURN_IF_ERROR(backend.copy_to_device(buf.get(), v.data(), v.size() * sizeof(T)));
+  return buf;
+}
+
+}  // namespace
+
+Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
+                const BlockTable& table, PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
+  const PagedCacheConfig& cc = cache.config();
+  DSACP_RETURN_IF_ERROR(check_config(config, cc));
+  DSACP_ASSIGN_OR_RETURN(SingleDevicePlan plan,
+                         single_device_plan(requests, table, cc.page_size, config.decode_threshold));
+  DSACP_RETURN_IF_ERROR(check_block_table(requests, table, cc));
+  const int64_t T = plan.layout.num_tokens;
+
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload(backend, plan.slots));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_request, upload(backend, plan.token_request));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_key_len, upload(backend, plan.token_key_len));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, upload(backend, table.data));
+
+  // 1. The new tokens' KV goes into the caches first: every token sees its own key.
+  CacheWriteParams w;
+  w.rows_dtype = config.act_dtype;
+  w.num_rows = T;
+  w.slots = d_slots.as<const int64_t>();
+  w.rows = in.kv_latent;
+  w.pool = cache.latent();
+  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (latent)"));
+  w.rows = in.k_rope;
+  w.pool = cache.rope();
+  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (rope)"));
+  w.rows = in.idx_k;
+  w.pool = cache.index_keys();
+  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (indexer keys)"));
+
+  QueryRowsView rows;
+  rows.num_tokens = T;
+  rows.request = d_request.as<const int32_t>();
+  rows.key_len = d_key_len.as<const int32_t>();
+  BlockTableView bt{d_table.as<const int32_t>(), table.num_requests, table.max_pages};
+
+  // 2. Indexer scores and the exact top-k.
+  IndexerTopkParams ip;
+  ip.rows = rows;
+  ip.Hi = config.Hi;
+  ip.Di = config.Di;
+  ip.K = config.K;
+  ip.q = in.idx_q;
+  ip.q_dtype = config.act_dtype;
+  ip.w = in.idx_w;
+  ip.keys = cache.index_keys();
+  ip.block_table = bt;
+  ip.topk = out.topk;
+  DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
+
+  // 3. Sparse MLA attention over the chosen keys.
+  SparseMlaParams ap;
+  ap.rows = rows;
+  ap.H = config.H;
+  ap.Dl = config.Dl;
+  ap.Dr = config.Dr;
+  ap.K = config.K;
+  ap.scale = config.scale;
+  ap.q_nope = in.q_nope;
+  ap.q_rope = in.q_rope;
+  ap.q_dtype = config.act_dtype;
+  ap.latent = cache.latent();
+  ap.rope = cache.rope();
+  ap.block_table = bt;
+  ap.topk = out.topk;
+  ap.out = out.out;
+  ap.out_dtype = config.out_dtype;
+  ap.lse = out.lse;
+  DSACP_RETURN_IF_ERROR(sparse_mla_run(backend, ap).with_context("sparse MLA"));
+  return backend.synchronize();
+}
+
+}  // namespace dsacp

@@ -1,0 +1,142 @@
+// The local (threads) Communicator: collectives, async handles in flight, timeouts and aborts.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "dsacp/communicator.h"
+
+namespace dsacp {
+namespace {
+
+// Runs fn(comm) on `size` threads, one rank each.
+void run_ranks(const std::shared_ptr<LocalGroup>& group, int size, const std::function<void(Communicator&)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      auto comm = group->make_communicator(r);
+      fn(*comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+class LocalCommunicatorTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(LocalCommunicatorTest, AllGatherAllToAllBroadcast) {
+  const int P = GetParam();
+  auto group = LocalGroup::create(P, std::chrono::seconds(20));
+  std::atomic<int> failures{0};
+  run_ranks(group, P, [&](Communicator& c) {
+    const int r = c.rank();
+    std::vector<int> send(3), recv(3 * P);
+    for (int i = 0; i < 3; ++i) send[i] = 100 * r + i;
+    if (!c.all_gather(send.data(), recv.data(), 3 * sizeof(int)).ok()) ++failures;
+    for (int k = 0; k < P; ++k) {
+      for (int i = 0; i < 3; ++i) failures += recv[k * 3 + i] != 100 * k + i;
+    }
+    std::vector<int> a2a_send(P), a2a_recv(P);
+    for (int k = 0; k < P; ++k) a2a_send[k] = 10 * r + k;  // to rank k
+    if (!c.all_to_all(a2a_send.data(), a2a_recv.data(), sizeof(int)).ok()) ++failures;
+    for (int k = 0; k < P; ++k) failures += a2a_recv[k] != 10 * k + r;
+    int value = r == P - 1 ? 4242 : -1;
+    if (!c.broadcast(&value, sizeof value, P - 1).ok()) ++failures;
+    failures += value != 4242;
+    if (!c.barrier().ok()) ++failures;
+  });
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_P(LocalCommunicatorTest, AllGatherAlongADimension) {
+  const int P = GetParam();
+  auto group = LocalGroup::create(P, std::chrono::seconds(20));
+  std::atomic<int> failures{0};
+  // Each rank holds [outer=2, local=3, inner=2]; gathered along dim 1 -> [2, 3P, 2].
+  run_ranks(group, P, [&](Communicator& c) {
+    const int r = c.rank();
+    std::vector<float> send(12), recv(12 * P), scratch(12 * P);
+    for (int o = 0; o < 2; ++o)
+      for (int l = 0; l < 3; ++l)
+        for (int i = 0; i < 2; ++i) send[(o * 3 + l) * 2 + i] = 1000.f * o + 100.f * r + 10.f * l + i;
+    if (!c.all_gather_dim(send.data(), recv.data(), scratch.data(), 2, 3, 2, sizeof(float)).ok()) ++failures;
+    for (int o = 0; o < 2; ++o)
+      for (int g = 0; g < 3 * P; ++g)
+        for (int i = 0; i < 2; ++i) {
+          const int k = g / 3, l = g % 3;
+          failures += recv[(o * 3 * P + g) * 2 + i] != 1000.f * o + 100.f * k + 10.f * l + i;
+        }
+  });
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_P(LocalCommunicatorTest, SeveralCollectivesInFlightWaitedInAnyOrder) {
+  const int P = GetParam();
+  auto group = LocalGroup::create(P, std::chrono::seconds(20));
+  std::atomic<int> failures{0};
+  run_ranks(group, P, [&](Communicator& c) {
+    const int r = c.rank();
+    int a = r, b = 10 + r;
+    std::vector<int> ra(P), rb(P);
+    auto ha = c.all_gather_async(&a, ra.data(), sizeof(int));
+    auto hb = c.all_gather_async(&b, rb.data(), sizeof(int));
+    if (!ha.ok() || !hb.ok()) {
+      ++failures;
+      return;
+    }
+    // Odd ranks wait in reverse order: progress must not depend on it.
+    if (r % 2) {
+      failures += !(*hb)->wait().ok();
+      failures += !(*ha)->wait().ok();
+    } else {
+      failures += !(*ha)->wait().ok();
+      failures += !(*hb)->wait().ok();
+    }
+    for (int k = 0; k < P; ++k) failures += ra[k] != k || rb[k] != 10 + k;
+  });
+  EXPECT_EQ(failures.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, LocalCommunicatorTest, ::testing::Values(1, 2, 3, 4, 8),
+                         [](const auto& info) { return "P" + std::to_string(info.param); });
+
+TEST(LocalCommunicator, MissingRankTimesOutInsteadOfHanging) {
+  auto group = LocalGroup::create(2, std::chrono::milliseconds(200));
+  auto c0 = group->make_communicator(0);
+  int x = 1, y[2];
+  Status s = c0->all_gather(&x, y, sizeof x);  // rank 1 never comes
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kTimeout);
+  EXPECT_NE(s.message().find("1 of 2 ranks arrived"), std::string::npos) << s.message();
+  // The group is now failed: later collectives fail at once.
+  EXPECT_FALSE(c0->barrier().ok());
+}
+
+TEST(LocalCommunicator, AbortReachesEveryRank) {
+  auto group = LocalGroup::create(3, std::chrono::seconds(30));
+  std::atomic<int> errors{0};
+  run_ranks(group, 3, [&](Communicator& c) {
+    if (c.rank() == 1) {
+      c.abort("out of pages");
+      return;
+    }
+    Status s = c.barrier();
+    if (!s.ok() && s.message().find("rank 1 failed: out of pages") != std::string::npos) ++errors;
+  });
+  EXPECT_EQ(errors.load(), 2);
+}
+
+TEST(LocalCommunicator, MismatchedCollectivesAreAnError) {
+  auto group = LocalGroup::create(2, std::chrono::seconds(10));
+  std::atomic<int> errors{0};
+  run_ranks(group, 2, [&](Communicator& c) {
+    int x = 0, y[2];
+    Status s = c.rank() == 0 ? c.all_gather(&x, y, sizeof x) : c.all_gather(&x, y, 2);
+    if (!s.ok()) ++errors;
+  });
+  EXPECT_EQ(errors.load(), 2);
+}
+
+}  // namespace
+}  // namespace dsacp

@@ -1,0 +1,303 @@
+// safetensors reader/writer and the JSON parser under it: round trips, every refusal the reader promises,
+// and a mutation loop (truncations, byte flips, header edits) that must never crash.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "core/json.h"
+#include "dsacp/random.h"
+#include "dsacp/safetensors.h"
+
+namespace dsacp {
+namespace {
+
+Tensor make_tensor(DType dtype, Shape shape, uint64_t stream) {
+  Tensor t = Tensor::zeros(dtype, std::move(shape)).value();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (dtype == DType::kI32) {
+      t.data_as<int32_t>()[i] = static_cast<int32_t>(counter_hash(7, stream, i));
+    } else {
+      t.set_f32(i, counter_uniform(7, stream, i));
+    }
+  }
+  return t;
+}
+
+SafetensorsFile sample_file() {
+  SafetensorsFile f;
+  f.tensors["b_f32"] = make_tensor(DType::kF32, {3, 5}, 1);
+  f.tensors["a_bf16"] = make_tensor(DType::kBF16, {2, 3, 7}, 2);  // 84 bytes: the next offset is not 8-aligned
+  f.tensors["c_i32"] = make_tensor(DType::kI32, {4}, 3);
+  f.tensors["empty"] = make_tensor(DType::kF32, {0, 4}, 4);
+  f.tensors["scalar"] = make_tensor(DType::kF32, {}, 5);
+  f.metadata["topk"] = "64";
+  f.metadata["note \"quoted\"\n"] = "ünïcode";
+  return f;
+}
+
+// A file image from a raw header and a data section.
+std::string raw_file(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + data;
+}
+
+// The error message of parsing `bytes`; "" when it parsed.
+std::string parse_error(std::string_view bytes) {
+  Result<SafetensorsFile> r = safetensors_parse(bytes);
+  return r.ok() ? "" : r.status().message();
+}
+
+void expect_refused(std::string_view bytes, const std::string& substring) {
+  const std::string msg = parse_error(bytes);
+  EXPECT_NE(msg.find(substring), std::string::npos) << "message: " << msg << "\nexpected: " << substring;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << "message is not one line: " << msg;
+}
+
+void expect_same(const SafetensorsFile& a, const SafetensorsFile& b) {
+  EXPECT_EQ(a.metadata, b.metadata);
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (const auto& [name, t] : a.tensors) {
+    const Tensor* u = b.find(name);
+    ASSERT_NE(u, nullptr) << name;
+    EXPECT_EQ(t.dtype(), u->dtype()) << name;
+    EXPECT_EQ(t.shape(), u->shape()) << name;
+    ASSERT_EQ(t.nbytes(), u->nbytes()) << name;
+    EXPECT_EQ(std::memcmp(t.data(), u->data(), t.nbytes()), 0) << name;
+  }
+}
+
+TEST(SafetensorsJson, ParsesValues) {
+  auto v = json::parse(R"( {"a": [1, -2, 3.5e2, true, false, null], "b": "x\u00e9\ud83d\ude00\n", "c": {}} )");
+  ASSERT_TRUE(v.ok()) << v.status().message();
+  const json::Value* a = v->find("a");
+  ASSERT_NE(a, nullptr);
+  ASSERT_EQ(a->items.size(), 6u);
+  EXPECT_TRUE(a->items[1].is_integer);
+  EXPECT_EQ(a->items[1].integer, -2);
+  EXPECT_FALSE(a->items[2].is_integer);
+  EXPECT_EQ(a->items[2].number, 350.0);
+  EXPECT_EQ(v->find("b")->string, "x\xc3\xa9\xf0\x9f\x98\x80\n");
+  EXPECT_EQ(v->find("c")->kind, json::Kind::kObject);
+  // 2^63 does not fit int64: a number, not an integer.
+  auto big = json::parse("9223372036854775808");
+  ASSERT_TRUE(big.ok());
+  EXPECT_FALSE(big->is_integer);
+}
+
+TEST(SafetensorsJson, RefusesNonStrictJson) {
+  const char* bad[] = {"",
+                       "{",
+                       "{\"a\":1,}",
+                       "[1,]",
+                       "{\"a\" 1}",
+                       "01",
+                       "1.",
+                       "-",
+                       "+1",
+                       "NaN",
+                       "'a'",
+                       "{\"a\":1}x",
+                       "\"\x01\"",
+                       "\"\\x\"",
+                       "\"\\ud800\"",
+                       "\"\\udc00\"",
+                       "\"\xff\"",
+                       "\"\xc0\x80\"",
+                       "tru",
+                       "{\"a\":1,\"a\":2}",
+                       "\"abc"};
+  for (const char* s : bad) EXPECT_FALSE(json::parse(s).ok()) << s;
+  EXPECT_NE(json::parse("{\"a\":1,\"a\":2}").status().message().find("duplicate key \"a\""), std::string::npos);
+  EXPECT_NE(json::parse(std::string(100, '[')).status().message().find("nesting deeper"), std::string::npos);
+  EXPECT_TRUE(json::parse(std::string(60, '[') + std::string(60, ']')).ok());
+}
+
+TEST(SafetensorsJson, QuoteRoundTrips) {
+  const std::string s = "a\"b\\c\nd\te\x01f\x7f";
+  const std::string q = json::quote(s);
+  EXPECT_EQ(q.find('\n'), std::string::npos);
+  auto v = json::parse(q);
+  ASSERT_TRUE(v.ok()) << v.status().message();
+  EXPECT_EQ(v->string, s);
+}
+
+TEST(SafetensorsFile, RoundTripInMemory) {
+  const SafetensorsFile f = sample_file();
+  Result<std::string> bytes = safetensors_serialize(f);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().message();
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes->data(), 8);
+  EXPECT_EQ((8 + header_len) % 8, 0u);
+  const std::string header = bytes->substr(8, header_len);
+  // Metadata first, then tensors in name order.
+  EXPECT_EQ(header.rfind("{\"__metadata__\":{", 0), 0u) << header;
+  EXPECT_LT(header.find("\"a_bf16\""), header.find("\"b_f32\""));
+  EXPECT_LT(header.find("\"b_f32\""), header.find("\"c_i32\""));
+  Result<SafetensorsFile> g = safetensors_parse(*bytes);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  expect_same(f, *g);
+  // Serializing again gives the same bytes.
+  EXPECT_EQ(*safetensors_serialize(*g), *bytes);
+}
+
+TEST(SafetensorsFile, RoundTripOnDisk) {
+  const std::string path = (std::filesystem::temp_directory_path() / "dsacp_test_rt.safetensors").string();
+  const SafetensorsFile f = sample_file();
+  ASSERT_TRUE(safetensors_write(path, f).ok());
+  Result<SafetensorsFile> g = safetensors_read(path);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  expect_same(f, *g);
+  std::filesystem::remove(path);
+  Result<SafetensorsFile> missing = safetensors_read(path);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kIoError);
+  EXPECT_NE(missing.status().message().find(path), std::string::npos);
+  // A directory is not a file: an i/o error, not an empty parse.
+  EXPECT_EQ(safetensors_read(std::filesystem::temp_directory_path().string()).status().code(), StatusCode::kIoError);
+}
+
+TEST(SafetensorsFile, ReadsHeaderWrittenByOthers) {
+  // Whitespace, key order and an absent __metadata__ as other writers produce them.
+  const std::string header = "{ \"x\" : { \"shape\" : [2], \"data_offsets\" : [0, 8], \"dtype\" : \"I32\" } }      ";
+  Result<SafetensorsFile> f = safetensors_parse(raw_file(header, std::string("\1\0\0\0\2\0\0\0", 8)));
+  ASSERT_TRUE(f.ok()) << f.status().message();
+  EXPECT_TRUE(f->metadata.empty());
+  EXPECT_EQ(f->find("x")->data_as<int32_t>()[1], 2);
+}
+
+TEST(SafetensorsFile, RefusesTruncatedAndHugeHeaders) {
+  expect_refused("", "shorter than the 8-byte header length");
+  expect_refused("1234567", "shorter than the 8-byte header length");
+  expect_refused(raw_file("{}", "").substr(0, 9), "exceeds the 1 bytes that follow it");
+  std::string huge(8, '\0');
+  const uint64_t n = uint64_t{1} << 62;
+  std::memcpy(huge.data(), &n, 8);
+  expect_refused(huge + "{}", "header length 4611686018427387904 is absurd");
+  const uint64_t max = ~uint64_t{0};
+  std::memcpy(huge.data(), &max, 8);
+  expect_refused(huge + "{}", "is absurd");
+  // A truncated data section.
+  const std::string full = *safetensors_serialize(sample_file());
+  expect_refused(full.substr(0, full.size() - 1), "lie outside the data section");
+}
+
+TEST(SafetensorsFile, RefusesBadHeaders) {
+  expect_refused(raw_file("{\"a\":", ""), "safetensors: header: invalid JSON at byte 5");
+  expect_refused(raw_file("[1, 2]", ""), "header must be a JSON object, got array");
+  expect_refused(raw_file("{\"a\":1}", ""), "tensor \"a\": entry must be an object, got number");
+  const std::string e = R"("dtype":"F32","shape":[2],"data_offsets":[0,8])";
+  expect_refused(raw_file("{\"a\":{" + e + "},\"a\":{" + e + "}}", std::string(8, '\0')), "duplicate key \"a\"");
+  expect_refused(raw_file(R"({"a":{"shape":[2],"data_offsets":[0,8]}})", ""), "tensor \"a\": missing \"dtype\"");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","data_offsets":[0,8]}})", ""), "tensor \"a\": missing \"shape\"");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2]}})", ""), "tensor \"a\": missing \"data_offsets\"");
+  expect_refused(raw_file("{\"a\":{" + e + ",\"extra\":1}}", std::string(8, '\0')),
+                 "tensor \"a\": unknown key \"extra\"");
+  expect_refused(raw_file(R"({"a":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}})", std::string(4, '\0')),
+                 "tensor \"a\": unsupported dtype \"F16\" (supported: F32, BF16, I32)");
+  expect_refused(raw_file(R"({"a":{"dtype":3,"shape":[2],"data_offsets":[0,8]}})", ""), "\"dtype\" must be a string");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", ""),
+                 "\"shape\" must hold non-negative integers");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", ""),
+                 "\"shape\" must hold non-negative integers");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":2,"data_offsets":[0,8]}})", ""), "\"shape\" must be an array");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", ""),
+                 "\"data_offsets\" must be an array [begin, end]");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", ""),
+                 "data_offsets [8, 0] have begin > end");
+  expect_refused(raw_file(R"({"__metadata__":{"k":1}})", ""), "__metadata__ \"k\" must be a string, got number");
+  expect_refused(raw_file(R"({"__metadata__":[]})", ""), "__metadata__ must be an object");
+  expect_refused(raw_file(R"({"":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})", ""), "empty name");
+}
+
+TEST(SafetensorsFile, RefusesBadDataOffsets) {
+  // The message the header documents.
+  expect_refused(
+      raw_file(R"({"q_nope":{"dtype":"F32","shape":[4,2,8],"data_offsets":[0,96]}})", std::string(96, 0)),
+      "safetensors: tensor \"q_nope\": data_offsets [0, 96] do not match shape [4, 2, 8] of F32 (256 bytes)");
+  // Shape whose byte count overflows.
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", ""),
+                 "do not match shape");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,8]}})", ""),
+                 "(more than 2^64 bytes)");
+  // Outside the data section.
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", std::string(8, 0)),
+                 "tensor \"a\": data_offsets [8, 16] lie outside the data section (8 bytes)");
+  expect_refused(
+      raw_file(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[9223372036854775807,9223372036854775807]}})", ""),
+      "lie outside the data section");
+  // Overlap, gap and trailing bytes.
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                          R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                          std::string(12, 0)),
+                 "tensor \"b\": data_offsets [4, 12] overlap tensor \"a\" [0, 8]");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                          R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                          std::string(8, 0)),
+                 "overlap tensor");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", std::string(8, 0)),
+                 "tensor \"a\": data_offsets [4, 8] leave bytes [0, 4) of the data section unused");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(8, 0)),
+                 "data section has 4 trailing bytes after the last tensor");
+}
+
+TEST(SafetensorsFile, WriterRefusesUnwritableTensors) {
+  SafetensorsFile f;
+  f.tensors["x"] = Tensor();
+  EXPECT_FALSE(safetensors_serialize(f).ok());
+  SafetensorsFile g;
+  g.tensors["__metadata__"] = make_tensor(DType::kF32, {1}, 1);
+  EXPECT_FALSE(safetensors_serialize(g).ok());
+  EXPECT_FALSE(safetensors_write("/nonexistent-dir/x.safetensors", sample_file()).ok());
+}
+
+// Random truncations, byte flips and header edits of a valid file: each parse must return an error or a
+// valid file (whose tensors then hold exactly the bytes their shape needs); under ASan this also proves no
+// read outside the buffer.
+TEST(SafetensorsFile, MutationsNeverCrash) {
+  const std::string valid = *safetensors_serialize(sample_file());
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, valid.data(), 8);
+  int parsed = 0, refused = 0;
+  for (uint64_t it = 0; it < 4000; ++it) {
+    std::string m = valid;
+    const uint64_t h = counter_hash(99, 0, it);
+    switch (h % 4) {
+      case 0:  // truncate anywhere
+        m.resize(counter_hash(99, 1, it) % m.size());
+        break;
+      case 1:  // flip 1..4 random bits anywhere
+        for (uint64_t k = 0; k < 1 + (h >> 8) % 4; ++k) {
+          const uint64_t r = counter_hash(99, 2 + k, it);
+          m[r % m.size()] = static_cast<char>(m[r % m.size()] ^ (1u << ((r >> 32) % 8)));
+        }
+        break;
+      case 2: {  // replace a header byte with a JSON-significant character
+        const char specials[] = "{}[],:\"\\0123456789-e. ";
+        const uint64_t r = counter_hash(99, 7, it);
+        m[8 + r % header_len] = specials[(r >> 32) % (sizeof specials - 1)];
+        break;
+      }
+      case 3: {  // corrupt the length field
+        const uint64_t r = counter_hash(99, 8, it);
+        m[r % 8] = static_cast<char>(r >> 32);
+        break;
+      }
+    }
+    Result<SafetensorsFile> f = safetensors_parse(m);
+    if (f.ok()) {
+      ++parsed;
+      for (const auto& [name, t] : f->tensors) ASSERT_LE(t.nbytes(), m.size()) << name;
+    } else {
+      ++refused;
+      ASSERT_EQ(f.status().message().find('\n'), std::string::npos) << f.status().message();
+    }
+  }
+  EXPECT_GT(refused, 1000);
+  EXPECT_GT(parsed, 0);  // flips inside the data section still parse
+}
+
+}  // namespace
+}  // namespace dsacp

@@ -1,0 +1,113 @@
+// cache_write and the CPU backend's memory functions: dtype conversion (RNE), skipped rows, bad slots,
+// duplicate slots, fill with NaN.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "dsacp/backend.h"
+
+namespace dsacp {
+namespace {
+
+struct CacheWriteCase {
+  DType rows_dtype, pool_dtype;
+};
+
+class CacheWriteKernel : public ::testing::TestWithParam<CacheWriteCase> {};
+
+float rne_expected(float x, DType rows, DType pool) {
+  return (rows == DType::kBF16 || pool == DType::kBF16) ? round_to_bf16(x) : x;
+}
+
+TEST_P(CacheWriteKernel, ScattersConvertsAndSkips) {
+  const auto [rows_dtype, pool_dtype] = GetParam();
+  auto backend = make_cpu_backend(2);
+  const int32_t dim = 3, page_size = 2;
+  const int64_t num_pages = 3, slots_total = num_pages * page_size;
+  // Values chosen to need rounding to bf16: 1 + 2^-9 (a tie, to even 1.0), 1 + 3*2^-9 (up), 1 + 2^-8 + 2^-10.
+  const std::vector<float> values = {1.f + 0x1p-9f, 1.f + 3 * 0x1p-9f, -(1.f + 0x1p-8f + 0x1p-10f), 2.5f, -0.f,
+                                     1e30f,          7.f,               8.f,                           9.f};
+  std::vector<uint8_t> rows(values.size() * dtype_size(rows_dtype));
+  for (size_t i = 0; i < values.size(); ++i) store_from_f32(rows.data(), rows_dtype, int64_t(i), values[i]);
+  const std::vector<int64_t> slots = {5, -1, 0};  // row 1 skipped
+  auto pool = backend->allocate(slots_total * dim * dtype_size(pool_dtype));
+  ASSERT_TRUE(pool.ok());
+  ASSERT_TRUE(backend->fill(pool->get(), pool_dtype, slots_total * dim, std::nanf("")).ok());
+  CacheWriteParams p{rows.data(), rows_dtype, 3, slots.data(), {pool->get(), pool_dtype, num_pages, page_size, dim}};
+  ASSERT_TRUE(cache_write_run(*backend, p).ok());
+  for (int64_t s = 0; s < slots_total; ++s) {
+    const int64_t row = s == 5 ? 0 : (s == 0 ? 2 : -1);
+    for (int32_t d = 0; d < dim; ++d) {
+      const float got = load_as_f32(pool->get(), pool_dtype, s * dim + d);
+      if (row < 0) {
+        EXPECT_TRUE(std::isnan(got)) << "slot " << s << " must stay untouched";
+        continue;
+      }
+      // Through a bf16 side the value is the RNE rounding; f32 -> f32 is exact.
+      const float want = rne_expected(values[row * dim + d], rows_dtype, pool_dtype);
+      EXPECT_EQ(std::memcmp(&got, &want, sizeof got), 0) << "slot " << s << " d " << d << ": " << got << " vs " << want;
+    }
+  }
+}
+
+std::string cw_name(const ::testing::TestParamInfo<CacheWriteCase>& info) {
+  return std::string("rows") + dtype_name(info.param.rows_dtype) + "_pool" + dtype_name(info.param.pool_dtype);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CacheWriteKernel,
+                         ::testing::Values(CacheWriteCase{DType::kF32, DType::kF32},
+                                           CacheWriteCase{DType::kF32, DType::kBF16},
+                                           CacheWriteCase{DType::kBF16, DType::kF32},
+                                           CacheWriteCase{DType::kBF16, DType::kBF16}),
+                         cw_name);
+
+TEST(CacheWriteErrors, SlotOutOfRangeNamesRowAndSlot) {
+  auto backend = make_cpu_backend(2);
+  std::vector<float> rows(4 * 2, 1.f), pool(2 * 2 * 2, 0.f);
+  for (int64_t bad : {int64_t{4}, int64_t{-2}, int64_t{1} << 40}) {
+    std::vector<int64_t> slots = {0, -1, bad, 1};
+    CacheWriteParams p{rows.data(), DType::kF32, 4, slots.data(), {pool.data(), DType::kF32, 2, 2, 2}};
+    const Status st = cache_write_run(*backend, p);
+    EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
+    EXPECT_NE(st.message().find("row 2: slot " + std::to_string(bad)), std::string::npos) << st.message();
+    EXPECT_EQ(pool[0], 0.f) << "nothing is written when a slot is bad";
+  }
+}
+
+TEST(CacheWriteKernelOrder, DuplicateSlotsLastRowWins) {
+  auto backend = make_cpu_backend(2);
+  std::vector<float> rows(1000), pool(8, 0.f);
+  std::vector<int64_t> slots(1000);
+  for (int i = 0; i < 1000; ++i) {
+    rows[i] = float(i);
+    slots[i] = i % 8;
+  }
+  CacheWriteParams p{rows.data(), DType::kF32, 1000, slots.data(), {pool.data(), DType::kF32, 2, 4, 1}};
+  ASSERT_TRUE(cache_write_run(*backend, p).ok());
+  for (int s = 0; s < 8; ++s) EXPECT_EQ(pool[s], float(992 + s));
+}
+
+TEST(KernelCpuBackend, FillAllocateCopy) {
+  auto backend = make_cpu_backend(2);
+  auto buf = backend->allocate(100);
+  ASSERT_TRUE(buf.ok());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buf->get()) % 64, 0u);
+  EXPECT_TRUE(backend->fill(buf->get(), DType::kF32, 25, std::nanf("")).ok());
+  EXPECT_TRUE(std::isnan(buf->as<float>()[24]));
+  EXPECT_TRUE(backend->fill(buf->get(), DType::kBF16, 50, std::nanf("")).ok());
+  EXPECT_TRUE(std::isnan(bf16_to_f32(buf->as<bf16>()[49])));
+  EXPECT_TRUE(backend->fill(buf->get(), DType::kI32, 25, -3.f).ok());
+  EXPECT_EQ(buf->as<int32_t>()[24], -3);
+  EXPECT_EQ(backend->fill(buf->get(), DType::kI32, 25, std::nanf("")).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(backend->fill(buf->get(), DType::kF32, -1, 0.f).code(), StatusCode::kInvalidArgument);
+  std::vector<int32_t> host(25, 0);
+  EXPECT_TRUE(backend->copy_to_host(host.data(), buf->get(), 100).ok());
+  EXPECT_EQ(host[0], -3);
+  EXPECT_FALSE(backend->copy_to_device(nullptr, host.data(), 4).ok());
+}
+
+}  // namespace
+}  // namespace dsacp

@@ -1,0 +1,135 @@
+// The dsacp CLI end to end: help, refused flags, make-case -> replay, malformed cases refused in one line.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <unistd.h>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "dsacp/case_file.h"
+#include "dsacp/replay.h"
+
+namespace dsacp {
+namespace {
+
+struct CmdResult {
+  int code;
+  std::string output;  // stdout and stderr together
+};
+
+CmdResult run_cli(const std::string& args) {
+  const std::string cmd = std::string(DSACP_CLI_PATH) + " " + args + " 2>&1";
+  CmdResult r{-1, ""};
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string temp_path(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / "dsacp_cli_test";
+  std::filesystem::create_directories(dir);
+  return (dir / (std::to_string(::getpid()) + "_" + name)).string();
+}
+
+int count_lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n;
+}
+
+TEST(Cli, HelpForEveryCommand) {
+  EXPECT_EQ(run_cli("--help").code, 0);
+  for (const char* cmd : {"run", "replay", "make-case"}) {
+    CmdResult r = run_cli(std::string(cmd) + " --help");
+    EXPECT_EQ(r.code, 0) << cmd;
+    EXPECT_NE(r.output.find("usage: dsacp"), std::string::npos) << r.output;
+  }
+  CmdResult r = run_cli("frobnicate");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("unknown command"), std::string::npos);
+}
+
+TEST(Cli, LayoutFlagsAreRefusedUntilTheyExist) {
+  for (const char* flag : {"--pcp 4", "--dcp 2", "--interleave 3", "--indexer sharded", "--dsa-cp"}) {
+    CmdResult r = run_cli(std::string("replay x.safetensors --out y ") + flag);
+    EXPECT_EQ(r.code, 2) << flag;
+    EXPECT_NE(r.output.find("not available yet"), std::string::npos) << r.output;
+    EXPECT_EQ(count_lines(r.output), 1) << r.output;
+    r = run_cli(std::string("run ") + flag);
+    EXPECT_EQ(r.code, 2) << flag;
+    EXPECT_NE(r.output.find("not available yet"), std::string::npos) << r.output;
+  }
+  CmdResult r = run_cli("run --device cuda");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("no CUDA backend"), std::string::npos) << r.output;
+}
+
+TEST(Cli, BadOptionValuesAreNamed) {
+  CmdResult r = run_cli("run --topk abc");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("--topk: expected an integer"), std::string::npos) << r.output;
+  r = run_cli("run --mtp 17");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("--mtp"), std::string::npos) << r.output;
+  r = run_cli("replay");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("expected 1 argument"), std::string::npos) << r.output;
+}
+
+TEST(Cli, MakeCaseThenReplayMatchesTheLibrary) {
+  const std::string case_path = temp_path("case.safetensors");
+  const std::string result_path = temp_path("result.safetensors");
+  CmdResult r = run_cli("make-case " + case_path +
+                        " --query-lens 1,3,17,5 --context-lens 70,33,0,12 --heads 3 --latent-dim 24 --rope-dim 8"
+                        " --index-heads 2 --index-dim 16 --topk 20 --seed 9");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run_cli("replay " + case_path + " --out " + result_path + " --page-size 7 --threads 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto c = case_read(case_path);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  auto got = result_read(result_path);
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  // The library with another page size and page order gives the same rows bit for bit.
+  auto backend = make_cpu_backend(1);
+  ReplayOptions opt;
+  opt.page_size = 3;
+  opt.page_shuffle_seed = 99;
+  auto want = replay_case(*backend, *c, opt);
+  ASSERT_TRUE(want.ok()) << want.status().to_string();
+  ASSERT_EQ(got->topk_indices.nbytes(), want->topk_indices.nbytes());
+  EXPECT_EQ(0, std::memcmp(got->topk_indices.data(), want->topk_indices.data(), want->topk_indices.nbytes()));
+  EXPECT_EQ(0, std::memcmp(got->out.data(), want->out.data(), want->out.nbytes()));
+  EXPECT_EQ(0, std::memcmp(got->lse.data(), want->lse.data(), want->lse.nbytes()));
+}
+
+TEST(Cli, MalformedCasesAreRefusedInOneLine) {
+  const std::string case_path = temp_path("good.safetensors");
+  ASSERT_EQ(run_cli("make-case " + case_path).code, 0);
+  std::ifstream in(case_path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 100u);
+  const std::string bad_path = temp_path("bad.safetensors");
+  const std::string out_path = temp_path("bad_result.safetensors");
+  for (size_t cut : {size_t{0}, size_t{5}, size_t{12}, bytes.size() / 2, bytes.size() - 1}) {
+    std::ofstream(bad_path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(cut));
+    CmdResult r = run_cli("replay " + bad_path + " --out " + out_path);
+    EXPECT_NE(r.code, 0) << "cut at " << cut;
+    EXPECT_EQ(count_lines(r.output), 1) << r.output;
+    EXPECT_NE(r.output.find("error"), std::string::npos) << r.output;
+  }
+  CmdResult r = run_cli("replay /nonexistent/case.safetensors --out " + out_path);
+  EXPECT_NE(r.code, 0);
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+}  // namespace
+}  // namespace dsacp
