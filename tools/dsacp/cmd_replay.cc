@@ -24,7 +24,7 @@ CommandSpec replay_spec() {
       {"--threads", "N", "CPU threads (0 = all cores)", "0"},
       {"--out-dtype", "f32|bf16", "dtype of out in the result file", "f32"},
       {"--page-seed", "N", "seed of the shuffled page order (0 = pages in order)", "24301"},
-      {"--device", "cpu", "backend", "cpu"},
+      {"--device", "cpu|cuda", "backend (cuda: sm_90a GPU 0)", "cpu"},
   };
   s.not_yet = layout_flags_not_yet();
   return s;
@@ -45,7 +45,6 @@ int cmd_replay(const std::vector<std::string>& argv) {
   if (!args.has("--out")) return fail(invalid_argument("--out RESULT is required"));
   auto device = args.get_choice("--device", "cpu", {"cpu", "cuda"});
   if (!device.ok()) return fail(device.status());
-  if (*device == "cuda") return fail(unsupported("--device cuda: this build has no CUDA backend (supported: cpu)"));
   auto page_size = args.get_int("--page-size", 64, 1, 1 << 20);
   auto threads = args.get_int("--threads", 0, 0, 1024);
   auto page_seed = args.get_int("--page-seed", 24301, 0, INT64_MAX);
@@ -58,7 +57,14 @@ int cmd_replay(const std::vector<std::string>& argv) {
   auto c = case_read(case_path);
   if (!c.ok()) return fail(c.status());
 
-  auto backend = make_cpu_backend(static_cast<int>(*threads));
+  std::unique_ptr<Backend> backend;
+  if (*device == "cuda") {
+    auto cuda = make_cuda_backend(0);
+    if (!cuda.ok()) return fail(cuda.status().with_context("--device cuda"));
+    backend = std::move(cuda).value();
+  } else {
+    backend = make_cpu_backend(static_cast<int>(*threads));
+  }
   ReplayOptions options;
   options.page_size = static_cast<int32_t>(*page_size);
   options.out_dtype = *out_dtype == "bf16" ? DType::kBF16 : DType::kF32;

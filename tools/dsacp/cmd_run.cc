@@ -49,7 +49,7 @@ CommandSpec run_spec() {
       {"--samples", "N", "tokens checked against fp64 per step", "4"},
       {"--seed", "N", "workload seed", "1"},
       {"--threads", "N", "CPU threads (0 = all cores)", "0"},
-      {"--device", "cpu", "backend", "cpu"},
+      {"--device", "cpu|cuda", "backend (cuda: sm_90a GPU 0)", "cpu"},
       {"--json", "", "print the summary as JSON on stdout", ""},
       {"--no-progress", "", "no progress bar", ""},
   };
@@ -66,6 +66,7 @@ struct RunConfig {
   DType dtype;
   WorkloadDims dims;
   bool json, progress;
+  bool cuda = false;  // --device cuda
 };
 
 struct RequestState {
@@ -108,7 +109,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   DSACP_ASSIGN_OR_RETURN(int64_t seed, geti("--seed", 1, 0, INT64_MAX));
   DSACP_ASSIGN_OR_RETURN(int64_t threads, geti("--threads", 0, 0, 1024));
   DSACP_ASSIGN_OR_RETURN(std::string device, a.get_choice("--device", "cpu", {"cpu", "cuda"}));
-  if (device == "cuda") return unsupported("--device cuda: this build has no CUDA backend (supported: cpu)");
+  c.cuda = device == "cuda";
   c.requests = static_cast<int32_t>(requests);
   c.chunk = static_cast<int32_t>(chunk);
   c.decode_steps = static_cast<int32_t>(decode_steps);
@@ -170,7 +171,14 @@ int cmd_run(const std::vector<std::string>& argv) {
     pages_needed += (max_len + cfg.page_size - 1) / cfg.page_size;
     total_tokens += reqs[b].prompt_len + cfg.decode_steps;  // decode progress counts steps
   }
-  auto backend = make_cpu_backend(cfg.threads);
+  std::unique_ptr<Backend> backend;
+  if (cfg.cuda) {
+    auto cuda = make_cuda_backend(0);
+    if (!cuda.ok()) return fail(cuda.status().with_context("--device cuda"));
+    backend = std::move(cuda).value();
+  } else {
+    backend = make_cpu_backend(cfg.threads);
+  }
   PagedCacheConfig cc{pages_needed, cfg.page_size, d.Dl, d.Dr, d.Di, cfg.dtype};
   auto cache = PagedKvCache::create(*backend, cc);
   if (!cache.ok()) return fail(cache.status());
@@ -305,7 +313,7 @@ int cmd_run(const std::vector<std::string>& argv) {
 
   if (cfg.json) {
     std::printf(
-        "{\"command\":\"run\",\"device\":\"cpu\",\"threads\":%d,\"requests\":%d,\"prompt_len\":[%lld,%lld],"
+        "{\"command\":\"run\",\"device\":\"%s\",\"threads\":%d,\"requests\":%d,\"prompt_len\":[%lld,%lld],"
         "\"chunk\":%d,\"decode_steps\":%d,\"mtp\":%d,\"dims\":{\"H\":%d,\"Dl\":%d,\"Dr\":%d,\"Hi\":%d,\"Di\":%d,"
         "\"K\":%d},\"page_size\":%d,\"dtype\":\"%s\",\"seed\":%llu,"
         "\"prefill\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
@@ -313,7 +321,7 @@ int cmd_run(const std::vector<std::string>& argv) {
         "\"pages\":{\"total\":%lld,\"peak_used\":%lld,\"bytes_per_page\":%.0f},"
         "\"check\":{\"tokens\":%lld,\"topk_exact\":%lld,\"near_tie_swaps\":%lld,\"failures\":%lld,"
         "\"max_out_rel_err\":%.3e,\"max_lse_abs_err\":%.3e,\"pass\":%s},\"wall_seconds\":%.3f}\n",
-        cfg.threads, cfg.requests,
+        cfg.cuda ? "cuda" : "cpu", cfg.threads, cfg.requests,
         static_cast<long long>(cfg.prompt.first), static_cast<long long>(cfg.prompt.second), cfg.chunk,
         cfg.decode_steps, cfg.mtp, d.H, d.Dl, d.Dr, d.Hi, d.Di, d.K, cfg.page_size, dtype_name(cfg.dtype),
         static_cast<unsigned long long>(cfg.seed), static_cast<long long>(prefill_stats.steps),

@@ -1,0 +1,319 @@
+// GPU benchmarks of the CUDA kernels on the shapes (sparse MLA decode/prefill, indexer + top-k
+// prefill/decode). CUDA events around the launches only (plans, uploads and the backend's error check are
+// outside), warm-up, L2 flushed (256 MiB memset) before every timed run, median of the runs. Inputs are random
+// bf16 (a 64 MiB random block tiled over each buffer), never zeros. Writes JSON (--json FILE) and prints a table.
+// Usage: dsacp_bench_gpu [--json FILE] [--reps N] [--only NAME]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dsacp/dtype.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/indexer_topk/indexer_kernels.h"
+
+using namespace dsacp;
+using namespace dsacp::cuda;
+
+namespace {
+
+#define CK(x)                                                                                     \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s failed: %s at %s:%d\n", #x, cudaGetErrorName(e_), __FILE__, __LINE__); \
+      std::exit(2);                                                                               \
+    }                                                                                             \
+  } while (0)
+#define CS(x)                                                              \
+  do {                                                                     \
+    Status s_ = (x);                                                       \
+    if (!s_.ok()) {                                                        \
+      std::fprintf(stderr, "%s failed: %s\n", #x, s_.to_string().c_str()); \
+      std::exit(2);                                                        \
+    }                                                                      \
+  } while (0)
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+std::vector<uint16_t> g_block;  // 64 MiB of random bf16 in [-1, 1)
+
+void* dev_random_bf16(size_t elems, float amp = 1.f) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(elems * 2, 16)));
+  static bool init = false;
+  if (!init) {
+    g_block.resize(32u << 20);
+    for (size_t i = 0; i < g_block.size(); ++i) {
+      g_block[i] = f32_to_bf16(static_cast<float>((mix(i) >> 40) * (2.0 / 16777216.0) - 1.0)).bits;
+    }
+    init = true;
+  }
+  std::vector<uint16_t> scaled;
+  const std::vector<uint16_t>* src = &g_block;
+  if (amp != 1.f) {
+    scaled.resize(g_block.size());
+    for (size_t i = 0; i < g_block.size(); ++i) scaled[i] = f32_to_bf16(amp * bf16_to_f32(bf16{g_block[i]})).bits;
+    src = &scaled;
+  }
+  for (size_t off = 0; off < elems; off += src->size()) {
+    const size_t n = std::min(src->size(), elems - off);
+    CK(cudaMemcpy(static_cast<uint16_t*>(p) + off, src->data(), n * 2, cudaMemcpyHostToDevice));
+  }
+  return p;
+}
+template <typename T>
+T* dev_copy(const std::vector<T>& v) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(v.size() * sizeof(T), 16)));
+  CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(p);
+}
+
+void* g_flush = nullptr;
+constexpr size_t kFlushBytes = size_t{256} << 20;
+
+// median ms of `reps` runs, L2 flushed before each
+double time_ms(const std::function<void()>& fn, int reps, cudaStream_t stream) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn();
+  CK(cudaStreamSynchronize(stream));
+  std::vector<double> v;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaMemsetAsync(g_flush, i & 0xff, kFlushBytes, stream));
+    CK(cudaEventRecord(a, stream));
+    fn();
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    v.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Row {
+  std::string name;
+  double ms, flops, bytes;
+  std::string extra;
+};
+std::vector<Row> g_rows;
+
+constexpr double kPeakTflops = 762.0;  // measured bf16 8192^3 matmul (perf-anchors.md)
+constexpr double kPeakTBs = 4.18;      // measured device-to-device copy
+
+void record(const std::string& name, double ms, double flops, double bytes, const std::string& extra = "") {
+  g_rows.push_back({name, ms, flops, bytes, extra});
+  const double tf = flops / (ms * 1e-3) / 1e12, gbs = bytes / (ms * 1e-3) / 1e9;
+  const double floor_ms = std::max(flops / (kPeakTflops * 1e12), bytes / (kPeakTBs * 1e12)) * 1e3;
+  std::printf("%-44s %9.4f ms %8.1f TFLOP/s %8.1f GB/s  floor %.4f ms (%.0f%% of floor speed) %s\n", name.c_str(), ms,
+              tf, gbs, floor_ms, 100.0 * floor_ms / ms, extra.c_str());
+  std::fflush(stdout);
+}
+
+LaunchContext g_ctx;
+
+// ---- sparse MLA --------------------------------------------------------------------------------------------
+void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_per_token, int64_t num_requests,
+                      int reps) {
+  const int K = 2048, page = 64, Dl = 512, Dr = 64;
+  // request b owns keys_per_token keys; tokens are spread over requests evenly (decode: one token each)
+  const int64_t pages_per_req = (keys_per_token + page - 1) / page;
+  const int64_t num_pages = pages_per_req * num_requests;
+  std::vector<int32_t> bt(num_pages);
+  for (int64_t i = 0; i < num_pages; ++i) bt[i] = static_cast<int32_t>(i);
+  for (int64_t i = num_pages; i > 1; --i) std::swap(bt[i - 1], bt[mix(7 + i) % i]);  // shuffled pages
+  std::vector<int32_t> request(T), key_len(T, static_cast<int32_t>(keys_per_token)), topk(T * K);
+  for (int64_t t = 0; t < T; ++t) {
+    request[t] = static_cast<int32_t>(t * num_requests / T);
+    // K distinct positions: random start, odd stride coprime with a power-of-two-ish length
+    int64_t stride = 1 + 2 * static_cast<int64_t>(mix(100 + t) % 1000);
+    while (std::__gcd(stride, keys_per_token) != 1) stride += 2;
+    int64_t pos = static_cast<int64_t>(mix(200 + t) % keys_per_token);
+    for (int i = 0; i < K; ++i) {
+      topk[t * K + i] = static_cast<int32_t>(pos);
+      pos = (pos + stride) % keys_per_token;
+    }
+    std::sort(&topk[t * K], &topk[t * K] + K);
+  }
+  SparseMlaParams p;
+  p.rows.num_tokens = T;
+  p.rows.request = dev_copy(request);
+  p.rows.key_len = dev_copy(key_len);
+  p.H = H;
+  p.Dl = Dl;
+  p.Dr = Dr;
+  p.K = K;
+  p.scale = 0.0721f;
+  p.q_nope = dev_random_bf16(T * H * Dl);
+  p.q_rope = dev_random_bf16(T * H * Dr);
+  p.q_dtype = DType::kBF16;
+  p.latent = {dev_random_bf16(num_pages * page * Dl), DType::kBF16, num_pages, page, Dl};
+  p.rope = {dev_random_bf16(num_pages * page * Dr), DType::kBF16, num_pages, page, Dr};
+  p.block_table = {dev_copy(bt), static_cast<int32_t>(num_requests), static_cast<int32_t>(pages_per_req)};
+  p.topk = dev_copy(topk);
+  CK(cudaMalloc(&p.out, T * H * Dl * 2));
+  p.out_dtype = DType::kBF16;
+  CK(cudaMalloc(&p.lse, T * H * 4));
+  const int splits = sparse_mla_num_splits(p, g_ctx.num_sms);
+  float* ws = nullptr;
+  const int64_t wsf = sparse_mla_workspace_floats(p, splits);
+  if (wsf > 0) CK(cudaMalloc(&ws, wsf * 4));
+  const double ms = time_ms([&] { CS(launch_sparse_mla(p, splits, ws, g_ctx)); }, reps, g_ctx.stream);
+  const double flops = 2.0 * T * H * K * (576 + 512);
+  // unique bytes: gathered KV rows (distinct per request), q, out (bf16), lse
+  const double kv_rows = std::min<double>(static_cast<double>(T) * K, static_cast<double>(num_requests) * keys_per_token);
+  const double bytes = kv_rows * 576 * 2 + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
+  record(name, ms, flops, bytes, "splits=" + std::to_string(splits));
+  for (void* q : {const_cast<void*>(p.q_nope), const_cast<void*>(p.q_rope), p.latent.data, p.rope.data, p.out,
+                  static_cast<void*>(p.lse), static_cast<void*>(ws), static_cast<void*>(const_cast<int32_t*>(p.topk)),
+                  static_cast<void*>(const_cast<int32_t*>(p.block_table.data)),
+                  static_cast<void*>(const_cast<int32_t*>(p.rows.request)),
+                  static_cast<void*>(const_cast<int32_t*>(p.rows.key_len))}) {
+    if (q != nullptr) CK(cudaFree(q));
+  }
+}
+
+// ---- indexer + top-k ---------------------------------------------------------------------------------------
+void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, int64_t qlen, int reps) {
+  const int K = 2048, page = 64, Hi = 64, Di = 128;
+  const int64_t total = ctx + qlen;
+  const int64_t pages_per_req = (total + page - 1) / page;
+  const int64_t num_pages = pages_per_req * num_requests;
+  std::vector<int32_t> bt(num_pages);
+  for (int64_t i = 0; i < num_pages; ++i) bt[i] = static_cast<int32_t>(i);
+  for (int64_t i = num_pages; i > 1; --i) std::swap(bt[i - 1], bt[mix(9 + i) % i]);
+  const int64_t T = num_requests * qlen;
+  std::vector<int32_t> request(T), key_len(T);
+  double visible = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    request[t] = static_cast<int32_t>(t / qlen);
+    key_len[t] = static_cast<int32_t>(ctx + t % qlen + 1);
+    visible += key_len[t];
+  }
+  std::vector<float> w(T * Hi);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((mix(300 + i) >> 40) * (0.25 / 16777216.0) - 0.125);
+  IndexerTopkParams p;
+  p.rows.num_tokens = T;
+  p.rows.request = dev_copy(request);
+  p.rows.key_len = dev_copy(key_len);
+  p.Hi = Hi;
+  p.Di = Di;
+  p.K = K;
+  p.q = dev_random_bf16(T * Hi * Di);
+  p.q_dtype = DType::kBF16;
+  p.w = dev_copy(w);
+  p.keys = {dev_random_bf16(num_pages * page * Di), DType::kBF16, num_pages, page, Di};
+  p.block_table = {dev_copy(bt), static_cast<int32_t>(num_requests), static_cast<int32_t>(pages_per_req)};
+  CK(cudaMalloc(&p.topk, T * K * 4));
+  auto plan = indexer_plan(p, request.data(), key_len.data());
+  CS(plan.status());
+  IndexerPlanDevice dev;
+  dev.items = dev_copy(plan->items);
+  dev.score_offset = dev_copy(plan->score_offset);
+  CK(cudaMalloc(&dev.scores, std::max<int64_t>(1, plan->max_score_floats) * 4));
+  const double ms = time_ms([&] { CS(launch_indexer_topk(p, *plan, dev, g_ctx)); }, reps, g_ctx.stream);
+  const double ms_scores = time_ms(
+      [&] {
+        for (const auto& ch : plan->chunks) {
+          CS(launch_indexer_scores(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin, ch.max_group_tokens,
+                                   dev.score_offset, dev.scores, g_ctx));
+        }
+      },
+      reps, g_ctx.stream);
+  const double flops = 2.0 * Hi * Di * visible;
+  // unique bytes: visible keys once per request (decode) or the request's keys (prefill), q, w, topk out
+  const double key_bytes = static_cast<double>(num_requests) * total * Di * 2;
+  const double bytes = key_bytes + T * Hi * Di * 2.0 + T * Hi * 4.0 + T * K * 4.0;
+  char extra[160];
+  std::snprintf(extra, sizeof extra, "scores only %.4f ms, top-k %.4f ms, chunks=%zu", ms_scores, ms - ms_scores,
+                plan->chunks.size());
+  record(name, ms, flops, bytes, extra);
+  for (void* q : {const_cast<void*>(p.q), p.keys.data, static_cast<void*>(p.topk), static_cast<void*>(dev.scores),
+                  static_cast<void*>(const_cast<float*>(p.w)),
+                  static_cast<void*>(const_cast<ScoreItem*>(dev.items)),
+                  static_cast<void*>(const_cast<int64_t*>(dev.score_offset)),
+                  static_cast<void*>(const_cast<int32_t*>(p.block_table.data)),
+                  static_cast<void*>(const_cast<int32_t*>(p.rows.request)),
+                  static_cast<void*>(const_cast<int32_t*>(p.rows.key_len))}) {
+    if (q != nullptr) CK(cudaFree(q));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json = nullptr;
+  int reps = 20;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+    if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
+  }
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  CK(cudaStreamCreate(&g_ctx.stream));
+  g_ctx.num_sms = prop.multiProcessorCount;
+  int32_t* err = nullptr;
+  CK(cudaMalloc(&err, 8));
+  CK(cudaMemset(err, 0, 8));
+  g_ctx.error.word = err;
+  CK(cudaMalloc(&g_flush, kFlushBytes));
+  auto want = [&](const char* n) { return only.empty() || std::string(n).find(only) != std::string::npos; };
+
+  if (want("sparse_decode")) {
+    bench_sparse_mla("sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
+    bench_sparse_mla("sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps);
+    bench_sparse_mla("sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
+    bench_sparse_mla("sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
+  }
+  if (want("sparse_prefill")) {
+    bench_sparse_mla("sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4));
+    bench_sparse_mla("sparse_prefill T=8192 keys8192 h=64", 8192, 64, 8192, 1, std::max(3, reps / 4));
+  }
+  if (want("indexer_prefill")) bench_indexer("indexer_prefill T=8192 causal", 1, 0, 8192, std::max(3, reps / 4));
+  if (want("indexer_decode")) {
+    bench_indexer("indexer_decode b=64 ctx32K", 64, 32768 - 1, 1, reps);
+    bench_indexer("indexer_decode b=64 ctx128K", 64, 131072 - 1, 1, reps);
+  }
+  int32_t herr[2] = {0, 0};
+  CK(cudaMemcpy(herr, err, 8, cudaMemcpyDeviceToHost));
+  if (herr[0] != 0) std::printf("WARNING: device error word %d at row %d\n", herr[0], herr[1]);
+
+  if (json != nullptr) {
+    FILE* f = std::fopen(json, "w");
+    if (f != nullptr) {
+      std::fprintf(f, "{\"device\": \"%s\", \"peak_tflops\": %.1f, \"peak_tbs\": %.2f, \"cases\": [\n", prop.name,
+                   kPeakTflops, kPeakTBs);
+      for (size_t i = 0; i < g_rows.size(); ++i) {
+        const Row& r = g_rows[i];
+        std::fprintf(f,
+                     "  {\"name\": \"%s\", \"ms\": %.5f, \"flops\": %.6e, \"bytes\": %.6e, \"tflops\": %.2f, "
+                     "\"gbs\": %.1f, \"extra\": \"%s\"}%s\n",
+                     r.name.c_str(), r.ms, r.flops, r.bytes, r.flops / (r.ms * 1e-3) / 1e12,
+                     r.bytes / (r.ms * 1e-3) / 1e9, r.extra.c_str(), i + 1 < g_rows.size() ? "," : "");
+      }
+      std::fprintf(f, "]}\n");
+      std::fclose(f);
+    }
+  }
+  return 0;
+}

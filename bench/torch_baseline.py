@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Plain-PyTorch versions of the benchmarked computations, timed the same way as bench_gpu (CUDA events, L2
+flushed with a 256 MiB memset before each run, median), plus the two measured ceilings (device copy, bf16 matmul).
+Shapes match bench/bench_gpu.cc. Usage: torch_baseline.py [--json FILE] [--reps N] [--only NAME]"""
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--json")
+p.add_argument("--reps", type=int, default=10)
+p.add_argument("--only", default="")
+args = p.parse_args()
+dev = "cuda"
+flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+rows = []
+
+
+def timed(fn, reps):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(reps):
+        flush.fill_(i & 0xFF)
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def record(name, ms, flops, nbytes):
+    rows.append({"name": name, "ms": ms, "tflops": flops / ms / 1e9, "gbs": nbytes / ms / 1e6})
+    print(f"torch {name:44s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s {nbytes / ms / 1e6:8.1f} GB/s", flush=True)
+
+
+def want(n):
+    return not args.only or args.only in n
+
+
+g = torch.Generator(device=dev)
+g.manual_seed(1)
+
+
+def rnd(*shape, scale=1.0):
+    return ((torch.rand(*shape, device=dev, generator=g) * 2 - 1) * scale).to(torch.bfloat16)
+
+
+# ---- ceilings ----
+if want("ceiling"):
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), 10)
+    record("ceiling d2d copy 1 GiB (read+write)", ms, 0, 2 * x.numel())
+    del x, y
+    a = rnd(8192, 8192)
+    b = rnd(8192, 8192)
+    ms = timed(lambda: a @ b, 10)
+    record("ceiling bf16 matmul 8192^3", ms, 2 * 8192**3, 3 * 8192 * 8192 * 2)
+    del a, b
+
+
+# ---- sparse MLA: gather the chosen rows, two matmuls, fp32 softmax ----
+def sparse_mla(name, T, H, keys_per_req, R, reps, chunk=None):
+    K, page = 2048, 64
+    kv = rnd(R * keys_per_req, 576)  # flat (page order irrelevant for the torch version)
+    q = rnd(T, H, 576)
+    req = torch.arange(T, device=dev) * R // T
+    idx = torch.stack([torch.randperm(keys_per_req, device=dev)[:K].sort().values for _ in range(min(T, 256))])
+    idx = idx.repeat((T + idx.shape[0] - 1) // idx.shape[0], 1)[:T]
+    rows_ = req[:, None] * keys_per_req + idx  # [T, K]
+    scale = 0.0721
+    chunk = chunk or T
+
+    def run():
+        outs = []
+        for t0 in range(0, T, chunk):
+            r = rows_[t0:t0 + chunk]
+            k = kv[r]  # [c, K, 576]
+            s = torch.matmul(q[t0:t0 + chunk], k.transpose(1, 2)).float() * scale  # [c, H, K]
+            lse = torch.logsumexp(s, -1)
+            pr = torch.softmax(s, -1).to(torch.bfloat16)
+            o = torch.matmul(pr, k[..., :512])
+            outs.append((o, lse))
+        return outs
+
+    ms = timed(run, reps)
+    flops = 2 * T * H * K * (576 + 512)
+    kv_rows = min(T * K, R * keys_per_req)
+    nbytes = kv_rows * 576 * 2 + T * H * 576 * 2 + T * H * 512 * 2 + T * H * 4 + T * K * 4
+    record(name, ms, flops, nbytes)
+
+
+if want("sparse_decode"):
+    sparse_mla("sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, args.reps)
+    sparse_mla("sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, args.reps)
+    sparse_mla("sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, args.reps)
+    sparse_mla("sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, args.reps)
+if want("sparse_prefill"):
+    sparse_mla("sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, max(3, args.reps // 3), chunk=512)
+
+
+# ---- indexer + top-k: logits, relu, weighted head sum, causal mask, torch.topk ----
+def indexer(name, R, ctx, qlen, reps, chunk=None):
+    K, Hi, Di = 2048, 64, 128
+    total = ctx + qlen
+    keys = rnd(R, total, Di)
+    T = R * qlen
+    q = rnd(T, Hi, Di)
+    w = ((torch.rand(T, Hi, device=dev, generator=g) * 2 - 1) * 0.125)
+    chunk = chunk or qlen
+
+    def run():
+        res = []
+        for b in range(R):
+            for t0 in range(0, qlen, chunk):
+                qs = q[b * qlen + t0: b * qlen + min(qlen, t0 + chunk)]  # [c, Hi, Di]
+                c = qs.shape[0]
+                logits = torch.matmul(qs, keys[b].T)  # [c, Hi, total] bf16
+                s = (logits.float().relu() * w[b * qlen + t0: b * qlen + t0 + c, :, None]).sum(1)  # [c, total]
+                pos = torch.arange(total, device=dev)
+                vis = ctx + t0 + torch.arange(c, device=dev)[:, None]
+                s = s.masked_fill(pos[None, :] > vis, float("-inf"))
+                res.append(torch.topk(s, min(K, total), dim=-1).indices.sort(-1).values)
+        return res
+
+    def run_batched():  # decode: all requests at once
+        logits = torch.einsum("bhd,bsd->bhs", q.view(R, Hi, Di), keys)  # [R, Hi, total]
+        s = (logits.float().relu() * w[:, :, None]).sum(1)
+        return torch.topk(s, K, dim=-1).indices.sort(-1).values
+
+    fn = run_batched if qlen == 1 else run
+    ms = timed(fn, reps)
+    visible = sum(ctx + i + 1 for i in range(qlen)) * R
+    flops = 2 * Hi * Di * visible
+    nbytes = R * total * Di * 2 + T * Hi * Di * 2 + T * Hi * 4 + T * K * 4
+    record(name, ms, flops, nbytes)
+
+
+if want("indexer_prefill"):
+    indexer("indexer_prefill T=8192 causal", 1, 0, 8192, max(3, args.reps // 3), chunk=512)
+if want("indexer_decode"):
+    indexer("indexer_decode b=64 ctx32K", 64, 32768 - 1, 1, args.reps)
+    indexer("indexer_decode b=64 ctx128K", 64, 131072 - 1, 1, args.reps)
+
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows}, f, indent=1)
