@@ -198,6 +198,9 @@ int cmd_run(const std::vector<std::string>& argv) {
   PhaseStats prefill_stats, decode_stats;
   CheckStats check;
   CheckTolerance tol;
+  // The CUDA kernels feed bf16 operands to the tensor cores (P is rounded to bf16 before P.V): the contract's
+  // bf16 bound applies, not fp32 rounding.
+  if (cfg.cuda) tol.out_rel = 1e-2;
   int64_t peak_pages = 0, progress_done = 0, step = 0;
   double gen_seconds = 0, verify_seconds = 0;
   using Clock = std::chrono::steady_clock;

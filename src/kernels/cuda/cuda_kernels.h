@@ -55,10 +55,11 @@ struct IndexerPlan {
     int64_t item_begin, item_end;   // items of the chunk
     int64_t score_floats;           // floats of the chunk's score rows
     int32_t max_group_tokens;       // largest token group of the chunk (sizes the score kernel's smem)
+    int32_t max_len;                // longest key_len of the chunk (sizes the top-k kernel's row cache)
   };
   std::vector<Chunk> chunks;
   std::vector<ScoreItem> items;
-  std::vector<int64_t> score_offset;  // [T] start of token t's row in its chunk's score buffer
+  std::vector<int64_t> score_offset;  // [T] start of token t's row in its chunk's buffer (multiple of 4 floats)
   int64_t max_score_floats = 0;
 };
 inline constexpr int64_t kIndexerScoreBudgetFloats = int64_t{1} << 25;  // 128 MiB of fp32 scores per chunk

@@ -15,8 +15,9 @@ Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,
                              const LaunchContext& ctx);
 
-// Exact canonical top-k of tokens [t0, t1): row of token t = scores + score_offset[t], key_len[t] long.
-Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, const int64_t* score_offset,
-                                const float* scores, const LaunchContext& ctx);
+// Exact canonical top-k of tokens [t0, t1): row of token t = scores + score_offset[t] (16-byte aligned),
+// key_len[t] <= max_len long.
+Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
+                                const int64_t* score_offset, const float* scores, const LaunchContext& ctx);
 
 }  // namespace dsacp::cuda

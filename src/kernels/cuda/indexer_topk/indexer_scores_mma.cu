@@ -29,6 +29,9 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
 }
 
+// Shared memory: row table [256] i32 | keys [256, 128] bf16 | Q [nt, 64, 128] bf16 | partials [2, nt, 256] f32
+constexpr int kOffKeys = kScoreKeys * 4;
+
 struct ScoreArgs {
   const ScoreItem* items;
   const int32_t* request;   // [T]
@@ -48,9 +51,10 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const Scor
   extern __shared__ __align__(128) unsigned char smem[];
   const ScoreItem item = a.items[blockIdx.x];
   const int nt = item.nt;
-  const uint32_t sK = smem_u32(smem);
+  int32_t* sRowIdx = reinterpret_cast<int32_t*>(smem);  // [256]
+  const uint32_t sK = smem_u32(smem + kOffKeys);
   const uint32_t sQ = sK + kScoreKeys * kRowBytes;
-  float* sPart = reinterpret_cast<float*>(smem + kScoreKeys * kRowBytes + nt * kHi * kRowBytes);  // [2][nt][256]
+  float* sPart = reinterpret_cast<float*>(smem + kOffKeys + kScoreKeys * kRowBytes + nt * kHi * kRowBytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t b = a.request[item.t0];
@@ -63,23 +67,30 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const Scor
     const int r = idx >> 4, c = idx & 15;
     cp_async_16(sQ + swz(r, c), a.q + (static_cast<int64_t>(item.t0) * kHi + r) * kDi + c * 8, 16);
   }
+  // Resolve the item's keys to cache rows first (all block-table loads in parallel), then issue the copies.
+  for (int j = tid; j < kScoreKeys; j += kThreads) {
+    const int key = item.k0 + j;
+    int32_t row = -1;
+    if (key < kend) {
+      const int32_t pg = key / a.page_size;
+      const int32_t page = pg < a.max_pages ? a.block_table[static_cast<int64_t>(b) * a.max_pages + pg] : -1;
+      if (page >= 0 && page < a.num_pages) {
+        row = page * a.page_size + key % a.page_size;
+      } else {
+        report_device_error(a.err, kDevBadPage, item.t0);
+      }
+    }
+    sRowIdx[j] = row;
+  }
+  __syncthreads();
   for (int half = 0; half < 2; ++half) {
+#pragma unroll 4
     for (int idx = tid; idx < kHalfKeys * 16; idx += kThreads) {
       const int j = half * kHalfKeys + (idx >> 4), c = idx & 15;
-      const int key = item.k0 + j;
-      const void* src = a.keys;
-      int bytes = 0;
-      if (key < kend) {
-        const int32_t pg = key / a.page_size;
-        const int32_t page = pg < a.max_pages ? a.block_table[static_cast<int64_t>(b) * a.max_pages + pg] : -1;
-        if (page >= 0 && page < a.num_pages) {
-          src = a.keys + (static_cast<int64_t>(page) * a.page_size + key % a.page_size) * kDi + c * 8;
-          bytes = 16;
-        } else if (c == 0) {
-          report_device_error(a.err, kDevBadPage, item.t0);
-        }
-      }
-      cp_async_16(sK + swz(j, c), src, bytes);
+      const int32_t row = sRowIdx[j];
+      const void* src = row >= 0 ? static_cast<const void*>(a.keys + static_cast<int64_t>(row) * kDi + c * 8)
+                                 : static_cast<const void*>(a.keys);
+      cp_async_16(sK + swz(j, c), src, row >= 0 ? 16 : 0);
     }
     cp_async_commit();
   }
@@ -169,9 +180,10 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const Scor
 }  // namespace
 
 int64_t indexer_scores_smem_bytes(int max_group_tokens) {
-  return int64_t{kScoreKeys} * kRowBytes + int64_t{max_group_tokens} * kHi * kRowBytes +
+  return kOffKeys + int64_t{kScoreKeys} * kRowBytes + int64_t{max_group_tokens} * kHi * kRowBytes +
          int64_t{2} * max_group_tokens * kScoreKeys * 4;
 }
+
 
 Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,

@@ -48,14 +48,15 @@ Result<IndexerPlan> indexer_plan(const IndexerTopkParams& p, const int32_t* requ
   }
   plan.score_offset.resize(static_cast<size_t>(T));
   for (int64_t c0 = 0; c0 < T;) {
-    IndexerPlan::Chunk ch{c0, c0, static_cast<int64_t>(plan.items.size()), 0, 0, 1};
+    IndexerPlan::Chunk ch{c0, c0, static_cast<int64_t>(plan.items.size()), 0, 0, 1, 0};
     int64_t total = 0;
     int64_t t = c0;
     while (t < T) {
-      const int64_t len = key_len[t];
+      const int64_t len = (int64_t{key_len[t]} + 3) / 4 * 4;  // rows 16-byte aligned (vector loads)
       if (t > c0 && total + len > score_budget_floats) break;
       plan.score_offset[t] = total;
       total += len;
+      ch.max_len = std::max(ch.max_len, key_len[t]);
       ++t;
     }
     ch.t1 = t;
@@ -87,7 +88,7 @@ Status launch_indexer_topk(const IndexerTopkParams& p, const IndexerPlan& plan, 
   for (const IndexerPlan::Chunk& ch : plan.chunks) {
     DSACP_RETURN_IF_ERROR(launch_indexer_scores(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin,
                                                 ch.max_group_tokens, dev.score_offset, dev.scores, ctx));
-    DSACP_RETURN_IF_ERROR(launch_radix_select_topk(p, ch.t0, ch.t1, dev.score_offset, dev.scores, ctx));
+    DSACP_RETURN_IF_ERROR(launch_radix_select_topk(p, ch.t0, ch.t1, ch.max_len, dev.score_offset, dev.scores, ctx));
   }
   return Status::ok_status();
 }

@@ -2,7 +2,8 @@
 //
 // rank key u(s): larger = better; NaN = 0 (below everything), -0 == +0, the same map as the CPU oracle. The
 // K-th largest key u* is found with four 8-bit histogram passes over the row (one CTA of 1024 threads per row,
-// shared-memory histogram, warp-aggregated atomics via match.any). Then every position with u > u* is taken,
+// 16-byte loads, shared-memory histogram, warp-aggregated atomics via match.any). Rows of up to 53248 keys keep
+// their rank keys in shared memory after the first pass, so later passes never touch global memory. Then every position with u > u* is taken,
 // plus the first `need` positions with u == u* in position order (ties go to the lower position). The output
 // pass walks the row in position order (warp-contiguous segments, lane-interleaved, ballot + popc compaction),
 // so the row comes out ascending and front-packed with no sort; rows with key_len <= K are 0..n-1 then -1.
@@ -16,6 +17,7 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+constexpr int32_t kMaxCacheElems = 53248;  // 208 KiB of rank keys
 
 __device__ __forceinline__ uint32_t rank_key(float s) {
   if (s != s) return 0u;
@@ -25,11 +27,32 @@ __device__ __forceinline__ uint32_t rank_key(float s) {
   return u == 0u ? 1u : u;
 }
 
+// Rank keys of elements [i, i + 4) of a row (16-byte aligned, as the plan aligns rows); past n: valid = false.
+__device__ __forceinline__ void load4(const float* __restrict__ row, const uint32_t* cache, bool cached, int32_t n,
+                                      int32_t i, uint32_t (&u)[4]) {
+  if (cached) {
+    if (i + 3 < n) {
+      const uint4 v = *reinterpret_cast<const uint4*>(cache + i);
+      u[0] = v.x, u[1] = v.y, u[2] = v.z, u[3] = v.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) u[k] = i + k < n ? cache[i + k] : 0u;
+    }
+  } else if (i + 3 < n) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(row + i));
+    u[0] = rank_key(v.x), u[1] = rank_key(v.y), u[2] = rank_key(v.z), u[3] = rank_key(v.w);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) u[k] = i + k < n ? rank_key(row[i + k]) : 0u;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float* __restrict__ scores,
                                                                      const int64_t* __restrict__ score_offset,
                                                                      const int32_t* __restrict__ key_len,
-                                                                     int64_t t0, int32_t K,
+                                                                     int64_t t0, int32_t K, int32_t cache_elems,
                                                                      int32_t* __restrict__ topk) {
+  extern __shared__ __align__(16) uint32_t s_cache[];  // [cache_elems] rank keys of the row, when it fits
   __shared__ uint32_t hist[256];
   __shared__ uint32_t s_prefix, s_remaining;
   __shared__ int32_t s_cnt_gt[kWarps], s_cnt_eq[kWarps], s_base_out[kWarps], s_base_eq[kWarps];
@@ -43,22 +66,30 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
     return;
   }
   const float* row = scores + score_offset[t];
+  const bool cached = n <= cache_elems;
 
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(K);
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
     __syncthreads();
-    for (int base = 0; base < n; base += kThreads) {
-      const int i = base + tid;
-      bool part = false;
-      uint32_t digit = 0;
-      if (i < n) {
-        const uint32_t u = rank_key(row[i]);
-        part = (u & mask) == prefix;
-        digit = (u >> shift) & 0xffu;
+    const bool from_cache = cached && shift != 24;  // the first pass fills the cache
+    for (int32_t base = 0; base < n; base += kThreads * 4) {
+      const int32_t i = base + tid * 4;
+      uint32_t u[4];
+      load4(row, s_cache, from_cache, n, i, u);
+      if (cached && shift == 24) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (i + k < n) s_cache[i + k] = u[k];
+        }
       }
-      const uint32_t peers = __match_any_sync(0xffffffffu, part ? digit : 0x100u + lane);
-      if (part && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const bool part = i + k < n && (u[k] & mask) == prefix;
+        const uint32_t digit = (u[k] >> shift) & 0xffu;
+        const uint32_t peers = __match_any_sync(0xffffffffu, part ? digit : 0x100u + lane);
+        if (part && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+      }
     }
     __syncthreads();
     if (tid == 0) {
@@ -76,16 +107,17 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
     remaining = s_remaining;
     mask |= 0xffu << shift;
   }
-  const uint32_t thr = prefix;   // u*, the K-th largest key
-  const int32_t need = static_cast<int32_t>(remaining);  // how many u == u* to take (lowest positions first)
+  const uint32_t thr = prefix;                             // u*, the K-th largest key
+  const int32_t need = static_cast<int32_t>(remaining);    // how many u == u* to take (lowest positions first)
 
-  // ordered compaction: warp w owns positions [w*seg, (w+1)*seg)
+  // ordered compaction: warp w owns positions [w*seg, (w+1)*seg), lane-interleaved 32 at a time
+  auto key_at = [&](int32_t i) -> uint32_t { return cached ? s_cache[i] : rank_key(row[i]); };
   const int32_t seg = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
   const int32_t lo = warp * seg, hi = min(n, lo + seg);
   int32_t cgt = 0, ceq = 0;
   for (int32_t i0 = lo; i0 < hi; i0 += 32) {
     const int32_t i = i0 + lane;
-    const uint32_t u = i < hi ? rank_key(row[i]) : 0u;
+    const uint32_t u = i < hi ? key_at(i) : 0u;
     cgt += __popc(__ballot_sync(0xffffffffu, i < hi && u > thr));
     ceq += __popc(__ballot_sync(0xffffffffu, i < hi && u == thr));
   }
@@ -109,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
   const uint32_t lt_mask = (1u << lane) - 1u;
   for (int32_t i0 = lo; i0 < hi; i0 += 32) {
     const int32_t i = i0 + lane;
-    const uint32_t u = i < hi ? rank_key(row[i]) : 0u;
+    const uint32_t u = i < hi ? key_at(i) : 0u;
     const bool eq = i < hi && u == thr;
     const uint32_t eq_ballot = __ballot_sync(0xffffffffu, eq);
     const bool sel = (i < hi && u > thr) || (eq && eq_base + __popc(eq_ballot & lt_mask) < need);
@@ -122,11 +154,16 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
 
 }  // namespace
 
-Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, const int64_t* score_offset,
-                                const float* scores, const LaunchContext& ctx) {
+Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
+                                const int64_t* score_offset, const float* scores, const LaunchContext& ctx) {
   if (t1 <= t0) return Status::ok_status();
-  radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, 0, ctx.stream>>>(
-      scores, score_offset, p.rows.key_len, t0, p.K, p.topk);
+  // rows up to kMaxCacheElems keys keep their rank keys in shared memory after the first pass
+  const int32_t cache_elems = max_len <= kMaxCacheElems ? (max_len + 3) / 4 * 4 : 0;
+  const int bytes = cache_elems * 4;
+  DSACP_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(radix_select_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
+      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, p.topk);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
   return Status::ok_status();
 }

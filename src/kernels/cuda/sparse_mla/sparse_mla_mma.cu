@@ -8,7 +8,7 @@
 //             [0, key_len)), resolve this split's entries to physical cache rows through the block table
 //             (a bad page is reported and its row treated as absent), load Q [HG, 576] into shared memory.
 //   main loop tiles of kBN = 32 chosen keys: the latent (512) and rope (64) rows are gathered with cp.async
-//             into a 3-stage ring of [32, 576] bf16 tiles (XOR-swizzled 16-byte chunks, conflict-free ldmatrix);
+//             into a 3- to 5-stage ring (deeper for smaller HG) of [32, 576] bf16 tiles (XOR-swizzled 16-byte chunks, conflict-free ldmatrix);
 //             S = Q K^T by mma (one 16x16 block per warp), online softmax in registers (exp2, running max and
 //             sum per row), P (bf16) to shared memory, then O += P V by mma with O [16, 512/CS] held in
 //             registers by each warp (warp = row tile x column slice).
@@ -33,7 +33,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = 8;
 constexpr int kBN = 32;            // keys per tile
-constexpr int kStages = 3;         // cp.async ring depth
+// cp.async ring depth: as deep as shared memory allows (Q takes HG * 1152 bytes)
+template <int HG>
+constexpr int stages_for() { return HG == 64 ? 3 : (HG == 32 ? 4 : 5); }
 constexpr int kDl = 512, kDr = 64, kD = 576;
 constexpr int kChunks = kD / 8;    // 16-byte chunks per row
 constexpr int kMaxSplitKeys = 2048;  // entries one CTA handles (row-index table size)
@@ -44,6 +46,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 template <int HG>
 struct Smem {
+  static constexpr int kStages = stages_for<HG>();
   static constexpr int kQ = HG * kD * 2;
   static constexpr int kKV = kStages * kBN * kD * 2;
   static constexpr int kS = HG * kSStride * 4;
@@ -89,6 +92,7 @@ struct MlaArgs {
 template <int HG>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaArgs a) {
   using L = Smem<HG>;
+  constexpr int kStages = L::kStages;
   constexpr int RG = HG / 16;          // row tiles
   constexpr int CS = kWarps / RG;      // column slices of O
   constexpr int kCols = kDl / CS;      // O columns per warp
@@ -205,27 +209,39 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
     // ---- S = Q K^T: warp -> 16x16 block (rows rb*16, keys cb*16) ----
     if (warp < RG * (kBN / 16)) {
       const int rb = warp % RG, cb = warp / RG;
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      // two independent accumulator chains per n-tile (even / odd k-steps) halve the dependent-mma depth
+      float acc[2][2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
       const int arow = rb * 16 + (lane & 15);
       const int akc = lane >> 4;
       const int bkey = cb * 16 + (lane & 7) + ((lane >> 4) << 3);
       const int bkc = (lane >> 3) & 1;
 #pragma unroll 6
-      for (int ks = 0; ks < kD / 16; ++ks) {
-        uint32_t af[4], bf[4];
-        ldmatrix_x4(sQ + swz(arow, ks * 2 + akc), af[0], af[1], af[2], af[3]);
-        ldmatrix_x4(kv + swz(bkey, ks * 2 + bkc), bf[0], bf[1], bf[2], bf[3]);
-        mma_bf16_16816(acc[0], af, bf[0], bf[1]);
-        mma_bf16_16816(acc[1], af, bf[2], bf[3]);
+      for (int ks = 0; ks < kD / 16; ks += 2) {
+#pragma unroll
+        for (int par = 0; par < 2; ++par) {
+          uint32_t af[4], bf[4];
+          ldmatrix_x4(sQ + swz(arow, (ks + par) * 2 + akc), af[0], af[1], af[2], af[3]);
+          ldmatrix_x4(kv + swz(bkey, (ks + par) * 2 + bkc), bf[0], bf[1], bf[2], bf[3]);
+          mma_bf16_16816(acc[0][par], af, bf[0], bf[1]);
+          mma_bf16_16816(acc[1][par], af, bf[2], bf[3]);
+        }
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][0][e] += acc[nt][1][e];
       const int r = rb * 16 + (lane >> 2);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int c = cb * 16 + nt * 8 + (lane & 3) * 2;
         *reinterpret_cast<float2*>(&sS[r * kSStride + c]) =
-            make_float2(acc[nt][0] * a.scale_log2, acc[nt][1] * a.scale_log2);
+            make_float2(acc[nt][0][0] * a.scale_log2, acc[nt][0][1] * a.scale_log2);
         *reinterpret_cast<float2*>(&sS[(r + 8) * kSStride + c]) =
-            make_float2(acc[nt][2] * a.scale_log2, acc[nt][3] * a.scale_log2);
+            make_float2(acc[nt][0][2] * a.scale_log2, acc[nt][0][3] * a.scale_log2);
       }
     }
     __syncthreads();
