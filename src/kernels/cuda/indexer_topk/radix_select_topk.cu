@@ -92,15 +92,33 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
       }
     }
     __syncthreads();
-    if (tid == 0) {
-      uint32_t cum = 0;
-      int d = 255;
-      for (; d > 0; --d) {
-        if (cum + hist[d] >= remaining) break;
-        cum += hist[d];
+    if (warp == 0) {
+      // parallel digit search: lane l owns bins [248 - 8l, 256 - 8l) (from the top); suffix sums by shuffles
+      uint32_t c[8], local = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        c[k] = hist[255 - lane * 8 - k];
+        local += c[k];
       }
-      s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
-      s_remaining = remaining - cum;
+      uint32_t incl = local;  // inclusive prefix over lanes 0..lane (bins from the top)
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+      }
+      const uint32_t excl = incl - local;
+      const uint32_t crossing = __ballot_sync(0xffffffffu, incl >= remaining);
+      const int first = __ffs(crossing) - 1;  // the lane whose bins hold the K-th largest (always exists)
+      if (lane == first) {
+        uint32_t cum = excl;
+        int k = 0;
+        for (; k < 7; ++k) {
+          if (cum + c[k] >= remaining) break;
+          cum += c[k];
+        }
+        s_prefix = prefix | (static_cast<uint32_t>(255 - lane * 8 - k) << shift);
+        s_remaining = remaining - cum;
+      }
     }
     __syncthreads();
     prefix = s_prefix;
