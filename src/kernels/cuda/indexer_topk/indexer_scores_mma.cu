@@ -1,11 +1,11 @@
 // Lightning indexer scores on tensor cores, fused: s(t, j) = sum_h w[t,h] * relu(q[t,h,:] . k[j,:]).
 //
-// One CTA (4 warps) = one ScoreItem: up to kMaxGroupTokens consecutive tokens of one request against
+// One CTA (8 warps) = one ScoreItem: up to kMaxGroupTokens consecutive tokens of one request against
 // kScoreKeys = 256 keys starting at k0. The keys are gathered through the block table with cp.async into
 // shared memory (two commit groups of 128 keys, so the second half loads while the first is scored) and
 // shared by every token of the group; each token's Q [64, 128] is staged in shared memory.
-// Warp w = (head half hw, key half kw): Q fragments for 32 heads stay in registers while mma.sync m16n8k16
-// computes [32 heads x 32 keys] per 64-key sub-tile; ReLU, the head weight and the sum over the warp's heads
+// Warp w = (head half hw, key slice kw of 4): Q fragments for 32 heads stay in registers while mma.sync
+// m16n8k16 computes [32 heads x 32 keys] per 128-key half; ReLU, the head weight and the sum over the warp's heads
 // happen in registers (fixed order, then an xor-shuffle tree), and the two head halves are added in shared
 // memory (half 0 + half 1). Every score is one fixed sequence of fp32 operations: reruns are bit-identical.
 // Only visible keys (j < key_len[t]) are written, into the token's row of the chunk's score buffer.
@@ -20,7 +20,7 @@
 namespace dsacp::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;  // 8 warps: 2 head halves x 4 key slices of 32
 constexpr int kHi = 64, kDi = 128;
 constexpr int kRowBytes = kDi * 2;  // 256
 constexpr int kHalfKeys = kScoreKeys / 2;
@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const Scor
       const float* wt = a.w + static_cast<int64_t>(item.t0 + lt) * kHi + hw * 32 + (lane >> 2);
       const float w00 = wt[0], w01 = wt[8], w10 = wt[16], w11 = wt[24];
 #pragma unroll 1
-      for (int sub = 0; sub < kHalfKeys / 64; ++sub) {
-        const int key0 = half * kHalfKeys + sub * 64 + kw * 32;  // CTA-local first key of this warp
+      for (int sub = 0; sub < kHalfKeys / 128; ++sub) {
+        const int key0 = half * kHalfKeys + sub * 128 + kw * 32;  // CTA-local first key of this warp
         float acc[2][4][4];
 #pragma unroll
         for (int m = 0; m < 2; ++m)

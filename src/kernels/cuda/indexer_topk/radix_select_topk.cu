@@ -1,8 +1,9 @@
 // Exact top-k per row in the contract's canonical form, by radix select on an order-preserving 32-bit key.
 //
 // rank key u(s): larger = better; NaN = 0 (below everything), -0 == +0, the same map as the CPU oracle. The
-// K-th largest key u* is found with four 8-bit histogram passes over the row (one CTA of 1024 threads per row,
-// 16-byte loads, shared-memory histogram, warp-aggregated atomics via match.any). Rows of up to 53248 keys keep
+// K-th largest key u* is found with four histogram passes over the row (12, 8, 8, 4 bits; one CTA of 1024 threads
+// per row, 16-byte loads, shared-memory histogram, warp-aggregated atomics via match.any, warps without a
+// candidate skip the atomics, hierarchical warp digit search). Rows of up to 49152 keys keep
 // their rank keys in shared memory after the first pass, so later passes never touch global memory. Then every position with u > u* is taken,
 // plus the first `need` positions with u == u* in position order (ties go to the lower position). The output
 // pass walks the row in position order (warp-contiguous segments, lane-interleaved, ballot + popc compaction),
@@ -17,7 +18,7 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int32_t kMaxCacheElems = 53248;  // 208 KiB of rank keys
+constexpr int32_t kMaxCacheElems = 49152;  // 192 KiB of rank keys (+ 17.5 KiB static)
 
 __device__ __forceinline__ uint32_t rank_key(float s) {
   if (s != s) return 0u;
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
                                                                      int64_t t0, int32_t K, int32_t cache_elems,
                                                                      int32_t* __restrict__ topk) {
   extern __shared__ __align__(16) uint32_t s_cache[];  // [cache_elems] rank keys of the row, when it fits
-  __shared__ uint32_t hist[256];
+  __shared__ uint32_t hist[4096];
   __shared__ uint32_t s_prefix, s_remaining;
   __shared__ int32_t s_cnt_gt[kWarps], s_cnt_eq[kWarps], s_base_out[kWarps], s_base_eq[kWarps];
 
@@ -69,15 +70,21 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
   const bool cached = n <= cache_elems;
 
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(K);
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
+  // digits: 12 bits (sign, exponent, 3 mantissa bits: spreads typical scores over many bins), then 8, 8, 4
+  constexpr int kShift[4] = {20, 12, 4, 0};
+  constexpr int kBits[4] = {12, 8, 8, 4};
+#pragma unroll 1
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = kShift[pass];
+    const int nbins = 1 << kBits[pass];
+    for (int i = tid; i < nbins; i += kThreads) hist[i] = 0;
     __syncthreads();
-    const bool from_cache = cached && shift != 24;  // the first pass fills the cache
+    const bool from_cache = cached && pass != 0;  // the first pass fills the cache
     for (int32_t base = 0; base < n; base += kThreads * 4) {
       const int32_t i = base + tid * 4;
       uint32_t u[4];
       load4(row, s_cache, from_cache, n, i, u);
-      if (cached && shift == 24) {
+      if (cached && pass == 0) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           if (i + k < n) s_cache[i + k] = u[k];
@@ -86,44 +93,47 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const bool part = i + k < n && (u[k] & mask) == prefix;
-        const uint32_t digit = (u[k] >> shift) & 0xffu;
-        const uint32_t peers = __match_any_sync(0xffffffffu, part ? digit : 0x100u + lane);
-        if (part && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+        if (__any_sync(0xffffffffu, part)) {  // later passes: most warps hold no candidate
+          const uint32_t digit = (u[k] >> shift) & static_cast<uint32_t>(nbins - 1);
+          const uint32_t peers = __match_any_sync(0xffffffffu, part ? digit : 0x10000u + lane);
+          if (part && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+        }
       }
     }
     __syncthreads();
     if (warp == 0) {
-      // parallel digit search: lane l owns bins [248 - 8l, 256 - 8l) (from the top); suffix sums by shuffles
-      uint32_t c[8], local = 0;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        c[k] = hist[255 - lane * 8 - k];
-        local += c[k];
-      }
-      uint32_t incl = local;  // inclusive prefix over lanes 0..lane (bins from the top)
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += v;
-      }
-      const uint32_t excl = incl - local;
-      const uint32_t crossing = __ballot_sync(0xffffffffu, incl >= remaining);
-      const int first = __ffs(crossing) - 1;  // the lane whose bins hold the K-th largest (always exists)
-      if (lane == first) {
-        uint32_t cum = excl;
-        int k = 0;
-        for (; k < 7; ++k) {
-          if (cum + c[k] >= remaining) break;
-          cum += c[k];
+      // hierarchical digit search from the top bin: each level splits the range over the 32 lanes
+      int hi_bin = nbins, count = nbins;
+      uint32_t above = 0;  // elements in bins above the range
+      while (true) {
+        const int per = count >= 32 ? count / 32 : 1;
+        const int top = hi_bin - lane * per;
+        uint32_t local = 0;
+        for (int k = 0; k < per; ++k) {
+          const int b = top - 1 - k;
+          if (b >= hi_bin - count) local += hist[b];
         }
-        s_prefix = prefix | (static_cast<uint32_t>(255 - lane * 8 - k) << shift);
-        s_remaining = remaining - cum;
+        uint32_t incl = local;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+          if (lane >= off) incl += v;
+        }
+        const int first = __ffs(__ballot_sync(0xffffffffu, above + incl >= remaining)) - 1;
+        above += __shfl_sync(0xffffffffu, incl - local, first);
+        hi_bin -= first * per;
+        count = per;
+        if (per == 1) break;
+      }
+      if (lane == 0) {
+        s_prefix = prefix | (static_cast<uint32_t>(hi_bin - 1) << shift);
+        s_remaining = remaining - above;
       }
     }
     __syncthreads();
     prefix = s_prefix;
     remaining = s_remaining;
-    mask |= 0xffu << shift;
+    mask |= static_cast<uint32_t>(nbins - 1) << shift;
   }
   const uint32_t thr = prefix;                             // u*, the K-th largest key
   const int32_t need = static_cast<int32_t>(remaining);    // how many u == u* to take (lowest positions first)
