@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -288,6 +289,12 @@ int main(int argc, char** argv) {
   if (want("sparse_prefill")) {
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4));
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=64", 8192, 64, 8192, 1, std::max(3, reps / 4));
+  }
+  if (want("mma_sync")) {  // the mma.sync kernel on the 64-head-group cases, for comparison
+    setenv("DSACP_MLA_KERNEL", "mma", 1);
+    bench_sparse_mla("mma_sync sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
+    bench_sparse_mla("mma_sync sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4));
+    unsetenv("DSACP_MLA_KERNEL");
   }
   if (want("indexer_prefill")) bench_indexer("indexer_prefill T=8192 causal", 1, 0, 8192, std::max(3, reps / 4));
   if (want("indexer_decode")) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -586,7 +587,16 @@ int main(int argc, char** argv) {
     big.extra_pages = 2;
     mla.push_back(big);
   }
-  for (const MlaCase& c : mla) run_mla_case(*gpu, *cpu, c);
+  for (const MlaCase& c : mla) {
+    run_mla_case(*gpu, *cpu, c);  // default kernels (wgmma for 64-head groups)
+    if (c.H >= 64) {
+      setenv("DSACP_MLA_KERNEL", "mma", 1);
+      MlaCase m = c;
+      m.name += " [mma.sync]";
+      run_mla_case(*gpu, *cpu, m);
+      unsetenv("DSACP_MLA_KERNEL");
+    }
+  }
 
   std::vector<IdxCase> idx;
   idx.push_back({"decode b=4 ctx 5000 page64", 2048, 64, {5000, 4100, 2049, 100}, {1, 1, 1, 1}});

@@ -35,6 +35,8 @@ int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms);
 // f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1).
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits);
 Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx);
+// 64-head groups (H = 64, 128) run the wgmma kernel unless DSACP_MLA_KERNEL=mma selects the mma.sync one.
+bool sparse_mla_use_wgmma();
 
 // ---- indexer + top-k -----------------------------------------------------------------------------------------
 Status indexer_topk_supported(const IndexerTopkParams& p);

@@ -20,12 +20,14 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/common/mma_sm80.cuh"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
 
 namespace dsacp::cuda {
 namespace {
@@ -67,27 +69,6 @@ struct Smem {
 __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>(r * (kD * 2) + ((c ^ (r & 7)) << 4));
 }
-
-struct MlaArgs {
-  const int32_t* request;   // [T]
-  const int32_t* key_len;   // [T]
-  const __nv_bfloat16* q_nope;  // [T, H, 512]
-  const __nv_bfloat16* q_rope;  // [T, H, 64]
-  const __nv_bfloat16* latent;  // [num_pages * page_size, 512]
-  const __nv_bfloat16* rope;    // [num_pages * page_size, 64]
-  const int32_t* block_table;   // [num_requests, max_pages]
-  const int32_t* topk;          // [T, K]
-  void* out;                    // [T, H, 512] f32 or bf16 (splits == 1)
-  float* lse;                   // [T, H]
-  float* part_out;              // [S, T, H, 512] (splits > 1)
-  float* part_lse;              // [S, T, H]
-  int64_t T;
-  int32_t H, K, page_size, max_pages, num_requests, splits, split_len;
-  int64_t num_pages;
-  float scale_log2;             // scale * log2(e)
-  bool out_bf16;
-  DeviceErrorWord err;
-};
 
 template <int HG>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaArgs a) {
@@ -378,6 +359,11 @@ int split_len_for(int K, int splits) {
 
 }  // namespace
 
+bool sparse_mla_use_wgmma() {
+  const char* v = std::getenv("DSACP_MLA_KERNEL");
+  return v == nullptr || std::string(v) != "mma";
+}
+
 Status sparse_mla_supported(const SparseMlaParams& p) {
   const std::string supported =
       " (CUDA sparse_mla supports H in {16, 32, 64, 128}, Dl = 512, Dr = 64, bf16 q_nope/q_rope/latent/rope, "
@@ -458,7 +444,13 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   switch (hg) {
     case 16: DSACP_RETURN_IF_ERROR(launch_hg<16>(a, groups, ctx)); break;
     case 32: DSACP_RETURN_IF_ERROR(launch_hg<32>(a, groups, ctx)); break;
-    default: DSACP_RETURN_IF_ERROR(launch_hg<64>(a, groups, ctx)); break;
+    default:
+      if (sparse_mla_use_wgmma()) {
+        DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma64(a, groups, ctx));
+      } else {
+        DSACP_RETURN_IF_ERROR(launch_hg<64>(a, groups, ctx));
+      }
+      break;
   }
   if (a.splits > 1) {
     LseMergeParams m;

@@ -1,0 +1,297 @@
+// Sparse MLA attention for 64-head groups (H = 64, 128) on Hopper warpgroup MMA (wgmma, sm_90a).
+//
+// One CTA = (token, 64 heads, key split), two warpgroups. Shared memory holds Q [64, 576] and a 2-stage ring of
+// gathered key tiles [64 keys, 576], all in the 128-byte-swizzled K-major layout wgmma reads directly (nine
+// 64-column slabs of [64 rows, 128 B]); the chosen rows are gathered with cp.async (row ids resolved two tiles
+// ahead into a small ring, so no copy waits on a block-table load).
+// Per tile of 64 keys:
+//   S_w = Q K_w^T   warpgroup w scores its 32 keys: 36 x wgmma m64n32k16 (A = Q, B = K tile, both from smem)
+//   softmax         row max exchanged between the warpgroups through shared memory; exp2 in registers;
+//                   P (bf16) written to a swizzled [64, 64] tile; each warpgroup keeps its partial row sum
+//   O_w += P V_w    warpgroup w owns output columns [256w, 256w + 256): 4 x wgmma m64n256k16 with A = P and
+//                   B = the same key tile read MN-major (the latent part of the rows is V), O in 128 registers
+// Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
+// reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/common/mma_sm80.cuh"
+#include "kernels/cuda/common/wgmma_sm90.cuh"
+#include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
+
+namespace dsacp::cuda {
+namespace {
+
+constexpr int kThreads = 256;  // two warpgroups
+constexpr int kBN = 64;        // keys per tile
+constexpr int kDl = 512, kDr = 64, kChunks = 72;
+constexpr int kSlabBytes = 64 * 128;             // one [64 rows, 64 bf16] swizzled slab
+constexpr int kTileBytes = 9 * kSlabBytes;       // [64 rows, 576] = 73728
+constexpr int kOffQ = 0;
+constexpr int kOffKV = kOffQ + kTileBytes;
+constexpr int kOffP = kOffKV + 2 * kTileBytes;
+constexpr int kOffMax = kOffP + kSlabBytes;      // [2][64] f32
+constexpr int kOffL = kOffMax + 2 * 64 * 4;      // [2][64] f32
+constexpr int kOffRing = kOffL + 2 * 64 * 4;     // [3][64] i32 cache rows of the next tiles
+constexpr int kOffMisc = kOffRing + 3 * 64 * 4;  // [4] i32
+constexpr int kSmemUsed = kOffMisc + 16;
+constexpr int kSmemBytes = kSmemUsed + 1024;     // slack to align the base to 1024 B (swizzle atoms)
+static_assert(kSmemBytes <= 232448, "shared memory");
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile (slab = c / 8, XOR swizzle in the slab).
+__device__ __forceinline__ uint32_t tile_off(int r, int c) {
+  return static_cast<uint32_t>((c >> 3) * kSlabBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const MlaArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const uint32_t sQ = smem_u32(smem + kOffQ);
+  const uint32_t sKV = smem_u32(smem + kOffKV);
+  const uint32_t sPu = smem_u32(smem + kOffP);
+  unsigned char* sP = smem + kOffP;
+  float* sMax = reinterpret_cast<float*>(smem + kOffMax);
+  float* sL = reinterpret_cast<float*>(smem + kOffL);
+  int32_t* sRing = reinterpret_cast<int32_t*>(smem + kOffRing);
+  int32_t* sMisc = reinterpret_cast<int32_t*>(smem + kOffMisc);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = tid >> 7, wl = warp & 3;
+  const int64_t t = blockIdx.x;
+  const int h0 = blockIdx.y * 64;
+  const int split = blockIdx.z;
+
+  // ---- prologue: used entries, first two tiles' rows, Q ----
+  const int32_t b = a.request[t];
+  const int32_t len = a.key_len[t];
+  const bool row_ok = b >= 0 && b < a.num_requests && len >= 0;
+  if (tid == 0) {
+    sMisc[0] = a.K;
+    if (!row_ok) report_device_error(a.err, b < 0 || b >= a.num_requests ? kDevBadRequest : kDevBadKeyLen, t);
+  }
+  __syncthreads();
+  const int32_t* trow = a.topk + t * a.K;
+  if (row_ok) {
+    for (int i = tid; i < a.K; i += kThreads) {
+      const int32_t e = trow[i];
+      if (e < 0 || e >= len) atomicMin(&sMisc[0], i);
+    }
+  }
+  __syncthreads();
+  const int n_used = row_ok ? sMisc[0] : 0;
+  const int kb = split * a.split_len;
+  const int ke = min(n_used, kb + a.split_len);
+  const int nkeys = max(0, ke - kb);
+  const int ntiles = (nkeys + kBN - 1) / kBN;
+
+  auto resolve = [&](int key) -> int32_t {  // split-local key -> cache row, -1 = absent
+    if (key >= nkeys) return -1;
+    const int32_t e = trow[kb + key];
+    const int32_t c = e / a.page_size;
+    const int32_t page = c < a.max_pages ? a.block_table[static_cast<int64_t>(b) * a.max_pages + c] : -1;
+    if (page < 0 || page >= a.num_pages) {
+      report_device_error(a.err, kDevBadPage, t);
+      return -1;
+    }
+    return page * a.page_size + e % a.page_size;
+  };
+  if (tid < 64) {
+    sRing[tid] = resolve(tid);
+    sRing[64 + tid] = resolve(64 + tid);
+  }
+  for (int idx = tid; idx < 64 * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int64_t qrow = t * a.H + h0 + r;
+    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
+                             : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
+    cp_async_16(sQ + tile_off(r, c), src, 16);
+  }
+  __syncthreads();  // ring slots 0, 1 visible
+
+  auto load_tile = [&](int tile) {
+    const uint32_t base = sKV + (tile & 1) * kTileBytes;
+    const int32_t* ring = sRing + (tile % 3) * 64;
+    for (int idx = tid; idx < kBN * kChunks; idx += kThreads) {
+      const int j = idx / kChunks, c = idx % kChunks;
+      const int32_t row = ring[j];
+      const void* src = a.latent;
+      int bytes = 0;
+      if (row >= 0) {
+        src = c < 64 ? static_cast<const void*>(a.latent + static_cast<int64_t>(row) * kDl + c * 8)
+                     : static_cast<const void*>(a.rope + static_cast<int64_t>(row) * kDr + (c - 64) * 8);
+        bytes = 16;
+      }
+      cp_async_16(base + tile_off(j, c), src, bytes);
+    }
+  };
+  if (ntiles > 0) load_tile(0);
+  cp_async_commit();
+
+  const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    const int32_t pre = tid < 64 ? resolve((tile + 2) * kBN + tid) : -1;  // rows of tile + 2 (global loads)
+    if (tile + 1 < ntiles) load_tile(tile + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async_smem();
+    __syncthreads();  // tile's rows in shared memory, visible to wgmma
+    const uint32_t kv = sKV + (tile & 1) * kTileBytes;
+
+    // ---- S_w = Q K_w^T : [64 heads, 32 keys] ----
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 36; ++ks) {
+      const uint32_t koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
+      const uint64_t da = wgmma_desc_sw128(sQ + koff, 16, 1024);
+      const uint64_t db = wgmma_desc_sw128(kv + koff + wg * 32 * 128, 16, 1024);
+      wgmma_m64n32k16<0>(s, da, db, ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 16; ++i) reg_fence(s[i]);
+
+    // ---- softmax (log2 domain) ----
+    const int32_t* ring = sRing + (tile % 3) * 64;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kl = wg * 32 + j * 8 + (lane & 3) * 2 + e;  // tile-local key
+        const bool valid = tile * kBN + kl < nkeys && ring[kl] >= 0;
+        s[j * 4 + e] = valid ? s[j * 4 + e] * a.scale_log2 : -INFINITY;
+        s[j * 4 + 2 + e] = valid ? s[j * 4 + 2 + e] * a.scale_log2 : -INFINITY;
+        mx0 = fmaxf(mx0, s[j * 4 + e]);
+        mx1 = fmaxf(mx1, s[j * 4 + 2 + e]);
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    if ((lane & 3) == 0) {
+      sMax[wg * 64 + r0] = mx0;
+      sMax[wg * 64 + r1] = mx1;
+    }
+    __syncthreads();
+    const float mn0 = fmaxf(m0, fmaxf(sMax[r0], sMax[64 + r0]));
+    const float mn1 = fmaxf(m1, fmaxf(sMax[r1], sMax[64 + r1]));
+    const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
+    const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float al0 = exp2f(m0 - mu0), al1 = exp2f(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p00 = exp2f(s[j * 4 + 0] - mu0), p01 = exp2f(s[j * 4 + 1] - mu0);
+      const float p10 = exp2f(s[j * 4 + 2] - mu1), p11 = exp2f(s[j * 4 + 3] - mu1);
+      ps0 += p00 + p01;
+      ps1 += p10 + p11;
+      const int kl = wg * 32 + j * 8 + (lane & 3) * 2;
+      const int chunk = kl >> 3;
+      *reinterpret_cast<uint32_t*>(sP + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + (kl & 7) * 2) = pack_bf16x2(p00, p01);
+      *reinterpret_cast<uint32_t*>(sP + r1 * 128 + ((chunk ^ (r1 & 7)) << 4) + (kl & 7) * 2) = pack_bf16x2(p10, p11);
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, off);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, off);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+    if (tid < 64) sRing[((tile + 2) % 3) * 64 + tid] = pre;
+    fence_proxy_async_smem();
+    __syncthreads();  // P (and the ring slot of tile + 2) complete
+
+    // ---- O_w = alpha O_w + P V_w ----
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[j * 4 + 0] *= al0;
+      o[j * 4 + 1] *= al0;
+      o[j * 4 + 2] *= al1;
+      o[j * 4 + 3] *= al1;
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t da = wgmma_desc_sw128(sPu + kk * 32, 16, 1024);
+      const uint64_t db = wgmma_desc_sw128(kv + (4 * wg) * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024);
+      wgmma_m64n256k16<1>(o, da, db, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+    __syncthreads();  // both warpgroups done with this stage and P before they are overwritten
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue ----
+  if ((lane & 3) == 0) {
+    sL[wg * 64 + r0] = l0;
+    sL[wg * 64 + r1] = l1;
+  }
+  __syncthreads();
+  const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
+  const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
+  const int64_t row0 = t * a.H + h0 + r0, row1 = t * a.H + h0 + r1;
+  if (a.splits == 1) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
+      if (a.out_bf16) {
+        auto* out = static_cast<__nv_bfloat16*>(a.out);
+        *reinterpret_cast<uint32_t*>(out + row0 * kDl + c) = pack_bf16x2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+        *reinterpret_cast<uint32_t*>(out + row1 * kDl + c) = pack_bf16x2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+      } else {
+        auto* out = static_cast<float*>(a.out);
+        *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+        *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+      }
+    }
+  } else {
+    float* out = a.part_out + static_cast<int64_t>(split) * a.T * a.H * kDl;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
+      *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+      *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+    }
+  }
+  if (wg == 0 && (lane & 3) == 0) {
+    const float v0 = L0 > 0.f ? (m0 + log2f(L0)) * kLn2 : -INFINITY;
+    const float v1 = L1 > 0.f ? (m1 + log2f(L1)) * kLn2 : -INFINITY;
+    float* dst = a.splits == 1 ? a.lse : a.part_lse + static_cast<int64_t>(split) * a.T * a.H;
+    dst[row0] = v0;
+    dst[row1] = v1;
+  }
+}
+
+}  // namespace
+
+Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx) {
+  DSACP_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(sparse_mla_wgmma64_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
+  sparse_mla_wgmma64_kernel<<<grid, kThreads, kSmemBytes, ctx.stream>>>(args);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma64_kernel");
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cuda
