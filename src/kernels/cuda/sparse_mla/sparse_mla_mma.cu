@@ -37,7 +37,11 @@ constexpr int kWarps = 8;
 constexpr int kBN = 32;            // keys per tile
 // cp.async ring depth: as deep as shared memory allows (Q takes HG * 1152 bytes)
 template <int HG>
-constexpr int stages_for() { return HG == 64 ? 3 : (HG == 32 ? 4 : 5); }
+__host__ __device__ constexpr int stages_for() { return HG == 64 ? 3 : (HG == 32 ? 4 : 5); }
+// QK^T work split: 16x8 score blocks over the 8 warps; with HG = 16 there are only 4 blocks, so the 576-long
+// reduction is also split in two (two partial S buffers, added in a fixed order by the softmax).
+template <int HG>
+__host__ __device__ constexpr int ksplit_for() { return HG == 16 ? 2 : 1; }
 constexpr int kDl = 512, kDr = 64, kD = 576;
 constexpr int kChunks = kD / 8;    // 16-byte chunks per row
 constexpr int kMaxSplitKeys = 2048;  // entries one CTA handles (row-index table size)
@@ -51,7 +55,7 @@ struct Smem {
   static constexpr int kStages = stages_for<HG>();
   static constexpr int kQ = HG * kD * 2;
   static constexpr int kKV = kStages * kBN * kD * 2;
-  static constexpr int kS = HG * kSStride * 4;
+  static constexpr int kS = ksplit_for<HG>() * HG * kSStride * 4;
   static constexpr int kP = HG * kPStride * 2;
   static constexpr int kOffQ = 0;
   static constexpr int kOffKV = kOffQ + kQ;
@@ -187,8 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
     }
     const uint32_t kv = sKV + (tile % kStages) * (kBN * kD * 2);
 
-    // ---- S = Q K^T: warp -> 16x16 block (rows rb*16, keys cb*16) ----
-    if (warp < RG * (kBN / 16)) {
+    // ---- S = Q K^T (raw dot products; the softmax scales) ----
+    if constexpr (HG == 64) {  // warp -> 16x16 block (rows rb*16, keys cb*16)
       const int rb = warp % RG, cb = warp / RG;
       // two independent accumulator chains per n-tile (even / odd k-steps) halve the dependent-mma depth
       float acc[2][2][4];
@@ -220,10 +224,37 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
       for (int nt = 0; nt < 2; ++nt) {
         const int c = cb * 16 + nt * 8 + (lane & 3) * 2;
         *reinterpret_cast<float2*>(&sS[r * kSStride + c]) =
-            make_float2(acc[nt][0][0] * a.scale_log2, acc[nt][0][1] * a.scale_log2);
+            make_float2(acc[nt][0][0], acc[nt][0][1]);
         *reinterpret_cast<float2*>(&sS[(r + 8) * kSStride + c]) =
-            make_float2(acc[nt][0][2] * a.scale_log2, acc[nt][0][3] * a.scale_log2);
+            make_float2(acc[nt][0][2], acc[nt][0][3]);
       }
+    } else {  // HG = 16, 32: warp -> 16x8 block (rows rb*16, keys nb*8), K split KS ways
+      constexpr int KS = ksplit_for<HG>();
+      constexpr int kBlocks = RG * (kBN / 8);
+      static_assert(kBlocks * KS == kWarps, "one block per warp");
+      const int blk = warp % kBlocks, kh = warp / kBlocks;
+      const int rb = blk % RG, nb = blk / RG;
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const int arow = rb * 16 + (lane & 15);
+      const int akc = lane >> 4;
+      const int bkey = nb * 8 + (lane & 7);
+      const int bkc = lane >> 3;  // 0..3: chunks of two k-steps
+      constexpr int kSteps = kD / 16 / KS;
+#pragma unroll 3
+      for (int ks = kh * kSteps; ks < (kh + 1) * kSteps; ks += 2) {
+        uint32_t a0[4], a1[4], bf[4];
+        ldmatrix_x4(sQ + swz(arow, ks * 2 + akc), a0[0], a0[1], a0[2], a0[3]);
+        ldmatrix_x4(sQ + swz(arow, ks * 2 + 2 + akc), a1[0], a1[1], a1[2], a1[3]);
+        ldmatrix_x4(kv + swz(bkey, ks * 2 + bkc), bf[0], bf[1], bf[2], bf[3]);
+        mma_bf16_16816(acc[0], a0, bf[0], bf[1]);
+        mma_bf16_16816(acc[1], a1, bf[2], bf[3]);
+      }
+      float* dst = sS + kh * (HG * kSStride);
+      const int r = rb * 16 + (lane >> 2);
+      const int c = nb * 8 + (lane & 3) * 2;
+      *reinterpret_cast<float2*>(&dst[r * kSStride + c]) = make_float2(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1]);
+      *reinterpret_cast<float2*>(&dst[(r + 8) * kSStride + c]) =
+          make_float2(acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]);
     }
     __syncthreads();
 
@@ -235,7 +266,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
       for (int i = 0; i < KPT; ++i) {
         const int key = tile * kBN + sk0 + i;
         const bool valid = key < nkeys && sRow[key] >= 0;
-        s[i] = valid ? sS[sr * kSStride + sk0 + i] : -INFINITY;
+        float dot = sS[sr * kSStride + sk0 + i];
+        if constexpr (ksplit_for<HG>() == 2) dot += sS[HG * kSStride + sr * kSStride + sk0 + i];
+        s[i] = valid ? dot * a.scale_log2 : -INFINITY;
         mx = fmaxf(mx, s[i]);
       }
 #pragma unroll

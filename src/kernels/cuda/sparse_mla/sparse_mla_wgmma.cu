@@ -42,6 +42,7 @@ constexpr int kSmemUsed = kOffMisc + 16;
 constexpr int kSmemBytes = kSmemUsed + 1024;     // slack to align the base to 1024 B (swizzle atoms)
 static_assert(kSmemBytes <= 232448, "shared memory");
 constexpr float kLn2 = 0.6931471805599453f;
+// Three barriers per tile: max exchange, P complete, end of tile (which also publishes the next tile).
 
 // Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile (slab = c / 8, XOR swizzle in the slab).
 __device__ __forceinline__ uint32_t tile_off(int r, int c) {
@@ -131,6 +132,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   };
   if (ntiles > 0) load_tile(0);
   cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async_smem();
+  __syncthreads();  // Q and tile 0 visible to wgmma
 
   const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
@@ -140,11 +144,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
 
   for (int tile = 0; tile < ntiles; ++tile) {
     const int32_t pre = tid < 64 ? resolve((tile + 2) * kBN + tid) : -1;  // rows of tile + 2 (global loads)
-    if (tile + 1 < ntiles) load_tile(tile + 1);
+    if (tile + 1 < ntiles) load_tile(tile + 1);  // into the stage tile - 1 used (free after the last barrier)
     cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async_smem();
-    __syncthreads();  // tile's rows in shared memory, visible to wgmma
     const uint32_t kv = sKV + (tile & 1) * kTileBytes;
 
     // ---- S_w = Q K_w^T : [64 heads, 32 keys] ----
@@ -238,7 +239,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; ++i) reg_fence(o[i]);
-    __syncthreads();  // both warpgroups done with this stage and P before they are overwritten
+    cp_async_wait<0>();  // tile + 1 landed
+    fence_proxy_async_smem();
+    __syncthreads();  // tile + 1 visible to wgmma; this stage and P free for reuse
   }
   cp_async_wait<0>();
 
