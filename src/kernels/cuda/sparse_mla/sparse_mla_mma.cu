@@ -147,19 +147,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
   __syncthreads();  // sRow visible to the gather
 
   const int ntiles = (nkeys + kBN - 1) / kBN;
+  // Gather of one tile: thread -> row j = tid / 8, chunks (tid % 8) + 8k, k < 9 (one row lookup per thread).
+  static_assert(kBN * kChunks == kThreads * 9, "gather shape");
   auto load_tile = [&](int tile, int stage) {
     const uint32_t base = sKV + stage * (kBN * kD * 2);
-    for (int idx = tid; idx < kBN * kChunks; idx += kThreads) {
-      const int j = idx / kChunks, c = idx % kChunks;
-      const int key = tile * kBN + j;
-      const int32_t row = key < nkeys ? sRow[key] : -1;
-      const void* src = a.latent;
-      int bytes = 0;
-      if (row >= 0) {
-        src = c < 64 ? static_cast<const void*>(a.latent + static_cast<int64_t>(row) * kDl + c * 8)
-                     : static_cast<const void*>(a.rope + static_cast<int64_t>(row) * kDr + (c - 64) * 8);
-        bytes = 16;
-      }
+    const int j = tid >> 3, c0 = tid & 7;
+    const int key = tile * kBN + j;
+    const int32_t row = key < nkeys ? sRow[key] : -1;
+    const __nv_bfloat16* lat = a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * kDl;
+    const __nv_bfloat16* rop = a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * kDr;
+    const int bytes = row >= 0 ? 16 : 0;
+#pragma unroll
+    for (int k = 0; k < 9; ++k) {
+      const int c = c0 + 8 * k;
+      const void* src = c < 64 ? static_cast<const void*>(lat + c * 8) : static_cast<const void*>(rop + (c - 64) * 8);
       cp_async_16(base + swz(j, c), src, bytes);
     }
   };

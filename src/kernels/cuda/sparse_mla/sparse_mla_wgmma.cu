@@ -114,19 +114,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   }
   __syncthreads();  // ring slots 0, 1 visible
 
+  // Gather of one tile: thread -> row j = tid / 4, chunks (tid % 4) + 4k, k < 18 (one row lookup per thread).
   auto load_tile = [&](int tile) {
     const uint32_t base = sKV + (tile & 1) * kTileBytes;
-    const int32_t* ring = sRing + (tile % 3) * 64;
-    for (int idx = tid; idx < kBN * kChunks; idx += kThreads) {
-      const int j = idx / kChunks, c = idx % kChunks;
-      const int32_t row = ring[j];
-      const void* src = a.latent;
-      int bytes = 0;
-      if (row >= 0) {
-        src = c < 64 ? static_cast<const void*>(a.latent + static_cast<int64_t>(row) * kDl + c * 8)
-                     : static_cast<const void*>(a.rope + static_cast<int64_t>(row) * kDr + (c - 64) * 8);
-        bytes = 16;
-      }
+    const int j = tid >> 2, c0 = tid & 3;
+    const int32_t row = sRing[(tile % 3) * 64 + j];
+    const __nv_bfloat16* lat = a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * kDl;
+    const __nv_bfloat16* rop = a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * kDr;
+    const int bytes = row >= 0 ? 16 : 0;
+#pragma unroll
+    for (int k = 0; k < 18; ++k) {
+      const int c = c0 + 4 * k;
+      const void* src = c < 64 ? static_cast<const void*>(lat + c * 8) : static_cast<const void*>(rop + (c - 64) * 8);
       cp_async_16(base + tile_off(j, c), src, bytes);
     }
   };
@@ -153,12 +152,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
     wgmma_fence();
+    // descriptors advance by adding the byte offset >> 4 to the start-address field (no carry out of it: < 2^18)
+    const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
+    const uint64_t db0 = wgmma_desc_sw128(kv + wg * 32 * 128, 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < 36; ++ks) {
       const uint32_t koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
-      const uint64_t da = wgmma_desc_sw128(sQ + koff, 16, 1024);
-      const uint64_t db = wgmma_desc_sw128(kv + koff + wg * 32 * 128, 16, 1024);
-      wgmma_m64n32k16<0>(s, da, db, ks > 0 ? 1 : 0);
+      wgmma_m64n32k16<0>(s, da0 + (koff >> 4), db0 + (koff >> 4), ks > 0 ? 1 : 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -229,12 +229,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
       o[j * 4 + 3] *= al1;
     }
     wgmma_fence();
+    const uint64_t pa0 = wgmma_desc_sw128(sPu, 16, 1024);
+    const uint64_t vb0 = wgmma_desc_sw128(kv + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t da = wgmma_desc_sw128(sPu + kk * 32, 16, 1024);
-      const uint64_t db = wgmma_desc_sw128(kv + (4 * wg) * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024);
-      wgmma_m64n256k16<1>(o, da, db, 1);
-    }
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16<1>(o, pa0 + ((kk * 32) >> 4), vb0 + ((kk * 16 * 128) >> 4), 1);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
