@@ -221,12 +221,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
     __syncthreads();  // P (and the ring slot of tile + 2) complete
 
     // ---- O_w = alpha O_w + P V_w ----
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max rarely moves after a few tiles
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[j * 4 + 0] *= al0;
-      o[j * 4 + 1] *= al0;
-      o[j * 4 + 2] *= al1;
-      o[j * 4 + 3] *= al1;
+      for (int j = 0; j < 32; ++j) {
+        o[j * 4 + 0] *= al0;
+        o[j * 4 + 1] *= al0;
+        o[j * 4 + 2] *= al1;
+        o[j * 4 + 3] *= al1;
+      }
     }
     wgmma_fence();
     const uint64_t pa0 = wgmma_desc_sw128(sPu, 16, 1024);
