@@ -67,6 +67,8 @@ class Backend {
   virtual Status indexer_topk(const IndexerTopkParams& p) = 0;
   virtual Status sparse_mla(const SparseMlaParams& p) = 0;
   virtual Status lse_merge(const LseMergeParams& p) = 0;
+  virtual Status gather_rows(const GatherRowsParams& p) = 0;
+  virtual Status topk_remap(const TopkRemapParams& p) = 0;
 };
 
 // The CPU backend: plain loops with fp32 accumulation, split over `num_threads` threads
@@ -78,10 +80,14 @@ Status cache_write_run(Backend& backend, const CacheWriteParams& p);
 Status indexer_topk_run(Backend& backend, const IndexerTopkParams& p);
 Status sparse_mla_run(Backend& backend, const SparseMlaParams& p);
 Status lse_merge_run(Backend& backend, const LseMergeParams& p);
+Status gather_rows_run(Backend& backend, const GatherRowsParams& p);
+Status topk_remap_run(Backend& backend, const TopkRemapParams& p);
 
 Status validate(const CacheWriteParams& p);
 Status validate(const IndexerTopkParams& p);
 Status validate(const SparseMlaParams& p);
 Status validate(const LseMergeParams& p);
+Status validate(const GatherRowsParams& p);
+Status validate(const TopkRemapParams& p);
 
 }  // namespace dsacp

@@ -90,4 +90,29 @@ struct LseMergeParams {
   float* lse = nullptr;             // [T*H]
 };
 
+// Row gather with dtype conversion: dst[i, :] = src[index[i], :] for i < num_rows; index -1 fills the row
+// with NaN (an unused slot). Packs rows of a pool for a collective and lays gathered rows out as a pool.
+struct GatherRowsParams {
+  const void* src = nullptr;  // [src_rows, dim], f32 or bf16
+  DType src_dtype = DType::kBF16;
+  int64_t src_rows = 0;
+  int32_t dim = 0;
+  const int64_t* index = nullptr;  // [num_rows], each in [-1, src_rows)
+  int64_t num_rows = 0;
+  void* dst = nullptr;  // [num_rows, dim], f32 or bf16
+  DType dst_dtype = DType::kBF16;
+};
+
+// Global top-k positions to this rank's local positions (reference-design 4.4 step 3), in exact integer
+// arithmetic: with KV sharded over Pt ranks by interleave I, entry e is kept iff e >= 0 and
+// (e / I) mod Pt == cr, as (e / (Pt*I)) * I + e mod I; kept entries move to the front in their original order,
+// then -1. An entry e < -1 is an error.
+struct TopkRemapParams {
+  int64_t num_rows = 0;
+  int32_t K = 0;
+  const int32_t* topk = nullptr;  // [num_rows, K] global positions
+  int32_t* local = nullptr;       // [num_rows, K] out
+  int32_t Pt = 1, I = 1, cr = 0;
+};
+
 }  // namespace dsacp

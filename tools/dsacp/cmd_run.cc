@@ -53,6 +53,7 @@ CommandSpec run_spec() {
       {"--json", "", "print the summary as JSON on stdout", ""},
       {"--no-progress", "", "no progress bar", ""},
   };
+  for (const OptionSpec& o : layout_options()) s.options.push_back(o);
   s.not_yet = layout_flags_not_yet();
   return s;
 }
@@ -66,6 +67,7 @@ struct RunConfig {
   DType dtype;
   WorkloadDims dims;
   bool json, progress;
+  CpLayout layout;
 };
 
 struct RequestState {
@@ -121,6 +123,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   c.samples = static_cast<int32_t>(samples);
   c.seed = static_cast<uint64_t>(seed);
   c.threads = static_cast<int32_t>(threads);
+  DSACP_ASSIGN_OR_RETURN(c.layout, read_layout(a));
   c.json = a.has("--json");
   c.progress = !a.has("--no-progress") && isatty(2);
   return c;
@@ -158,7 +161,9 @@ int cmd_run(const std::vector<std::string>& argv) {
   const WorkloadDims& d = cfg.dims;
   const WorkloadValues values(cfg.seed, d, cfg.dtype);
 
-  // Requests and the pool: enough pages for every request's whole life at once.
+  // Requests and the pools: enough pages for every request's whole life at once. Every CP rank has its own
+  // pools; the block table is shared (pages for the largest share, rank 0's).
+  const KvSharding sharding{cfg.layout.P, cfg.layout.interleave == 0 ? cfg.page_size : cfg.layout.interleave};
   std::vector<RequestState> reqs(static_cast<size_t>(cfg.requests));
   int64_t pages_needed = 0, total_tokens = 0;
   for (int32_t b = 0; b < cfg.requests; ++b) {
@@ -167,13 +172,13 @@ int cmd_run(const std::vector<std::string>& argv) {
     reqs[b].decodes_left = cfg.decode_steps;
     const int64_t max_len = reqs[b].prompt_len + int64_t{cfg.decode_steps} * cfg.mtp;
     if (max_len > INT32_MAX) return fail(invalid_argument("request length exceeds 2^31 - 1 tokens"));
-    pages_needed += (max_len + cfg.page_size - 1) / cfg.page_size;
+    pages_needed += sharding.pages_needed(max_len, cfg.page_size);
     total_tokens += reqs[b].prompt_len + cfg.decode_steps;  // decode progress counts steps
   }
   auto backend = make_cpu_backend(cfg.threads);
   PagedCacheConfig cc{pages_needed, cfg.page_size, d.Dl, d.Dr, d.Di, cfg.dtype};
-  auto cache = PagedKvCache::create(*backend, cc);
-  if (!cache.ok()) return fail(cache.status());
+  auto cluster = LocalCpCluster::create(*backend, cfg.layout, cc);
+  if (!cluster.ok()) return fail(cluster.status());
   PageAllocator allocator(cc.num_pages, cfg.seed);
 
   StepConfig sc;
@@ -191,6 +196,9 @@ int cmd_run(const std::vector<std::string>& argv) {
   CheckStats check;
   CheckTolerance tol;
   int64_t peak_pages = 0, progress_done = 0, step = 0;
+  // Peak KV bytes (latent + rope + indexer key of the tokens it stores) each rank holds.
+  const double token_bytes = static_cast<double>(d.Dl + d.Dr + d.Di) * dtype_size(cfg.dtype);
+  std::vector<double> peak_rank_bytes(static_cast<size_t>(sharding.Pt), 0.0);
   double gen_seconds = 0, verify_seconds = 0;
   using Clock = std::chrono::steady_clock;
   const auto t_start = Clock::now();
@@ -224,7 +232,8 @@ int cmd_run(const std::vector<std::string>& argv) {
     std::vector<const SequencePages*> seqs;
     for (const StepSlice& s : slices) {
       RequestState& r = reqs[s.request];
-      if (Status st = r.pages.reserve(allocator, s.first_pos + s.count, cfg.page_size); !st.ok()) return fail(st);
+      const int64_t local = sharding.local_len(s.first_pos + s.count, 0);
+      if (Status st = r.pages.reserve(allocator, local, cfg.page_size); !st.ok()) return fail(st);
       seqs.push_back(&r.pages);
     }
     peak_pages = std::max(peak_pages, allocator.num_used());
@@ -234,7 +243,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     auto tensors = make_step_tensors(values, slices, cfg.threads);
     if (!tensors.ok()) return fail(tensors.status());
     auto t1 = Clock::now();
-    auto result = step_run_host(*backend, sc, batch, table, *cache, tensors->inputs());
+    auto result = (*cluster)->step(sc, batch, table, tensors->inputs());
     if (!result.ok()) return fail(result.status().with_context("step " + std::to_string(step)));
     auto t2 = Clock::now();
     gen_seconds += std::chrono::duration<double>(t1 - t0).count();
@@ -294,15 +303,25 @@ int cmd_run(const std::vector<std::string>& argv) {
         if (Status st = r.pages.release(allocator); !st.ok()) return fail(st);
       }
     }
+    for (int32_t cr = 0; cr < sharding.Pt; ++cr) {
+      double bytes = 0;
+      for (const RequestState& r : reqs) bytes += token_bytes * static_cast<double>(sharding.local_len(r.cached, cr));
+      peak_rank_bytes[cr] = std::max(peak_rank_bytes[cr], bytes);
+    }
     ++step;
     if (cfg.progress) draw_progress(progress_done, total_tokens, step, has_prefill ? "prefill" : "decode");
   }
   if (cfg.progress) std::fputc('\n', stderr);
   const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
   const bool pass = check.failures == 0;
-  const double page_bytes = static_cast<double>(cache->bytes()) / static_cast<double>(cc.num_pages);
+  const double page_bytes = static_cast<double>((*cluster)->cache_bytes_per_rank()) / static_cast<double>(cc.num_pages);
   auto rate = [](const PhaseStats& p) { return p.seconds > 0 ? p.tokens / p.seconds : 0.0; };
 
+  std::string rank_bytes_list, rank_bytes_text;
+  for (double b : peak_rank_bytes) {
+    rank_bytes_list += (rank_bytes_list.empty() ? "" : ",") + fmt("%.0f", b);
+    rank_bytes_text += (rank_bytes_text.empty() ? "" : " ") + fmt("%.1f", b / (1 << 20));
+  }
   if (cfg.json) {
     std::printf(
         "{\"command\":\"run\",\"device\":\"cpu\",\"threads\":%d,\"requests\":%d,\"prompt_len\":[%lld,%lld],"
@@ -310,7 +329,8 @@ int cmd_run(const std::vector<std::string>& argv) {
         "\"K\":%d},\"page_size\":%d,\"dtype\":\"%s\",\"seed\":%llu,"
         "\"prefill\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
         "\"decode\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
-        "\"pages\":{\"total\":%lld,\"peak_used\":%lld,\"bytes_per_page\":%.0f},"
+        "\"pages\":{\"total\":%lld,\"peak_used\":%lld,\"bytes_per_page\":%.0f},\"pcp\":%d,\"interleave\":%d,"
+        "\"pcp_decode\":\"%s\",\"kv_bytes_per_rank\":[%s],"
         "\"check\":{\"tokens\":%lld,\"topk_exact\":%lld,\"near_tie_swaps\":%lld,\"failures\":%lld,"
         "\"max_out_rel_err\":%.3e,\"max_lse_abs_err\":%.3e,\"pass\":%s},\"wall_seconds\":%.3f}\n",
         cfg.threads, cfg.requests,
@@ -320,6 +340,8 @@ int cmd_run(const std::vector<std::string>& argv) {
         static_cast<long long>(prefill_stats.tokens), prefill_stats.seconds, rate(prefill_stats),
         static_cast<long long>(decode_stats.steps), static_cast<long long>(decode_stats.tokens), decode_stats.seconds,
         rate(decode_stats), static_cast<long long>(cc.num_pages), static_cast<long long>(peak_pages), page_bytes,
+        sharding.Pt, sharding.I, cfg.layout.decode_mode == PcpDecodeMode::kLocalMerge ? "local" : "gathered",
+        rank_bytes_list.c_str(),
         static_cast<long long>(check.tokens), static_cast<long long>(check.exact),
         static_cast<long long>(check.near_tie_swaps), static_cast<long long>(check.failures), check.max_out_rel,
         check.max_lse_abs, pass ? "true" : "false", wall);
@@ -327,8 +349,15 @@ int cmd_run(const std::vector<std::string>& argv) {
     std::printf("dsacp run: %d requests, prompts %lld..%lld tokens, chunk %d, %d decode steps (MTP <= %d)\n",
                 cfg.requests, static_cast<long long>(cfg.prompt.first), static_cast<long long>(cfg.prompt.second),
                 cfg.chunk, cfg.decode_steps, cfg.mtp);
-    std::printf("  H=%d Dl=%d Dr=%d Hi=%d Di=%d K=%d, page size %d, %s, cpu backend\n\n", d.H, d.Dl, d.Dr, d.Hi,
+    std::printf("  H=%d Dl=%d Dr=%d Hi=%d Di=%d K=%d, page size %d, %s, cpu backend\n", d.H, d.Dl, d.Dr, d.Hi,
                 d.Di, d.K, cfg.page_size, dtype_name(cfg.dtype));
+    std::printf("  layout: %s (interleave %d)\n\n",
+                sharding.Pt == 1 ? "single device"
+                                 : ("PCP " + std::to_string(sharding.Pt) + " ranks, decodes by " +
+                                    (cfg.layout.decode_mode == PcpDecodeMode::kLocalMerge ? "local attention + LSE merge"
+                                                                                          : "gathered KV"))
+                                       .c_str(),
+                sharding.I);
     std::printf("  %-8s %6s %9s %10s %12s\n", "phase", "steps", "tokens", "seconds", "tokens/s");
     for (auto [name, p] : {std::pair{"prefill", prefill_stats}, std::pair{"decode", decode_stats}}) {
       std::printf("  %-8s %6lld %9lld %10.3f %12.1f\n", name, static_cast<long long>(p.steps),
@@ -337,6 +366,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     std::printf("\n  pages: peak %lld of %lld used (%d tokens, %.1f KiB each: latent + rope + indexer keys)\n",
                 static_cast<long long>(peak_pages), static_cast<long long>(cc.num_pages), cfg.page_size,
                 page_bytes / 1024.0);
+    std::printf("  KV held per rank at peak (MiB): %s\n", rank_bytes_text.c_str());
     std::printf("  check vs fp64: %lld tokens, top-k exact %lld (near-tie swaps %lld), max out rel err %s,"
                 " max lse err %s -> %s\n",
                 static_cast<long long>(check.tokens), static_cast<long long>(check.exact),

@@ -9,14 +9,32 @@
 namespace dsacp::cli {
 
 std::map<std::string, std::string> layout_flags_not_yet() {
-  const std::string single = "is not available yet: this release runs the single-device layout only";
+  const std::string single = "is not available yet: this release runs the single-device layout";
   return {
-      {"--pcp", single + " (prefill context parallelism comes in a later release)"},
-      {"--dcp", single + " (decode context parallelism comes in a later release)"},
-      {"--interleave", single + " (KV interleave applies to context parallel layouts, which come in a later release)"},
-      {"--indexer", single + " (indexer modes apply to decode context parallelism, which comes in a later release)"},
-      {"--dsa-cp", single + " (DSA-CP comes in a later release)"},
+      {"--dcp", single + " and PCP (decode context parallelism comes in a later release)"},
+      {"--indexer", single + " and PCP (indexer modes apply to decode context parallelism, a later release)"},
+      {"--dsa-cp", single + " and PCP (DSA-CP comes in a later release)"},
   };
+}
+
+std::vector<OptionSpec> layout_options() {
+  return {
+      {"--pcp", "N", "prefill context parallel ranks (threads of this process)", "1"},
+      {"--interleave", "N", "KV interleave: consecutive positions per shard unit (0 = the page size)", "0"},
+      {"--pcp-decode", "local|gathered",
+       "decodes under PCP: local attention + LSE merge, or over the gathered KV (reference design)", "local"},
+  };
+}
+
+Result<CpLayout> read_layout(const ParsedArgs& args) {
+  CpLayout layout;
+  DSACP_ASSIGN_OR_RETURN(int64_t P, args.get_int("--pcp", 1, 1, 1024));
+  DSACP_ASSIGN_OR_RETURN(int64_t I, args.get_int("--interleave", 0, 0, 1 << 30));
+  DSACP_ASSIGN_OR_RETURN(std::string mode, args.get_choice("--pcp-decode", "local", {"local", "gathered"}));
+  layout.P = static_cast<int32_t>(P);
+  layout.interleave = static_cast<int32_t>(I);
+  layout.decode_mode = mode == "local" ? PcpDecodeMode::kLocalMerge : PcpDecodeMode::kGathered;
+  return layout;
 }
 
 int report_error(const std::string& command, const Status& status) {

@@ -107,6 +107,8 @@ class CpuBackend final : public Backend {
   Status indexer_topk(const IndexerTopkParams& p) override { return cpu::indexer_topk(p, num_threads_); }
   Status sparse_mla(const SparseMlaParams& p) override { return cpu::sparse_mla(p, num_threads_); }
   Status lse_merge(const LseMergeParams& p) override { return cpu::lse_merge(p, num_threads_); }
+  Status gather_rows(const GatherRowsParams& p) override { return cpu::gather_rows(p, num_threads_); }
+  Status topk_remap(const TopkRemapParams& p) override { return cpu::topk_remap(p, num_threads_); }
 
  private:
   static Status copy(const char* what, void* dst, const void* src, size_t bytes) {

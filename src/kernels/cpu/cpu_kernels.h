@@ -15,6 +15,8 @@ Status cache_write(const CacheWriteParams& p, int num_threads);
 Status indexer_topk(const IndexerTopkParams& p, int num_threads);
 Status sparse_mla(const SparseMlaParams& p, int num_threads);
 Status lse_merge(const LseMergeParams& p, int num_threads);
+Status gather_rows(const GatherRowsParams& p, int num_threads);
+Status topk_remap(const TopkRemapParams& p, int num_threads);
 
 // Checks that token t's request row and its first key_len keys are addressable through the block table:
 // request in [0, num_requests), key_len in [0, max_pages * page_size], and every page id the keys use in
