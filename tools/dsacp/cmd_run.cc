@@ -33,7 +33,7 @@ CommandSpec run_spec() {
       "rounding). Prints a progress bar (on a terminal) and a summary; exits 1 if a check fails.";
   s.options = {
       {"--requests", "N", "requests in the workload", "4"},
-      {"--prompt-len", "A[:B]", "prompt length per request, uniform in [A, B]", "1024:4096"},
+      {"--prompt-len", "A[:B]", "prompt length per request, uniform in [A, B]", "512:2048"},
       {"--chunk", "N", "prefill token budget per step", "1024"},
       {"--decode-steps", "N", "decode steps per request after its prefill", "8"},
       {"--mtp", "N", "most tokens per decode step (1 + draft tokens, <= 16); lengths vary in [1, N]", "2"},
@@ -93,7 +93,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   RunConfig c;
   auto geti = [&](const char* n, int64_t def, int64_t lo, int64_t hi) { return a.get_int(n, def, lo, hi); };
   DSACP_ASSIGN_OR_RETURN(int64_t requests, geti("--requests", 4, 1, 4096));
-  DSACP_ASSIGN_OR_RETURN(c.prompt, a.get_range("--prompt-len", {1024, 4096}, 1, int64_t{1} << 30));
+  DSACP_ASSIGN_OR_RETURN(c.prompt, a.get_range("--prompt-len", {512, 2048}, 1, int64_t{1} << 30));
   DSACP_ASSIGN_OR_RETURN(int64_t chunk, geti("--chunk", 1024, 1, 1 << 24));
   DSACP_ASSIGN_OR_RETURN(int64_t decode_steps, geti("--decode-steps", 8, 0, 1 << 20));
   DSACP_ASSIGN_OR_RETURN(int64_t mtp, geti("--mtp", 2, 1, kMaxDecodeThreshold));
@@ -351,13 +351,12 @@ int cmd_run(const std::vector<std::string>& argv) {
                 cfg.chunk, cfg.decode_steps, cfg.mtp);
     std::printf("  H=%d Dl=%d Dr=%d Hi=%d Di=%d K=%d, page size %d, %s, cpu backend\n", d.H, d.Dl, d.Dr, d.Hi,
                 d.Di, d.K, cfg.page_size, dtype_name(cfg.dtype));
-    std::printf("  layout: %s (interleave %d)\n\n",
-                sharding.Pt == 1 ? "single device"
-                                 : ("PCP " + std::to_string(sharding.Pt) + " ranks, decodes by " +
-                                    (cfg.layout.decode_mode == PcpDecodeMode::kLocalMerge ? "local attention + LSE merge"
-                                                                                          : "gathered KV"))
-                                       .c_str(),
-                sharding.I);
+    if (sharding.Pt == 1) {
+      std::printf("  layout: single device\n\n");
+    } else {
+      std::printf("  layout: PCP %d ranks, interleave %d, decodes by %s\n\n", sharding.Pt, sharding.I,
+                  cfg.layout.decode_mode == PcpDecodeMode::kLocalMerge ? "local attention + LSE merge" : "gathered KV");
+    }
     std::printf("  %-8s %6s %9s %10s %12s\n", "phase", "steps", "tokens", "seconds", "tokens/s");
     for (auto [name, p] : {std::pair{"prefill", prefill_stats}, std::pair{"decode", decode_stats}}) {
       std::printf("  %-8s %6lld %9lld %10.3f %12.1f\n", name, static_cast<long long>(p.steps),
