@@ -113,4 +113,26 @@ Result<GatheredViewPlan> gathered_view_plan(const std::vector<int32_t>& request_
                                             const std::vector<int64_t>& seq_lens, const BlockTable& table,
                                             const KvSharding& sharding, int32_t cr, int32_t page_size);
 
+// ---------------------------------------------------------------------------------------------------
+// DCP (reference-design §4).
+
+// The replicated indexer cache (4.1): every rank stores every token's indexer key in a pool with Pt times
+// the pages, addressed by global position through this derived table: global page G of request b is
+// replicated page table[b, G / Pt] * Pt + G mod Pt (valid for any interleave: rank 0's share of a request
+// always covers ceil(S / (page_size * Pt)) pages). Columns past a request's global pages are -1.
+Result<BlockTable> replicated_index_table(const BlockTable& table, const std::vector<int64_t>& seq_lens, int32_t Pt,
+                                          int32_t page_size);
+
+// DSA-CP token slicing (§5): the batch's T tokens padded to a multiple of `group`, rank g takes
+// [g * T_loc, (g + 1) * T_loc).
+struct DsaCpSlice {
+  int64_t num_tokens_pad = 0;      // Tpad
+  int64_t local_start = 0;         // ls
+  int64_t local_end = 0;           // min(le, T): real tokens end here
+  int64_t local_end_with_pad = 0;  // le
+  std::vector<int64_t> cu_q_local;  // [R] cumulative local query counts
+  std::vector<int64_t> len_k_local; // [R] keys of the last local query of each request (0 when none)
+};
+Result<DsaCpSlice> dsa_cp_slice(const std::vector<Request>& requests, int32_t group, int32_t g);
+
 }  // namespace dsacp
