@@ -20,25 +20,29 @@
 namespace dsacp::cpu {
 namespace {
 
-constexpr int kTileKeys = 16;          // keys per transposed tile: the vectorized inner dimension
-constexpr int kHeadBlock = 2;          // heads computed together against one tile (register blocking)
+constexpr int kTileKeys = 32;  // keys per transposed tile: the vectorized inner dimension (8 SSE accumulators)
+// Heads computed together against one tile. Measured with GCC 12 -O3 (SSE2 only): 1 head x 32 keys runs ~2.5x
+// faster than 2 x 16 or 4 x 8, which GCC vectorizes poorly.
+constexpr int kHeadBlock = 1;
 constexpr int kGroupTokens = 8;        // tokens of one request sharing each key tile
 constexpr int64_t kKeyBlock = 1024;    // keys per work item
 constexpr int64_t kScoreBudget = int64_t{1} << 24;  // floats of scores held per chunk (64 MiB)
 constexpr int64_t kQueryBudget = int64_t{1} << 23;  // floats of converted bf16 queries per chunk (32 MiB)
 
-// acc[m][j] = sum_d q[m, d] * kt[d, j] for MR heads and one tile, d ascending (the fixed order).
+// out[m][j] = sum_d q[m, d] * kt[d, j] for MR heads and one tile, d ascending (the fixed order). The sums
+// live in a local array (not behind the out pointer, which could alias q or kt) so they stay in registers.
 template <int MR>
-inline void dot_tile(const float* q, int64_t di, const float* kt, float acc[][kTileKeys]) {
-  for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < kTileKeys; ++j) acc[m][j] = 0.f;
-  }
+inline void dot_tile(const float* __restrict q, int64_t di, const float* __restrict kt, float out[][kTileKeys]) {
+  float acc[MR][kTileKeys] = {};
   for (int64_t d = 0; d < di; ++d) {
     const float* kd = kt + d * kTileKeys;
     for (int m = 0; m < MR; ++m) {
       const float qv = q[m * di + d];
       for (int j = 0; j < kTileKeys; ++j) acc[m][j] += qv * kd[j];
     }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < kTileKeys; ++j) out[m][j] = acc[m][j];
   }
 }
 
