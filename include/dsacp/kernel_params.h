@@ -55,6 +55,9 @@ struct IndexerTopkParams {
   PagedPoolView keys;        // [num_pages, page_size, Di]
   BlockTableView block_table;
   int32_t* topk = nullptr;   // [T, K] out
+  // Optional: the score of each chosen entry ([T, K], -inf after the last one), for an exact merge of
+  // top-k rows computed over disjoint key sets (sharded indexer).
+  float* topk_scores = nullptr;
 };
 
 // Sparse MLA attention over the chosen keys, with natural-log LSE.
@@ -113,6 +116,21 @@ struct TopkRemapParams {
   const int32_t* topk = nullptr;  // [num_rows, K] global positions
   int32_t* local = nullptr;       // [num_rows, K] out
   int32_t Pt = 1, I = 1, cr = 0;
+};
+
+// Exact merge of top-k rows computed by Pt CP ranks over their own keys (the sharded indexer): part s holds
+// rank s's local positions and their scores; with KV sharded by interleave I, local position l of rank s is
+// global position ((l / I) * Pt + s) * I + l mod I. The result is the canonical global row: the K best
+// candidates by score (NaN lowest), ties to the lower global position, ascending, -1 padded. It equals the
+// top-k over all keys, because every global winner is among its own rank's local top-k.
+struct TopkMergeParams {
+  int32_t num_parts = 0;              // Pt
+  int64_t num_rows = 0;               // T
+  int32_t K = 0;
+  int32_t I = 1;                      // interleave of the sharding
+  const int32_t* part_topk = nullptr;  // [Pt, T, K] local positions, -1 padded
+  const float* part_scores = nullptr;  // [Pt, T, K]
+  int32_t* topk = nullptr;             // [T, K] out
 };
 
 }  // namespace dsacp

@@ -166,6 +166,24 @@ Status validate(const TopkRemapParams& p) {
   return check_pointer(k, "local", p.local);
 }
 
+Status validate(const TopkMergeParams& p) {
+  const char* k = "topk_merge";
+  DSACP_RETURN_IF_ERROR(check_positive(k, "num_parts", p.num_parts));
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "I", p.I));
+  if (p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_topk", p.part_topk));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_scores", p.part_scores));
+  return check_pointer(k, "topk", p.topk);
+}
+
+Status topk_merge_run(Backend& backend, const TopkMergeParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  return backend.topk_merge(p);
+}
+
 Status gather_rows_run(Backend& backend, const GatherRowsParams& p) {
   DSACP_RETURN_IF_ERROR(validate(p));
   if (p.num_rows == 0) return Status::ok_status();

@@ -27,18 +27,37 @@ Result<Tensor> select_rows(const Tensor& full, const std::vector<int64_t>& rows)
   return out;
 }
 
+namespace {
+
+// Rows of a [T, H, D] tensor (-1 = zero row), heads [h0, h0 + nh) only: [rows.size(), nh, D].
+Result<Tensor> select_rows_heads(const Tensor& full, const std::vector<int64_t>& rows, int64_t h0, int64_t nh) {
+  const int64_t H = full.dim(1), D = full.dim(2);
+  DSACP_ASSIGN_OR_RETURN(Tensor out, Tensor::zeros(full.dtype(), {static_cast<int64_t>(rows.size()), nh, D}));
+  const size_t elem = dtype_size(full.dtype());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0) continue;
+    std::memcpy(static_cast<char*>(out.data()) + i * nh * D * elem,
+                static_cast<const char*>(full.data()) + (rows[i] * H + h0) * D * elem, nh * D * elem);
+  }
+  return out;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend, const CpLayout& layout,
                                                                const PagedCacheConfig& per_rank_cache) {
   if (layout.P < 1) return invalid_argument("--pcp must be >= 1, got " + std::to_string(layout.P));
+  if (layout.D < 1) return invalid_argument("--dcp must be >= 1, got " + std::to_string(layout.D));
   if (layout.interleave < 0) return invalid_argument("--interleave must be >= 1, got " + std::to_string(layout.interleave));
   if (layout.graph_bucket_tokens < 0) return invalid_argument("graph bucket must be >= 0");
   std::unique_ptr<LocalCpCluster> c(new LocalCpCluster());
   c->backend_ = &backend;
   c->layout_ = layout;
-  c->sharding_ = KvSharding{layout.P, layout.interleave == 0 ? per_rank_cache.page_size : layout.interleave};
+  c->sharding_ = KvSharding{layout.num_ranks(), layout.interleave == 0 ? per_rank_cache.page_size : layout.interleave};
   c->cache_config_ = per_rank_cache;
-  for (int32_t r = 0; r < layout.P; ++r) {
-    DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, per_rank_cache));
+  c->cache_config_.index_page_factor = layout.indexer == IndexerMode::kReplicated ? layout.num_ranks() : 1;
+  for (int32_t r = 0; r < layout.num_ranks(); ++r) {
+    DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, c->cache_config_));
     c->caches_.push_back(std::move(cache));
   }
   return c;
@@ -52,34 +71,53 @@ Status LocalCpCluster::load_context(const std::vector<Request>& requests, const 
     return cache_load_context(*backend_, caches_[0], requests, table, ctx_latent, ctx_rope, ctx_index_keys);
   }
   const int32_t B = cache_config_.page_size;
+  const bool replicated = layout_.indexer == IndexerMode::kReplicated;
+  std::vector<int64_t> seq_lens;
+  for (const Request& r : requests) seq_lens.push_back(r.seq_len());
+  BlockTable rep;
+  if (replicated) {
+    DSACP_ASSIGN_OR_RETURN(rep, replicated_index_table(table, seq_lens, sharding_.Pt, B));
+  }
+  int64_t rows = 0;
+  for (const Request& r : requests) rows += r.context_len;
+  const auto floats = {DType::kF32, DType::kBF16};
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cache_config_.Dl}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cache_config_.Dr}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cache_config_.Di}}));
+  if (rows == 0) return Status();
+  auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend_->allocate(t.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend_->copy_to_device(b.get(), t.data(), t.nbytes()));
+    return b;
+  };
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_latent, up(ctx_latent));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rope, up(ctx_rope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_idx, up(ctx_index_keys));
   for (int32_t cr = 0; cr < sharding_.Pt; ++cr) {
-    std::vector<int64_t> slots;
+    std::vector<int64_t> owned, all;
     for (size_t b = 0; b < requests.size(); ++b) {
       for (int64_t p = 0; p < requests[b].context_len; ++p) {
         DSACP_ASSIGN_OR_RETURN(int64_t s, sharded_slot(sharding_, cr, table, static_cast<int32_t>(b), p, B));
-        slots.push_back(s);
+        owned.push_back(s);
+        if (replicated) all.push_back(int64_t{rep.page(static_cast<int32_t>(b), p / B)} * B + p % B);
       }
     }
-    const int64_t rows = static_cast<int64_t>(slots.size());
-    const auto floats = {DType::kF32, DType::kBF16};
-    DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cache_config_.Dl}}));
-    DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cache_config_.Dr}}));
-    DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cache_config_.Di}}));
-    if (rows == 0) continue;
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload_vector(*backend_, slots));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(*backend_, owned));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_all, upload_vector(*backend_, all));
     const struct {
-      const Tensor* rows;
+      const DeviceBuffer* rows;
+      DType dtype;
       PagedPoolView pool;
-    } writes[] = {{&ctx_latent, caches_[cr].latent()}, {&ctx_rope, caches_[cr].rope()},
-                  {&ctx_index_keys, caches_[cr].index_keys()}};
+      const DeviceBuffer* slots;
+    } writes[] = {{&d_latent, ctx_latent.dtype(), caches_[cr].latent(), &d_owned},
+                  {&d_rope, ctx_rope.dtype(), caches_[cr].rope(), &d_owned},
+                  {&d_idx, ctx_index_keys.dtype(), caches_[cr].index_keys(), replicated ? &d_all : &d_owned}};
     for (const auto& w : writes) {
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows, backend_->allocate(w.rows->nbytes()));
-      DSACP_RETURN_IF_ERROR(backend_->copy_to_device(d_rows.get(), w.rows->data(), w.rows->nbytes()));
       CacheWriteParams p;
-      p.rows = d_rows.get();
-      p.rows_dtype = w.rows->dtype();
+      p.rows = w.rows->get();
+      p.rows_dtype = w.dtype;
       p.num_rows = rows;
-      p.slots = d_slots.as<const int64_t>();
+      p.slots = w.slots->as<const int64_t>();
       p.pool = w.pool;
       DSACP_RETURN_IF_ERROR(cache_write_run(*backend_, p).with_context("context load on rank " + std::to_string(cr)));
     }
@@ -91,14 +129,14 @@ namespace {
 
 // One rank's inputs, outputs and status for a step.
 struct RankWork {
-  PcpRankPlan plan;
+  CpRankPlan plan;
   Tensor q_nope, q_rope, kv_latent, k_rope, idx_q, idx_w, idx_k;
   StepResult result;
   Status status;
 };
 
-Status run_rank(Backend& backend, Communicator& comm, const StepConfig& c, const std::vector<Request>& requests,
-                const KvSharding& sharding, const BlockTable& table, PagedKvCache& cache, PcpDecodeMode mode,
+Status run_rank(Backend& backend, const CpComms& comms, const StepConfig& c, const std::vector<Request>& requests,
+                const CpLayout& layout, const KvSharding& sharding, const BlockTable& table, PagedKvCache& cache,
                 RankWork& w) {
   auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend.allocate(std::max<size_t>(t.nbytes(), 1)));
@@ -112,17 +150,17 @@ Status run_rank(Backend& backend, Communicator& comm, const StepConfig& c, const
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up(w.idx_q));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up(w.idx_w));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up(w.idx_k));
-  const int64_t rows = w.plan.output_rows;
+  const int64_t rows = w.plan.output_rows, Hr = w.plan.num_heads;
   DSACP_ASSIGN_OR_RETURN(w.result.topk_indices, Tensor::zeros(DType::kI32, {rows, c.K}));
-  DSACP_ASSIGN_OR_RETURN(w.result.out, Tensor::zeros(c.out_dtype, {rows, c.H, c.Dl}));
-  DSACP_ASSIGN_OR_RETURN(w.result.lse, Tensor::zeros(DType::kF32, {rows, c.H}));
+  DSACP_ASSIGN_OR_RETURN(w.result.out, Tensor::zeros(c.out_dtype, {rows, Hr, c.Dl}));
+  DSACP_ASSIGN_OR_RETURN(w.result.lse, Tensor::zeros(DType::kF32, {rows, Hr}));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_topk, backend.allocate(std::max<size_t>(w.result.topk_indices.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_out, backend.allocate(std::max<size_t>(w.result.out.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(w.result.lse.nbytes(), 1)));
   StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
                 idx_k.get()};
   StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
-  DSACP_RETURN_IF_ERROR(pcp_step_run(backend, comm, c, requests, w.plan, sharding, table, cache, mode, in, out));
+  DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, w.plan, layout, sharding, table, cache, in, out));
   if (rows > 0) {
     DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.topk_indices.data(), d_topk.get(), w.result.topk_indices.nbytes()));
     DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.out.data(), d_out.get(), w.result.out.nbytes()));
@@ -136,6 +174,7 @@ Status run_rank(Backend& backend, Communicator& comm, const StepConfig& c, const
 Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<Request>& requests,
                                         const BlockTable& table, const HostStepInputs& inputs) {
   if (sharding_.Pt == 1) return step_run_host(*backend_, c, requests, table, caches_[0], inputs);
+  DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;
   const DType a = c.act_dtype;
@@ -152,21 +191,15 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   DSACP_RETURN_IF_ERROR(check("idx_w", inputs.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
   DSACP_RETURN_IF_ERROR(check("idx_k", inputs.idx_k, {a}, {{"T", T}, {"Di", c.Di}}));
 
-  const int32_t P = layout_.P;
-  PcpOptions options;
-  options.P = P;
-  options.decode_threshold = c.decode_threshold;
-  options.graph_bucket_tokens = layout_.graph_bucket_tokens;
-  std::vector<RankWork> work(static_cast<size_t>(P));
-  for (int32_t r = 0; r < P; ++r) {
-    RankWork& w = work[r];
-    DSACP_ASSIGN_OR_RETURN(w.plan, pcp_plan(requests, options, r, sharding_, r, table, cache_config_.page_size));
-    std::vector<int64_t> token(static_cast<size_t>(w.plan.num_local_tokens));
-    for (int64_t i = 0; i < w.plan.num_local_tokens; ++i) {
-      token[i] = w.plan.row_is_pad[i] ? -1 : layout.query_start[w.plan.row_request[i]] + w.plan.row_offset[i];
-    }
-    DSACP_ASSIGN_OR_RETURN(w.q_nope, select_rows(*inputs.q_nope, token));
-    DSACP_ASSIGN_OR_RETURN(w.q_rope, select_rows(*inputs.q_rope, token));
+  const int32_t P = layout_.P, D = layout_.D, Pt = P * D;
+  std::vector<RankWork> work(static_cast<size_t>(Pt));
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    RankWork& w = work[cr];
+    DSACP_ASSIGN_OR_RETURN(w.plan, cp_rank_plan(requests, layout_, cr / D, cr % D, table, cache_config_.page_size,
+                                                c.decode_threshold, c.H));
+    const std::vector<int64_t>& token = w.plan.row_token;
+    DSACP_ASSIGN_OR_RETURN(w.q_nope, select_rows_heads(*inputs.q_nope, token, w.plan.head_begin, w.plan.num_heads));
+    DSACP_ASSIGN_OR_RETURN(w.q_rope, select_rows_heads(*inputs.q_rope, token, w.plan.head_begin, w.plan.num_heads));
     DSACP_ASSIGN_OR_RETURN(w.kv_latent, select_rows(*inputs.kv_latent, token));
     DSACP_ASSIGN_OR_RETURN(w.k_rope, select_rows(*inputs.k_rope, token));
     DSACP_ASSIGN_OR_RETURN(w.idx_q, select_rows(*inputs.idx_q, token));
@@ -174,38 +207,55 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
     DSACP_ASSIGN_OR_RETURN(w.idx_k, select_rows(*inputs.idx_k, token));
   }
 
-  auto group = LocalGroup::create(P);
+  // Groups: the world, D PCP groups (same d) and P DCP groups (same r).
+  auto world = LocalGroup::create(Pt);
+  std::vector<std::shared_ptr<LocalGroup>> pcp_groups, dcp_groups;
+  for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P));
+  for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D));
   std::vector<std::thread> threads;
-  for (int32_t r = 0; r < P; ++r) {
-    threads.emplace_back([&, r] {
-      auto comm = group->make_communicator(r);
-      work[r].status = run_rank(*backend_, *comm, c, requests, sharding_, table, caches_[r], layout_.decode_mode, work[r]);
-      if (!work[r].status.ok()) comm->abort(work[r].status.message());
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    threads.emplace_back([&, cr] {
+      const int32_t r = cr / D, d = cr % D;
+      auto w_comm = world->make_communicator(cr);
+      auto p_comm = pcp_groups[d]->make_communicator(r);
+      auto d_comm = dcp_groups[r]->make_communicator(d);
+      CpComms comms{w_comm.get(), p_comm.get(), d_comm.get()};
+      work[cr].status = run_rank(*backend_, comms, c, requests, layout_, sharding_, table, caches_[cr], work[cr]);
+      if (!work[cr].status.ok()) {
+        for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) comm->abort(work[cr].status.message());
+      }
     });
   }
   for (auto& t : threads) t.join();
-  for (int32_t r = 0; r < P; ++r) {
-    if (!work[r].status.ok()) return work[r].status.with_context("PCP rank " + std::to_string(r));
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    if (!work[cr].status.ok()) {
+      return work[cr].status.with_context("CP rank " + std::to_string(cr) + " (r=" + std::to_string(cr / D) +
+                                          ", d=" + std::to_string(cr % D) + ")");
+    }
   }
 
-  // Assemble the batch in token order: prefill rows from the rank that computed them, decodes from rank 0.
+  // Assemble the batch in token order. Each (token, head) comes from one rank: a row shared by every PCP rank
+  // (a decode) from r = 0, any other row from the rank that holds it; heads from the rank that computed them.
   StepResult result;
   DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {T, c.K}));
   DSACP_ASSIGN_OR_RETURN(result.out, Tensor::zeros(c.out_dtype, {T, c.H, c.Dl}));
   DSACP_ASSIGN_OR_RETURN(result.lse, Tensor::zeros(DType::kF32, {T, c.H}));
-  const size_t topk_row = static_cast<size_t>(c.K) * 4, out_row = static_cast<size_t>(c.H) * c.Dl * dtype_size(c.out_dtype),
-               lse_row = static_cast<size_t>(c.H) * 4;
-  for (int32_t r = 0; r < P; ++r) {
-    const RankWork& w = work[r];
-    for (int64_t i = 0; i < w.plan.num_local_tokens; ++i) {
-      if (w.plan.row_is_pad[i] || (i < w.plan.num_local_decode_tokens && r != 0)) continue;
-      const int64_t t = layout.query_start[w.plan.row_request[i]] + w.plan.row_offset[i];
-      std::memcpy(static_cast<char*>(result.topk_indices.data()) + t * topk_row,
-                  static_cast<const char*>(w.result.topk_indices.data()) + i * topk_row, topk_row);
-      std::memcpy(static_cast<char*>(result.out.data()) + t * out_row,
-                  static_cast<const char*>(w.result.out.data()) + i * out_row, out_row);
-      std::memcpy(static_cast<char*>(result.lse.data()) + t * lse_row,
-                  static_cast<const char*>(w.result.lse.data()) + i * lse_row, lse_row);
+  const size_t out_elem = dtype_size(c.out_dtype);
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    const RankWork& w = work[cr];
+    const int64_t Hr = w.plan.num_heads, h0 = w.plan.head_begin;
+    for (int64_t i = 0; i < w.plan.num_rows; ++i) {
+      const int64_t t = w.plan.row_token[i];
+      const bool decode_copy = !layout_.dsa_cp && i < w.plan.pcp.num_local_decode_tokens && w.plan.r != 0;
+      if (t < 0 || decode_copy) continue;
+      if (h0 == 0) {
+        std::memcpy(result.topk_indices.data_as<int32_t>() + t * c.K, w.result.topk_indices.data_as<int32_t>() + i * c.K,
+                    static_cast<size_t>(c.K) * sizeof(int32_t));
+      }
+      std::memcpy(static_cast<char*>(result.out.data()) + (t * c.H + h0) * c.Dl * out_elem,
+                  static_cast<const char*>(w.result.out.data()) + i * Hr * c.Dl * out_elem, Hr * c.Dl * out_elem);
+      std::memcpy(result.lse.data_as<float>() + t * c.H + h0, w.result.lse.data_as<float>() + i * Hr,
+                  static_cast<size_t>(Hr) * sizeof(float));
     }
   }
   return result;

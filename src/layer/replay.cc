@@ -29,7 +29,7 @@ Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const Replay
   cc.Dr = c.dims.Dr;
   cc.Di = c.dims.Di;
   cc.dtype = dtype;
-  const KvSharding sharding{std::max(options.layout.P, 1),
+  const KvSharding sharding{std::max(options.layout.num_ranks(), 1),
                             options.layout.interleave == 0 ? options.page_size : options.layout.interleave};
   cc.num_pages = options.spare_pages;
   for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), cc.page_size);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <string>
 
 #include "dsacp/case_file.h"
@@ -17,7 +18,7 @@ namespace {
 struct PcpCase {
   int32_t P;
   int32_t interleave;  // 0 = page size
-  PcpDecodeMode mode;
+  DecodeMode mode;
   int32_t page_size;
   DType dtype;
   uint64_t seed;
@@ -25,7 +26,7 @@ struct PcpCase {
 
 std::string pcp_case_name(const PcpCase& c) {
   return "P" + std::to_string(c.P) + "_I" + std::to_string(c.interleave) + "_" +
-         (c.mode == PcpDecodeMode::kLocalMerge ? "local" : "gathered") + "_ps" + std::to_string(c.page_size) + "_" +
+         (c.mode == DecodeMode::kLocalMerge ? "local" : "gathered") + "_ps" + std::to_string(c.page_size) + "_" +
          dtype_name(c.dtype) + "_seed" + std::to_string(c.seed);
 }
 
@@ -47,6 +48,8 @@ std::vector<Request> random_batch(uint64_t seed, int32_t P, int32_t K) {
   }
   return r;
 }
+
+void PrintTo(const PcpCase& c, std::ostream* os) { *os << pcp_case_name(c); }
 
 class PcpStepTest : public ::testing::TestWithParam<PcpCase> {};
 
@@ -95,12 +98,12 @@ std::vector<PcpCase> pcp_cases() {
   std::vector<PcpCase> v;
   uint64_t seed = 11;
   for (int32_t P : {1, 2, 3, 4, 8}) {
-    for (PcpDecodeMode mode : {PcpDecodeMode::kLocalMerge, PcpDecodeMode::kGathered}) {
+    for (DecodeMode mode : {DecodeMode::kLocalMerge, DecodeMode::kGathered}) {
       v.push_back({P, 0, mode, 16, DType::kF32, seed++});
       v.push_back({P, 3, mode, 4, DType::kBF16, seed++});
     }
-    v.push_back({P, 1, PcpDecodeMode::kLocalMerge, 5, DType::kF32, seed++});
-    v.push_back({P, 8, PcpDecodeMode::kLocalMerge, 4, DType::kF32, seed++});  // interleave = 2 pages
+    v.push_back({P, 1, DecodeMode::kLocalMerge, 5, DType::kF32, seed++});
+    v.push_back({P, 8, DecodeMode::kLocalMerge, 4, DType::kF32, seed++});  // interleave = 2 pages
   }
   return v;
 }

@@ -27,8 +27,7 @@ CommandSpec replay_spec() {
       {"--page-seed", "N", "seed of the shuffled page order (0 = pages in order)", "24301"},
       {"--device", "cpu", "backend", "cpu"},
   };
-  for (const OptionSpec& o : layout_options()) s.options.push_back(o);
-  s.not_yet = layout_flags_not_yet();
+  for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   return s;
 }
 
@@ -56,7 +55,7 @@ int cmd_replay(const std::vector<std::string>& argv) {
     if (!s.ok()) return fail(s);
   }
 
-  auto layout = read_layout(args);
+  auto layout = read_layout(args, 1, 1);
   if (!layout.ok()) return fail(layout.status());
   const std::string case_path = args.positionals()[0];
   auto c = case_read(case_path);
@@ -72,8 +71,9 @@ int cmd_replay(const std::vector<std::string>& argv) {
   if (!result.ok()) return fail(result.status().with_context(case_path));
   const std::string out_path = *args.get("--out");
   if (Status s = result_write(out_path, *result); !s.ok()) return fail(s);
-  std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, PCP %d -> %s\n",
-               static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout->P, out_path.c_str());
+  std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d -> %s\n",
+               static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout->P, layout->D,
+               out_path.c_str());
   return 0;
 }
 

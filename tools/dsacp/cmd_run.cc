@@ -53,8 +53,7 @@ CommandSpec run_spec() {
       {"--json", "", "print the summary as JSON on stdout", ""},
       {"--no-progress", "", "no progress bar", ""},
   };
-  for (const OptionSpec& o : layout_options()) s.options.push_back(o);
-  s.not_yet = layout_flags_not_yet();
+  for (const OptionSpec& o : layout_options(2, 2)) s.options.push_back(o);
   return s;
 }
 
@@ -123,7 +122,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   c.samples = static_cast<int32_t>(samples);
   c.seed = static_cast<uint64_t>(seed);
   c.threads = static_cast<int32_t>(threads);
-  DSACP_ASSIGN_OR_RETURN(c.layout, read_layout(a));
+  DSACP_ASSIGN_OR_RETURN(c.layout, read_layout(a, 2, 2));
   c.json = a.has("--json");
   c.progress = !a.has("--no-progress") && isatty(2);
   return c;
@@ -163,7 +162,7 @@ int cmd_run(const std::vector<std::string>& argv) {
 
   // Requests and the pools: enough pages for every request's whole life at once. Every CP rank has its own
   // pools; the block table is shared (pages for the largest share, rank 0's).
-  const KvSharding sharding{cfg.layout.P, cfg.layout.interleave == 0 ? cfg.page_size : cfg.layout.interleave};
+  const KvSharding sharding{cfg.layout.num_ranks(), cfg.layout.interleave == 0 ? cfg.page_size : cfg.layout.interleave};
   std::vector<RequestState> reqs(static_cast<size_t>(cfg.requests));
   int64_t pages_needed = 0, total_tokens = 0;
   for (int32_t b = 0; b < cfg.requests; ++b) {
@@ -197,7 +196,8 @@ int cmd_run(const std::vector<std::string>& argv) {
   CheckTolerance tol;
   int64_t peak_pages = 0, progress_done = 0, step = 0;
   // Peak KV bytes (latent + rope + indexer key of the tokens it stores) each rank holds.
-  const double token_bytes = static_cast<double>(d.Dl + d.Dr + d.Di) * dtype_size(cfg.dtype);
+  const double elem = static_cast<double>(dtype_size(cfg.dtype));
+  const bool replicated_index = cfg.layout.indexer == IndexerMode::kReplicated;
   std::vector<double> peak_rank_bytes(static_cast<size_t>(sharding.Pt), 0.0);
   double gen_seconds = 0, verify_seconds = 0;
   using Clock = std::chrono::steady_clock;
@@ -305,7 +305,10 @@ int cmd_run(const std::vector<std::string>& argv) {
     }
     for (int32_t cr = 0; cr < sharding.Pt; ++cr) {
       double bytes = 0;
-      for (const RequestState& r : reqs) bytes += token_bytes * static_cast<double>(sharding.local_len(r.cached, cr));
+      for (const RequestState& r : reqs) {
+        const double local = static_cast<double>(sharding.local_len(r.cached, cr));
+        bytes += elem * ((d.Dl + d.Dr) * local + d.Di * (replicated_index ? static_cast<double>(r.cached) : local));
+      }
       peak_rank_bytes[cr] = std::max(peak_rank_bytes[cr], bytes);
     }
     ++step;
@@ -329,8 +332,8 @@ int cmd_run(const std::vector<std::string>& argv) {
         "\"K\":%d},\"page_size\":%d,\"dtype\":\"%s\",\"seed\":%llu,"
         "\"prefill\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
         "\"decode\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
-        "\"pages\":{\"total\":%lld,\"peak_used\":%lld,\"bytes_per_page\":%.0f},\"pcp\":%d,\"interleave\":%d,"
-        "\"pcp_decode\":\"%s\",\"kv_bytes_per_rank\":[%s],"
+        "\"pages\":{\"total\":%lld,\"peak_used\":%lld,\"bytes_per_page\":%.0f},\"pcp\":%d,\"dcp\":%d,"
+        "\"interleave\":%d,\"indexer\":\"%s\",\"dsa_cp\":%s,\"pcp_decode\":\"%s\",\"kv_bytes_per_rank\":[%s],"
         "\"check\":{\"tokens\":%lld,\"topk_exact\":%lld,\"near_tie_swaps\":%lld,\"failures\":%lld,"
         "\"max_out_rel_err\":%.3e,\"max_lse_abs_err\":%.3e,\"pass\":%s},\"wall_seconds\":%.3f}\n",
         cfg.threads, cfg.requests,
@@ -340,7 +343,8 @@ int cmd_run(const std::vector<std::string>& argv) {
         static_cast<long long>(prefill_stats.tokens), prefill_stats.seconds, rate(prefill_stats),
         static_cast<long long>(decode_stats.steps), static_cast<long long>(decode_stats.tokens), decode_stats.seconds,
         rate(decode_stats), static_cast<long long>(cc.num_pages), static_cast<long long>(peak_pages), page_bytes,
-        sharding.Pt, sharding.I, cfg.layout.decode_mode == PcpDecodeMode::kLocalMerge ? "local" : "gathered",
+        cfg.layout.P, cfg.layout.D, sharding.I, cfg.layout.indexer == IndexerMode::kSharded ? "sharded" : "replicated",
+        cfg.layout.dsa_cp ? "true" : "false", cfg.layout.decode_mode == DecodeMode::kLocalMerge ? "local" : "gathered",
         rank_bytes_list.c_str(),
         static_cast<long long>(check.tokens), static_cast<long long>(check.exact),
         static_cast<long long>(check.near_tie_swaps), static_cast<long long>(check.failures), check.max_out_rel,
@@ -354,8 +358,10 @@ int cmd_run(const std::vector<std::string>& argv) {
     if (sharding.Pt == 1) {
       std::printf("  layout: single device\n\n");
     } else {
-      std::printf("  layout: PCP %d ranks, interleave %d, decodes by %s\n\n", sharding.Pt, sharding.I,
-                  cfg.layout.decode_mode == PcpDecodeMode::kLocalMerge ? "local attention + LSE merge" : "gathered KV");
+      std::printf("  layout: P=%d x D=%d (%d ranks%s), interleave %d, %s indexer, decodes by %s\n\n", cfg.layout.P,
+                  cfg.layout.D, sharding.Pt, cfg.layout.dsa_cp ? ", DSA-CP" : "", sharding.I,
+                  cfg.layout.indexer == IndexerMode::kSharded ? "sharded" : "replicated",
+                  cfg.layout.decode_mode == DecodeMode::kLocalMerge ? "local attention + LSE merge" : "gathered KV");
     }
     std::printf("  %-8s %6s %9s %10s %12s\n", "phase", "steps", "tokens", "seconds", "tokens/s");
     for (auto [name, p] : {std::pair{"prefill", prefill_stats}, std::pair{"decode", decode_stats}}) {

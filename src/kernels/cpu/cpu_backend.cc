@@ -77,6 +77,9 @@ class CpuBackend final : public Backend {
 
   Status copy_to_device(void* dst, const void* src, size_t bytes) override { return copy("copy_to_device", dst, src, bytes); }
   Status copy_to_host(void* dst, const void* src, size_t bytes) override { return copy("copy_to_host", dst, src, bytes); }
+  Status copy_on_device(void* dst, const void* src, size_t bytes) override {
+    return copy("copy_on_device", dst, src, bytes);
+  }
 
   Status fill(void* dst, DType dtype, int64_t count, float value) override {
     if (count < 0) return invalid_argument("fill: count must be >= 0, got " + std::to_string(count));
@@ -109,6 +112,7 @@ class CpuBackend final : public Backend {
   Status lse_merge(const LseMergeParams& p) override { return cpu::lse_merge(p, num_threads_); }
   Status gather_rows(const GatherRowsParams& p) override { return cpu::gather_rows(p, num_threads_); }
   Status topk_remap(const TopkRemapParams& p) override { return cpu::topk_remap(p, num_threads_); }
+  Status topk_merge(const TopkMergeParams& p) override { return cpu::topk_merge(p, num_threads_); }
 
  private:
   static Status copy(const char* what, void* dst, const void* src, size_t bytes) {

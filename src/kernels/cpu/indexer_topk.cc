@@ -11,6 +11,7 @@
 // blocks, so a single decode token with a long context is still split over threads. Top-k then runs per token.
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -65,33 +66,26 @@ void score_tile(const float* q, const float* w, int32_t hi, int64_t di, const fl
   }
 }
 
-// Order key for selection: larger = better. Score first (NaN below every number, -0 == +0), then the lower
-// position wins a tie. Keys are distinct, so the order is strict and total.
-inline uint64_t rank_key(float score, int32_t j) {
-  uint32_t u;
-  if (score != score) {
-    u = 0;  // NaN ranks below everything, -inf included
-  } else {
-    if (score == 0.f) score = 0.f;
-    std::memcpy(&u, &score, sizeof u);
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    if (u == 0) u = 1;  // keep 0 for NaN (unreachable: only NaN patterns could map there)
-  }
-  return (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
-}
-
-// Canonical top-k row from n scores: K best by rank_key, ascending positions, -1 padded.
-void select_topk(const float* scores, int32_t n, int32_t k, int32_t* row, std::vector<uint64_t>& keys) {
+// Canonical top-k row from n scores: K best by rank_key, ascending positions, -1 padded. With row_scores,
+// also the chosen entries' scores (-inf after the last one).
+void select_topk(const float* scores, int32_t n, int32_t k, int32_t* row, float* row_scores,
+                 std::vector<uint64_t>& keys) {
+  int32_t chosen = n;
   if (n <= k) {
     for (int32_t j = 0; j < n; ++j) row[j] = j;
     for (int32_t j = n; j < k; ++j) row[j] = -1;
-    return;
+  } else {
+    keys.resize(static_cast<size_t>(n));
+    for (int32_t j = 0; j < n; ++j) keys[j] = topk_rank_key(scores[j], j);
+    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
+    for (int32_t i = 0; i < k; ++i) row[i] = topk_rank_key_position(keys[i]);
+    std::sort(row, row + k);
+    chosen = k;
   }
-  keys.resize(static_cast<size_t>(n));
-  for (int32_t j = 0; j < n; ++j) keys[j] = rank_key(scores[j], j);
-  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
-  for (int32_t i = 0; i < k; ++i) row[i] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[i]));
-  std::sort(row, row + k);
+  if (row_scores != nullptr) {
+    for (int32_t i = 0; i < chosen; ++i) row_scores[i] = scores[row[i]];
+    for (int32_t i = chosen; i < k; ++i) row_scores[i] = -std::numeric_limits<float>::infinity();
+  }
 }
 
 struct Group {
@@ -199,7 +193,9 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
     parallel_for(c1 - c0, num_threads, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint64_t> keys;
       for (int64_t lt = begin; lt < end; ++lt) {
-        select_topk(scores.data() + score_offset[lt], rows.key_len[c0 + lt], p.K, p.topk + (c0 + lt) * p.K, keys);
+        float* row_scores = p.topk_scores == nullptr ? nullptr : p.topk_scores + (c0 + lt) * p.K;
+        select_topk(scores.data() + score_offset[lt], rows.key_len[c0 + lt], p.K, p.topk + (c0 + lt) * p.K, row_scores,
+                    keys);
       }
     });
     c0 = c1;
