@@ -15,7 +15,7 @@
 namespace dsacp::cpu {
 namespace {
 
-constexpr int kHeadBlock = 4;       // heads sharing each loaded latent row in the weighted sum
+constexpr int kHeadBlock = 4;  // heads sharing each loaded latent row in the weighted sum
 // Register blocking of the logit dots (heads x key rows). Measured with GCC 12 -O3 (SSE2 only): 1 x 1 runs
 // ~1.8x faster than 4 x 2, 2 x 2 or 1 x 4, whose multi-dimensional lane arrays GCC vectorizes poorly.
 constexpr int kLogitHeadBlock = 1;
@@ -91,8 +91,8 @@ void attend(const SparseMlaParams& p, int64_t t, int32_t h0, int32_t h1, int32_t
   s.rope.resize(static_cast<size_t>(n * dr));
   const int32_t* row = p.topk + t * p.K;
   for (int32_t e = 0; e < n; ++e) {
-    load_row_f32(p.latent.data, p.latent.dtype, key_row_offset(p.block_table, b, row[e], p.latent.page_size, p.Dl),
-                 dl, s.lat.data() + e * dl);
+    load_row_f32(p.latent.data, p.latent.dtype, key_row_offset(p.block_table, b, row[e], p.latent.page_size, p.Dl), dl,
+                 s.lat.data() + e * dl);
     load_row_f32(p.rope.data, p.rope.dtype, key_row_offset(p.block_table, b, row[e], p.rope.page_size, p.Dr), dr,
                  s.rope.data() + e * dr);
   }
@@ -106,7 +106,7 @@ void attend(const SparseMlaParams& p, int64_t t, int32_t h0, int32_t h1, int32_t
   int32_t m0 = 0;
   for (; m0 + kLogitHeadBlock <= nh; m0 += kLogitHeadBlock) {
     logits_heads<kLogitHeadBlock>(s.qn.data() + m0 * dl, s.qr.data() + m0 * dr, s.lat.data(), s.rope.data(), n, dl, dr,
-                             p.scale, s.logits.data() + static_cast<int64_t>(m0) * n);
+                                  p.scale, s.logits.data() + static_cast<int64_t>(m0) * n);
   }
   for (; m0 < nh; ++m0) {
     logits_heads<1>(s.qn.data() + m0 * dl, s.qr.data() + m0 * dr, s.lat.data(), s.rope.data(), n, dl, dr, p.scale,
