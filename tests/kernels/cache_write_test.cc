@@ -16,6 +16,10 @@ struct CacheWriteCase {
   DType rows_dtype, pool_dtype;
 };
 
+void PrintTo(const CacheWriteCase& c, std::ostream* os) {
+  *os << "rows " << dtype_name(c.rows_dtype) << ", pool " << dtype_name(c.pool_dtype);
+}
+
 class CacheWriteKernel : public ::testing::TestWithParam<CacheWriteCase> {};
 
 float rne_expected(float x, DType rows, DType pool) {
