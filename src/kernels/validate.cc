@@ -50,9 +50,9 @@ Status check_pool(const char* kernel, const char* name, const PagedPoolView& poo
   DSACP_RETURN_IF_ERROR(check_float_dtype(kernel, (n + ".dtype").c_str(), pool.dtype));
   const int64_t max = std::numeric_limits<int64_t>::max();
   if (pool.num_pages > max / pool.page_size / pool.dim) {
-    return invalid_argument(std::string(kernel) + ": " + n + " has too many elements: num_pages=" +
-                            str(pool.num_pages) + " x page_size=" + str(pool.page_size) + " x dim=" + str(pool.dim) +
-                            " overflows int64");
+    return invalid_argument(std::string(kernel) + ": " + n +
+                            " has too many elements: num_pages=" + str(pool.num_pages) +
+                            " x page_size=" + str(pool.page_size) + " x dim=" + str(pool.dim) + " overflows int64");
   }
   return Status::ok_status();
 }

@@ -25,8 +25,8 @@ constexpr int kTileKeys = 32;  // keys per transposed tile: the vectorized inner
 // Heads computed together against one tile. Measured with GCC 12 -O3 (SSE2 only): 1 head x 32 keys runs ~2.5x
 // faster than 2 x 16 or 4 x 8, which GCC vectorizes poorly.
 constexpr int kHeadBlock = 1;
-constexpr int kGroupTokens = 8;        // tokens of one request sharing each key tile
-constexpr int64_t kKeyBlock = 1024;    // keys per work item
+constexpr int kGroupTokens = 8;                     // tokens of one request sharing each key tile
+constexpr int64_t kKeyBlock = 1024;                 // keys per work item
 constexpr int64_t kScoreBudget = int64_t{1} << 24;  // floats of scores held per chunk (64 MiB)
 constexpr int64_t kQueryBudget = int64_t{1} << 23;  // floats of converted bf16 queries per chunk (32 MiB)
 
@@ -108,8 +108,8 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
   {
     std::vector<int32_t> checked(static_cast<size_t>(p.block_table.num_requests), 0);
     for (int64_t t = 0; t < rows.num_tokens; ++t) {
-      DSACP_RETURN_IF_ERROR(check_token_keys("indexer_topk", rows, t, p.block_table, p.keys.page_size,
-                                             p.keys.num_pages, checked.data()));
+      DSACP_RETURN_IF_ERROR(
+          check_token_keys("indexer_topk", rows, t, p.block_table, p.keys.page_size, p.keys.num_pages, checked.data()));
     }
   }
 
@@ -172,8 +172,7 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
           for (int32_t jj = 0; jj < kTileKeys; ++jj) {
             if (jj < nvalid) {
               load_row_f32(p.keys.data, p.keys.dtype,
-                           key_row_offset(p.block_table, b, j0 + jj, p.keys.page_size, p.keys.dim), di,
-                           key_row.data());
+                           key_row_offset(p.block_table, b, j0 + jj, p.keys.page_size, p.keys.dim), di, key_row.data());
               for (int64_t d = 0; d < di; ++d) kt[d * kTileKeys + jj] = key_row[d];
             } else {
               for (int64_t d = 0; d < di; ++d) kt[d * kTileKeys + jj] = 0.f;
