@@ -58,6 +58,7 @@ class Backend {
   virtual Result<DeviceBuffer> allocate(size_t bytes) = 0;
   virtual Status copy_to_device(void* dst, const void* src, size_t bytes) = 0;
   virtual Status copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+  virtual Status copy_on_device(void* dst, const void* src, size_t bytes) = 0;
   // Fills count elements of dtype with value (NaN allowed): used to poison unused cache slots.
   virtual Status fill(void* dst, DType dtype, int64_t count, float value) = 0;
   virtual Status synchronize() = 0;
@@ -67,6 +68,9 @@ class Backend {
   virtual Status indexer_topk(const IndexerTopkParams& p) = 0;
   virtual Status sparse_mla(const SparseMlaParams& p) = 0;
   virtual Status lse_merge(const LseMergeParams& p) = 0;
+  virtual Status gather_rows(const GatherRowsParams& p) = 0;
+  virtual Status topk_remap(const TopkRemapParams& p) = 0;
+  virtual Status topk_merge(const TopkMergeParams& p) = 0;
 };
 
 // The CPU backend: plain loops with fp32 accumulation, split over `num_threads` threads
@@ -82,10 +86,16 @@ Status cache_write_run(Backend& backend, const CacheWriteParams& p);
 Status indexer_topk_run(Backend& backend, const IndexerTopkParams& p);
 Status sparse_mla_run(Backend& backend, const SparseMlaParams& p);
 Status lse_merge_run(Backend& backend, const LseMergeParams& p);
+Status gather_rows_run(Backend& backend, const GatherRowsParams& p);
+Status topk_remap_run(Backend& backend, const TopkRemapParams& p);
+Status topk_merge_run(Backend& backend, const TopkMergeParams& p);
 
 Status validate(const CacheWriteParams& p);
 Status validate(const IndexerTopkParams& p);
 Status validate(const SparseMlaParams& p);
 Status validate(const LseMergeParams& p);
+Status validate(const GatherRowsParams& p);
+Status validate(const TopkRemapParams& p);
+Status validate(const TopkMergeParams& p);
 
 }  // namespace dsacp

@@ -69,6 +69,10 @@ struct PcpRankPlan {
 
   // The slot for gathered row j (rank k's local row i at j = k*T_loc + i): padded_slots[all_positions[j]].
   std::vector<int64_t> gathered_row_slots() const;
+  // The token behind gathered row j: its request and key position, or -1 for padding rows and for the
+  // duplicate copies of decode tokens (only rank 0's copy is stored).
+  std::vector<int32_t> gathered_request;  // [P*T_loc]
+  std::vector<int64_t> gathered_pos;      // [P*T_loc]
 };
 
 struct PcpOptions {
@@ -112,5 +116,80 @@ struct GatheredViewPlan {
 Result<GatheredViewPlan> gathered_view_plan(const std::vector<int32_t>& request_ids,
                                             const std::vector<int64_t>& seq_lens, const BlockTable& table,
                                             const KvSharding& sharding, int32_t cr, int32_t page_size);
+
+// ---------------------------------------------------------------------------------------------------
+// DCP (reference-design §4).
+
+// The replicated indexer cache (4.1): every rank stores every token's indexer key in a pool with Pt times
+// the pages, addressed by global position through this derived table: global page G of request b is
+// replicated page table[b, G / Pt] * Pt + G mod Pt (valid for any interleave: rank 0's share of a request
+// always covers ceil(S / (page_size * Pt)) pages). Columns past a request's global pages are -1.
+Result<BlockTable> replicated_index_table(const BlockTable& table, const std::vector<int64_t>& seq_lens, int32_t Pt,
+                                          int32_t page_size);
+
+// DSA-CP token slicing (§5): the batch's T tokens padded to a multiple of `group`, rank g takes
+// [g * T_loc, (g + 1) * T_loc).
+struct DsaCpSlice {
+  int64_t num_tokens_pad = 0;      // Tpad
+  int64_t local_start = 0;         // ls
+  int64_t local_end = 0;           // min(le, T): real tokens end here
+  int64_t local_end_with_pad = 0;  // le
+  std::vector<int64_t> cu_q_local;  // [R] cumulative local query counts
+  std::vector<int64_t> len_k_local; // [R] keys of the last local query of each request (0 when none)
+};
+Result<DsaCpSlice> dsa_cp_slice(const std::vector<Request>& requests, int32_t group, int32_t g);
+
+// ---------------------------------------------------------------------------------------------------
+// The whole CP layout: P x D ranks, CP rank cr = r * D + d, KV sharded over Pt = P * D.
+
+enum class IndexerMode {
+  kSharded,     // indexer keys sharded like the KV; exact merge of per-rank top-k candidates
+  kReplicated,  // every rank stores every indexer key (Pt x the indexer pages); top-k computed locally
+};
+
+// How decode tokens are attended.
+enum class DecodeMode {
+  kLocalMerge,  // over each rank's own keys, exact LSE merge across ranks (never re-gathers the KV)
+  kGathered,    // over the gathered KV (the reference design's PCP decode; only with D = 1)
+};
+
+struct CpLayout {
+  int32_t P = 1;           // PCP ranks: prefill tokens split head/tail
+  int32_t D = 1;           // DCP ranks: heads (or, with dsa_cp, tokens) split inside each PCP rank
+  int32_t interleave = 0;  // KV interleave I; 0 = the page size
+  IndexerMode indexer = IndexerMode::kSharded;
+  bool dsa_cp = false;     // DCP ranks split tokens (all heads each) instead of heads; needs P = 1
+  DecodeMode decode_mode = DecodeMode::kLocalMerge;
+  int64_t graph_bucket_tokens = 0;  // PCP output rows padded to this many (0 = none)
+  int32_t num_ranks() const { return P * D; }
+};
+
+// Checks a layout against the model's head count: P, D >= 1, H divisible by D (native DCP), DSA-CP only
+// without PCP, gathered decodes only without DCP, interleave >= 0.
+Status validate_layout(const CpLayout& layout, int32_t H);
+
+// What CP rank (r, d) computes in one step.
+struct CpRankPlan {
+  int32_t P = 1, D = 1, r = 0, d = 0, cr = 0;
+  BatchLayout layout;
+  // This rank's rows: tokens of the batch (-1 = padding), their request and visible key count.
+  std::vector<int64_t> row_token;    // [rows]
+  std::vector<int32_t> row_request;  // [rows]
+  std::vector<int32_t> row_key_len;  // [rows] 0 for padding
+  int64_t num_rows = 0;
+  // Rows [0, num_shared_rows) are the same tokens, in the same order, on every rank of the layout (the
+  // decode tokens; under DCP alone every row): their top-k can be merged and their attention split by keys.
+  int64_t num_shared_rows = 0;
+  int32_t head_begin = 0, num_heads = 0;  // this rank's query heads
+  // The KV exchange: rows all-gathered over the exchange group (the PCP group, or the DCP group under DSA-CP)
+  // and the token each one stores (-1 = none).
+  std::vector<int32_t> gathered_request;
+  std::vector<int64_t> gathered_pos;
+  int64_t output_rows = 0;  // num_rows, or the PCP graph bucket when larger
+  PcpRankPlan pcp;          // the PCP plan (P >= 1) this rank's rows come from (not under DSA-CP)
+};
+
+Result<CpRankPlan> cp_rank_plan(const std::vector<Request>& requests, const CpLayout& layout, int32_t r, int32_t d,
+                                const BlockTable& table, int32_t page_size, int32_t decode_threshold, int32_t H);
 
 }  // namespace dsacp

@@ -55,6 +55,9 @@ struct IndexerTopkParams {
   PagedPoolView keys;        // [num_pages, page_size, Di]
   BlockTableView block_table;
   int32_t* topk = nullptr;   // [T, K] out
+  // Optional: the score of each chosen entry ([T, K], -inf after the last one), for an exact merge of
+  // top-k rows computed over disjoint key sets (sharded indexer).
+  float* topk_scores = nullptr;
 };
 
 // Sparse MLA attention over the chosen keys, with natural-log LSE.
@@ -88,6 +91,46 @@ struct LseMergeParams {
   const float* part_lse = nullptr;  // [S, T*H]
   float* out = nullptr;             // [T*H, Dl]
   float* lse = nullptr;             // [T*H]
+};
+
+// Row gather with dtype conversion: dst[i, :] = src[index[i], :] for i < num_rows; index -1 fills the row
+// with NaN (an unused slot). Packs rows of a pool for a collective and lays gathered rows out as a pool.
+struct GatherRowsParams {
+  const void* src = nullptr;  // [src_rows, dim], f32 or bf16
+  DType src_dtype = DType::kBF16;
+  int64_t src_rows = 0;
+  int32_t dim = 0;
+  const int64_t* index = nullptr;  // [num_rows], each in [-1, src_rows)
+  int64_t num_rows = 0;
+  void* dst = nullptr;  // [num_rows, dim], f32 or bf16
+  DType dst_dtype = DType::kBF16;
+};
+
+// Global top-k positions to this rank's local positions (reference-design 4.4 step 3), in exact integer
+// arithmetic: with KV sharded over Pt ranks by interleave I, entry e is kept iff e >= 0 and
+// (e / I) mod Pt == cr, as (e / (Pt*I)) * I + e mod I; kept entries move to the front in their original order,
+// then -1. An entry e < -1 is an error.
+struct TopkRemapParams {
+  int64_t num_rows = 0;
+  int32_t K = 0;
+  const int32_t* topk = nullptr;  // [num_rows, K] global positions
+  int32_t* local = nullptr;       // [num_rows, K] out
+  int32_t Pt = 1, I = 1, cr = 0;
+};
+
+// Exact merge of top-k rows computed by Pt CP ranks over their own keys (the sharded indexer): part s holds
+// rank s's local positions and their scores; with KV sharded by interleave I, local position l of rank s is
+// global position ((l / I) * Pt + s) * I + l mod I. The result is the canonical global row: the K best
+// candidates by score (NaN lowest), ties to the lower global position, ascending, -1 padded. It equals the
+// top-k over all keys, because every global winner is among its own rank's local top-k.
+struct TopkMergeParams {
+  int32_t num_parts = 0;              // Pt
+  int64_t num_rows = 0;               // T
+  int32_t K = 0;
+  int32_t I = 1;                      // interleave of the sharding
+  const int32_t* part_topk = nullptr;  // [Pt, T, K] local positions, -1 padded
+  const float* part_scores = nullptr;  // [Pt, T, K]
+  int32_t* topk = nullptr;             // [T, K] out
 };
 
 }  // namespace dsacp

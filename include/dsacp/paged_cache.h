@@ -61,6 +61,9 @@ struct PagedCacheConfig {
   int32_t page_size = 64;
   int32_t Dl = 512, Dr = 64, Di = 128;
   DType dtype = DType::kBF16;  // storage of all three pools
+  // The indexer-key pool holds num_pages * index_page_factor pages: Pt for the replicated indexer of context
+  // parallelism (every rank stores every key, reference-design 4.1), else 1.
+  int32_t index_page_factor = 1;
 };
 
 // The three pools of one layer, in a backend's memory.
@@ -72,7 +75,11 @@ class PagedKvCache {
   const PagedCacheConfig& config() const { return config_; }
   PagedPoolView latent() const { return view(latent_, config_.Dl); }
   PagedPoolView rope() const { return view(rope_, config_.Dr); }
-  PagedPoolView index_keys() const { return view(index_keys_, config_.Di); }
+  PagedPoolView index_keys() const {
+    PagedPoolView v = view(index_keys_, config_.Di);
+    v.num_pages *= config_.index_page_factor;
+    return v;
+  }
   size_t bytes() const { return latent_.bytes() + rope_.bytes() + index_keys_.bytes(); }
 
  private:

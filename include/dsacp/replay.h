@@ -1,11 +1,13 @@
 // Replay of one case (contract §4): load the context into paged caches whose pages are placed in a
-// shuffled order with NaN in every unused slot, run the step, return the result in the case's token order.
+// shuffled order with NaN in every unused slot, run the step in the given layout, return the result in the
+// case's token order (the same whatever the layout).
 #pragma once
 
 #include <cstdint>
 
 #include "dsacp/backend.h"
 #include "dsacp/case_file.h"
+#include "dsacp/cp_step.h"
 #include "dsacp/status.h"
 
 namespace dsacp {
@@ -15,6 +17,7 @@ struct ReplayOptions {
   DType out_dtype = DType::kF32;
   uint64_t page_shuffle_seed = 0x5eed;  // 0 = pages in order
   int32_t spare_pages = 3;              // unused (NaN) pages in the pool besides the ones the batch needs
+  CpLayout layout;                      // P = 1: single device
 };
 
 // The dtype the step computes in: BF16 when every float input of the case is BF16, else F32

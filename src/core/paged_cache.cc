@@ -116,17 +116,22 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
                             std::to_string(config.Dr) + " Di=" + std::to_string(config.Di));
   }
   if (config.dtype == DType::kI32) return invalid_argument("cache dtype must be F32 or BF16, got I32");
+  if (config.index_page_factor < 1 || config.num_pages * config.index_page_factor > std::numeric_limits<int32_t>::max()) {
+    return invalid_argument("index_page_factor must be >= 1 and keep the indexer pool under 2^31 pages, got " +
+                            std::to_string(config.index_page_factor));
+  }
   PagedKvCache c;
   c.config_ = config;
   const int64_t rows = config.num_pages * config.page_size;
   const size_t elem = dtype_size(config.dtype);
   DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(rows) * config.Dl * elem));
   DSACP_ASSIGN_OR_RETURN(c.rope_, backend.allocate(static_cast<size_t>(rows) * config.Dr * elem));
-  DSACP_ASSIGN_OR_RETURN(c.index_keys_, backend.allocate(static_cast<size_t>(rows) * config.Di * elem));
+  const int64_t index_rows = rows * config.index_page_factor;
+  DSACP_ASSIGN_OR_RETURN(c.index_keys_, backend.allocate(static_cast<size_t>(index_rows) * config.Di * elem));
   const float fill = poison_unused ? std::numeric_limits<float>::quiet_NaN() : 0.f;
   DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), config.dtype, rows * config.Dl, fill));
   DSACP_RETURN_IF_ERROR(backend.fill(c.rope_.get(), config.dtype, rows * config.Dr, fill));
-  DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), config.dtype, rows * config.Di, fill));
+  DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), config.dtype, index_rows * config.Di, fill));
   return c;
 }
 

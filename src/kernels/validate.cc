@@ -50,9 +50,9 @@ Status check_pool(const char* kernel, const char* name, const PagedPoolView& poo
   DSACP_RETURN_IF_ERROR(check_float_dtype(kernel, (n + ".dtype").c_str(), pool.dtype));
   const int64_t max = std::numeric_limits<int64_t>::max();
   if (pool.num_pages > max / pool.page_size / pool.dim) {
-    return invalid_argument(std::string(kernel) + ": " + n + " has too many elements: num_pages=" +
-                            str(pool.num_pages) + " x page_size=" + str(pool.page_size) + " x dim=" + str(pool.dim) +
-                            " overflows int64");
+    return invalid_argument(std::string(kernel) + ": " + n +
+                            " has too many elements: num_pages=" + str(pool.num_pages) +
+                            " x page_size=" + str(pool.page_size) + " x dim=" + str(pool.dim) + " overflows int64");
   }
   return Status::ok_status();
 }
@@ -136,6 +136,64 @@ Status validate(const LseMergeParams& p) {
   DSACP_RETURN_IF_ERROR(check_pointer(k, "part_lse", p.part_lse));
   DSACP_RETURN_IF_ERROR(check_pointer(k, "out", p.out));
   return check_pointer(k, "lse", p.lse);
+}
+
+Status validate(const GatherRowsParams& p) {
+  const char* k = "gather_rows";
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "src_rows", p.src_rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "dim", p.dim));
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "src_dtype", p.src_dtype));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "dst_dtype", p.dst_dtype));
+  if (p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "index", p.index));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "dst", p.dst));
+  if (p.src_rows > 0) DSACP_RETURN_IF_ERROR(check_pointer(k, "src", p.src));
+  return Status::ok_status();
+}
+
+Status validate(const TopkRemapParams& p) {
+  const char* k = "topk_remap";
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "Pt", p.Pt));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "I", p.I));
+  if (p.cr < 0 || p.cr >= p.Pt) {
+    return invalid_argument(std::string(k) + ": cr must be in [0, Pt=" + str(p.Pt) + "), got " + str(p.cr));
+  }
+  if (p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "topk", p.topk));
+  return check_pointer(k, "local", p.local);
+}
+
+Status validate(const TopkMergeParams& p) {
+  const char* k = "topk_merge";
+  DSACP_RETURN_IF_ERROR(check_positive(k, "num_parts", p.num_parts));
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "I", p.I));
+  if (p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_topk", p.part_topk));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_scores", p.part_scores));
+  return check_pointer(k, "topk", p.topk);
+}
+
+Status topk_merge_run(Backend& backend, const TopkMergeParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  return backend.topk_merge(p);
+}
+
+Status gather_rows_run(Backend& backend, const GatherRowsParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  return backend.gather_rows(p);
+}
+
+Status topk_remap_run(Backend& backend, const TopkRemapParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  return backend.topk_remap(p);
 }
 
 Status cache_write_run(Backend& backend, const CacheWriteParams& p) {

@@ -1,5 +1,6 @@
 #include "dsacp/replay.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -22,22 +23,24 @@ Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const Replay
   const DType dtype = case_compute_dtype(c);
   DSACP_RETURN_IF_ERROR(batch_layout(c.requests).status());
 
-  int64_t pages_needed = options.spare_pages;
-  for (const Request& r : c.requests) pages_needed += (r.seq_len() + options.page_size - 1) / options.page_size;
   PagedCacheConfig cc;
-  cc.num_pages = pages_needed;
   cc.page_size = options.page_size;
   cc.Dl = c.dims.Dl;
   cc.Dr = c.dims.Dr;
   cc.Di = c.dims.Di;
   cc.dtype = dtype;
-  DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, cc, /*poison_unused=*/true));
+  const KvSharding sharding{std::max(options.layout.num_ranks(), 1),
+                            options.layout.interleave == 0 ? options.page_size : options.layout.interleave};
+  cc.num_pages = options.spare_pages;
+  for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), cc.page_size);
+  DSACP_ASSIGN_OR_RETURN(std::unique_ptr<LocalCpCluster> cluster, LocalCpCluster::create(backend, options.layout, cc));
 
+  // One block table shared by every rank: pages for the largest share (rank 0's), in a shuffled order.
   PageAllocator allocator(cc.num_pages, options.page_shuffle_seed);
   std::vector<SequencePages> seqs(c.requests.size());
   std::vector<const SequencePages*> seq_ptrs;
   for (size_t b = 0; b < c.requests.size(); ++b) {
-    DSACP_RETURN_IF_ERROR(seqs[b].reserve(allocator, c.requests[b].seq_len(), cc.page_size));
+    DSACP_RETURN_IF_ERROR(seqs[b].reserve(allocator, sharding.local_len(c.requests[b].seq_len(), 0), cc.page_size));
     seq_ptrs.push_back(&seqs[b]);
   }
   const BlockTable table = BlockTable::from_sequences(seq_ptrs);
@@ -47,7 +50,7 @@ Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const Replay
   DSACP_ASSIGN_OR_RETURN(Tensor ctx_latent, conv(c.ctx_kv_latent));
   DSACP_ASSIGN_OR_RETURN(Tensor ctx_rope, conv(c.ctx_k_rope));
   DSACP_ASSIGN_OR_RETURN(Tensor ctx_idx_k, conv(c.ctx_idx_k));
-  DSACP_RETURN_IF_ERROR(cache_load_context(backend, cache, c.requests, table, ctx_latent, ctx_rope, ctx_idx_k));
+  DSACP_RETURN_IF_ERROR(cluster->load_context(c.requests, table, ctx_latent, ctx_rope, ctx_idx_k));
 
   DSACP_ASSIGN_OR_RETURN(Tensor q_nope, conv(c.q_nope));
   DSACP_ASSIGN_OR_RETURN(Tensor q_rope, conv(c.q_rope));
@@ -67,7 +70,7 @@ Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const Replay
   config.act_dtype = dtype;
   config.out_dtype = options.out_dtype;
   HostStepInputs in{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k};
-  return step_run_host(backend, config, c.requests, table, cache, in);
+  return cluster->step(config, c.requests, table, in);
 }
 
 }  // namespace dsacp

@@ -4,12 +4,10 @@
 #include <string>
 #include <vector>
 
-#include "dsacp/step.h"
+#include "layer/step_checks.h"
 
 namespace dsacp {
-namespace {
-
-Status check_config(const StepConfig& c, const PagedCacheConfig& cache) {
+Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache) {
   auto bad = [](const char* what, int64_t v) {
     return invalid_argument(std::string("step config: ") + what + " must be >= 1, got " + std::to_string(v));
   };
@@ -30,10 +28,10 @@ Status check_config(const StepConfig& c, const PagedCacheConfig& cache) {
   return Status();
 }
 
-// Every key position a request can see must sit on a page inside the pool.
-Status check_block_table(const std::vector<Request>& requests, const BlockTable& table, const PagedCacheConfig& cache) {
-  for (size_t b = 0; b < requests.size(); ++b) {
-    const int64_t pages = (requests[b].seq_len() + cache.page_size - 1) / cache.page_size;
+Status check_block_table_pages(const BlockTable& table, const std::vector<int64_t>& pages_per_request,
+                               const PagedCacheConfig& cache) {
+  for (size_t b = 0; b < pages_per_request.size(); ++b) {
+    const int64_t pages = pages_per_request[b];
     if (pages > table.max_pages) {
       return out_of_range("request " + std::to_string(b) + " needs " + std::to_string(pages) +
                           " pages, the block table has " + std::to_string(table.max_pages) + " columns");
@@ -49,28 +47,22 @@ Status check_block_table(const std::vector<Request>& requests, const BlockTable&
   return Status();
 }
 
-template <typename T>
-Result<DeviceBuffer> upload(Backend& backend, const std::vector<T>& v) {
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer buf, backend.allocate(std::max<size_t>(v.size() * sizeof(T), 1)));
-  if (!v.empty()) DSACP_RETURN_IF_ERROR(backend.copy_to_device(buf.get(), v.data(), v.size() * sizeof(T)));
-  return buf;
-}
-
-}  // namespace
 
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
   const PagedCacheConfig& cc = cache.config();
-  DSACP_RETURN_IF_ERROR(check_config(config, cc));
+  DSACP_RETURN_IF_ERROR(check_step_config(config, cc));
   DSACP_ASSIGN_OR_RETURN(SingleDevicePlan plan,
                          single_device_plan(requests, table, cc.page_size, config.decode_threshold));
-  DSACP_RETURN_IF_ERROR(check_block_table(requests, table, cc));
+  std::vector<int64_t> pages;
+  for (const Request& r : requests) pages.push_back((r.seq_len() + cc.page_size - 1) / cc.page_size);
+  DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc));
   const int64_t T = plan.layout.num_tokens;
 
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload(backend, plan.slots));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_request, upload(backend, plan.token_request));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_key_len, upload(backend, plan.token_key_len));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, upload(backend, table.data));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload_vector(backend, plan.slots));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_request, upload_vector(backend, plan.token_request));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_key_len, upload_vector(backend, plan.token_key_len));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, upload_vector(backend, table.data));
 
   // 1. The new tokens' KV goes into the caches first: every token sees its own key.
   CacheWriteParams w;

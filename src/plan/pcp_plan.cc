@@ -148,6 +148,27 @@ Result<PcpRankPlan> pcp_plan(const std::vector<Request>& requests, const PcpOpti
   std::iota(plan.q_full_idx.begin(), plan.q_full_idx.end(), 0);
   std::sort(plan.q_full_idx.begin(), plan.q_full_idx.end(), [&](int64_t a, int64_t b) { return cat[a] < cat[b]; });
 
+  // The token behind every gathered row (the same for every rank).
+  plan.gathered_request.assign(static_cast<size_t>(num_padded), -1);
+  plan.gathered_pos.assign(static_cast<size_t>(num_padded), -1);
+  for (int64_t j = 0; j < num_padded; ++j) {
+    const int64_t q = plan.all_positions[j];
+    const int32_t b = static_cast<int32_t>(std::upper_bound(padded_start.begin(), padded_start.end(), q) -
+                                           padded_start.begin() - 1);
+    const int64_t off = q - padded_start[b];
+    const int64_t Q = requests[b].query_len;
+    int64_t i = -1;
+    if (b < num_decodes) {
+      if (off / Q == 0) i = off % Q;  // rank 0's copy
+    } else if (off < Q) {
+      i = off;
+    }
+    if (i >= 0) {
+      plan.gathered_request[j] = b;
+      plan.gathered_pos[j] = requests[b].context_len + i;
+    }
+  }
+
   plan.output_rows = std::max(T_loc, options.graph_bucket_tokens);
   return plan;
 }

@@ -16,6 +16,10 @@ struct CacheWriteCase {
   DType rows_dtype, pool_dtype;
 };
 
+void PrintTo(const CacheWriteCase& c, std::ostream* os) {
+  *os << "rows " << dtype_name(c.rows_dtype) << ", pool " << dtype_name(c.pool_dtype);
+}
+
 class CacheWriteKernel : public ::testing::TestWithParam<CacheWriteCase> {};
 
 float rne_expected(float x, DType rows, DType pool) {
@@ -28,8 +32,8 @@ TEST_P(CacheWriteKernel, ScattersConvertsAndSkips) {
   const int32_t dim = 3, page_size = 2;
   const int64_t num_pages = 3, slots_total = num_pages * page_size;
   // Values chosen to need rounding to bf16: 1 + 2^-9 (a tie, to even 1.0), 1 + 3*2^-9 (up), 1 + 2^-8 + 2^-10.
-  const std::vector<float> values = {1.f + 0x1p-9f, 1.f + 3 * 0x1p-9f, -(1.f + 0x1p-8f + 0x1p-10f), 2.5f, -0.f,
-                                     1e30f,          7.f,               8.f,                           9.f};
+  const std::vector<float> values = {
+      1.f + 0x1p-9f, 1.f + 3 * 0x1p-9f, -(1.f + 0x1p-8f + 0x1p-10f), 2.5f, -0.f, 1e30f, 7.f, 8.f, 9.f};
   std::vector<uint8_t> rows(values.size() * dtype_size(rows_dtype));
   for (size_t i = 0; i < values.size(); ++i) store_from_f32(rows.data(), rows_dtype, int64_t(i), values[i]);
   const std::vector<int64_t> slots = {5, -1, 0};  // row 1 skipped

@@ -34,8 +34,8 @@ struct IndexerProblem {
   PageLayout layout;
   std::vector<std::vector<float>> keys;  // [R][S_b * Di]
   PagedPool pool;
-  std::vector<float> q_f32, w;           // [T, Hi, Di], [T, Hi]
-  std::vector<uint16_t> q_bf16;          // q_f32 as bf16 bits, when dtype is bf16
+  std::vector<float> q_f32, w;   // [T, Hi, Di], [T, Hi]
+  std::vector<uint16_t> q_bf16;  // q_f32 as bf16 bits, when dtype is bf16
 
   IndexerTopkParams params(std::vector<int32_t>& topk) const {
     IndexerTopkParams p;
@@ -125,7 +125,7 @@ INSTANTIATE_TEST_SUITE_P(
                       IndexerCase{5, 33, 16, 61, DType::kF32, {{200, 4}, {1, 1}, {130, 20}}},
                       IndexerCase{4, 64, 64, 64, DType::kBF16, {{1013, 3}, {70, 1}}},
                       IndexerCase{2, 9, 300, 3, DType::kF32, {{200, 2}, {17, 17}}},  // K beyond every context
-                      IndexerCase{2, 8, 32, 16, DType::kF32, {{5000, 1}}},          // long decode: key blocks
+                      IndexerCase{2, 8, 32, 16, DType::kF32, {{5000, 1}}},           // long decode: key blocks
                       IndexerCase{64, 128, 64, 64, DType::kBF16, {{300, 2}, {65, 1}}}),
     case_name);
 

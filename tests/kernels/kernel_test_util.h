@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,7 +23,12 @@ struct RequestShape {
 
 inline std::string requests_name(const std::vector<RequestShape>& rs) {
   std::string s = "req";
-  for (const auto& r : rs) s += "_" + std::to_string(r.num_keys) + "x" + std::to_string(r.num_queries);
+  for (const auto& r : rs) {  // appended piecewise: GCC 12 -Wrestrict false positive on "lit" + string&&
+    s += '_';
+    s += std::to_string(r.num_keys);
+    s += 'x';
+    s += std::to_string(r.num_queries);
+  }
   return s;
 }
 

@@ -19,7 +19,7 @@ namespace {
 
 struct MlaCase {
   int32_t h, dl, dr, k, page_size;
-  DType in_dtype;   // q and the pools
+  DType in_dtype;  // q and the pools
   DType out_dtype;
   std::vector<RequestShape> requests;
 };
@@ -39,9 +39,9 @@ struct MlaProblem {
   PageLayout layout;
   std::vector<std::vector<float>> latent, rope;  // dense per request: [S_b, Dl], [S_b, Dr]
   PagedPool latent_pool, rope_pool;
-  std::vector<float> q_nope, q_rope;             // f32 values (bf16-exact when in_dtype is bf16)
+  std::vector<float> q_nope, q_rope;  // f32 values (bf16-exact when in_dtype is bf16)
   std::vector<uint16_t> q_nope_bf16, q_rope_bf16;
-  std::vector<int32_t> topk;                     // [T, K]
+  std::vector<int32_t> topk;  // [T, K]
   float scale = 0.f;
 
   // Runs the kernel for `topk_rows` (default: the problem's) with out in out_dtype; returns out as f32.
@@ -150,9 +150,9 @@ TEST_P(SparseMlaKernel, MatchesFp64AndIsDeterministic) {
     const auto chosen = valid_prefix(std::span(pr.topk).subspan(t * c.k, c.k), pr.rows.key_len[t]);
     for (int32_t h = 0; h < c.h; ++h) {
       const int64_t th = t * c.h + h;
-      const auto want = ref::attention(std::span(pr.q_nope).subspan(th * c.dl, c.dl),
-                                       std::span(pr.q_rope).subspan(th * c.dr, c.dr), pr.latent[b], pr.rope[b],
-                                       chosen, pr.scale, c.dl, c.dr);
+      const auto want =
+          ref::attention(std::span(pr.q_nope).subspan(th * c.dl, c.dl), std::span(pr.q_rope).subspan(th * c.dr, c.dr),
+                         pr.latent[b], pr.rope[b], chosen, pr.scale, c.dl, c.dr);
       std::span<const float> got(out.data() + th * c.dl, c.dl);
       if (chosen.empty()) {
         EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.f && !std::signbit(x); }))
@@ -171,15 +171,14 @@ TEST_P(SparseMlaKernel, MatchesFp64AndIsDeterministic) {
   EXPECT_TRUE(bit_equal(out, out1) && bit_equal(lse, lse1)) << "1 thread differs from 2 threads";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, SparseMlaKernel,
-    ::testing::Values(MlaCase{5, 13, 7, 6, 1, DType::kF32, DType::kF32, {{40, 3}, {7, 2}}},
-                      MlaCase{5, 13, 7, 6, 3, DType::kBF16, DType::kBF16, {{40, 3}, {7, 2}}},
-                      MlaCase{3, 33, 5, 64, 61, DType::kF32, DType::kBF16, {{200, 4}, {130, 20}}},
-                      MlaCase{16, 64, 16, 32, 64, DType::kBF16, DType::kF32, {{1013, 2}, {1, 1}}},
-                      MlaCase{1, 1, 1, 1, 2, DType::kF32, DType::kF32, {{5, 2}}},
-                      MlaCase{16, 512, 64, 128, 64, DType::kBF16, DType::kF32, {{300, 2}}}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Cases, SparseMlaKernel,
+                         ::testing::Values(MlaCase{5, 13, 7, 6, 1, DType::kF32, DType::kF32, {{40, 3}, {7, 2}}},
+                                           MlaCase{5, 13, 7, 6, 3, DType::kBF16, DType::kBF16, {{40, 3}, {7, 2}}},
+                                           MlaCase{3, 33, 5, 64, 61, DType::kF32, DType::kBF16, {{200, 4}, {130, 20}}},
+                                           MlaCase{16, 64, 16, 32, 64, DType::kBF16, DType::kF32, {{1013, 2}, {1, 1}}},
+                                           MlaCase{1, 1, 1, 1, 2, DType::kF32, DType::kF32, {{5, 2}}},
+                                           MlaCase{16, 512, 64, 128, 64, DType::kBF16, DType::kF32, {{300, 2}}}),
+                         case_name);
 
 // Splitting each row's keys over S parts, attending per part and merging by LSE reproduces the whole.
 TEST(LseMergeKernel, SplitKeySetsMergeToTheWhole) {
@@ -211,6 +210,11 @@ TEST(LseMergeKernel, SplitKeySetsMergeToTheWhole) {
   std::vector<float> out(static_cast<size_t>(rows * c.dl), 7.f), lse(static_cast<size_t>(rows), 7.f);
   LseMergeParams p{parts, rows, c.dl, part_out.data(), part_lse.data(), out.data(), lse.data()};
   ASSERT_TRUE(lse_merge_run(*backend, p).ok());
+  // In place (out and lse over part 0) gives the same bits.
+  LseMergeParams in_place{parts, rows, c.dl, part_out.data(), part_lse.data(), part_out.data(), part_lse.data()};
+  ASSERT_TRUE(lse_merge_run(*backend, in_place).ok());
+  EXPECT_TRUE(bit_equal(std::vector<float>(part_out.begin(), part_out.begin() + rows * c.dl), out));
+  EXPECT_TRUE(bit_equal(std::vector<float>(part_lse.begin(), part_lse.begin() + rows), lse));
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<double> want(whole_out.begin() + r * c.dl, whole_out.begin() + (r + 1) * c.dl);
     std::span<const float> got(out.data() + r * c.dl, c.dl);
@@ -229,8 +233,8 @@ TEST(LseMergeKernel, EmptyOrBrokenPartsContributeExactlyNothing) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   const int32_t dl = 3;
   // Row 0: part 0 real, parts 1..3 have -inf / NaN / +inf LSE with NaN outputs. Row 1: every part empty.
-  std::vector<float> part_out = {0.25f, -1.5f, 3.f, 9.f,  9.f,  9.f,  nan, nan, nan, 1.f, 1.f, 1.f,
-                                 nan,   nan,   nan, 5.f,  5.f,  5.f,  nan, nan, nan, 0.f, 0.f, 0.f};
+  std::vector<float> part_out = {0.25f, -1.5f, 3.f, 9.f, 9.f, 9.f, nan, nan, nan, 1.f, 1.f, 1.f,
+                                 nan,   nan,   nan, 5.f, 5.f, 5.f, nan, nan, nan, 0.f, 0.f, 0.f};
   std::vector<float> part_lse = {1.75f, -inf, -inf, nan, nan, -inf, inf, -inf};
   std::vector<float> out(2 * dl, 7.f), lse(2, 7.f);
   LseMergeParams p{4, 2, dl, part_out.data(), part_lse.data(), out.data(), lse.data()};

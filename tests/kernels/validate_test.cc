@@ -95,18 +95,18 @@ TEST(KernelValidate, IndexerTopk) {
 
 TEST(KernelValidate, SparseMla) {
   using P = SparseMlaParams;
-  expect_refused<P>(good_mla,
-                    {{"latent dim", [](P& p) { p.latent.dim = 500; }, "sparse_mla: latent.dim must equal Dl=512, got 500"},
-                     {"rope dim", [](P& p) { p.rope.dim = 32; }, "rope.dim must equal Dr=64, got 32"},
-                     {"page sizes", [](P& p) { p.rope.page_size = 32; }, "rope.page_size must equal latent.page_size=64"},
-                     {"pages", [](P& p) { p.rope.num_pages = 9; }, "rope.num_pages must equal latent.num_pages=10, got 9"},
-                     {"H", [](P& p) { p.H = 0; }, "H must be >= 1, got 0"},
-                     {"K", [](P& p) { p.K = 0; }, "K must be >= 1, got 0"},
-                     {"scale", [](P& p) { p.scale = NAN; }, "scale must be finite"},
-                     {"out dtype", [](P& p) { p.out_dtype = DType::kI32; }, "out_dtype must be F32 or BF16, got I32"},
-                     {"out null", [](P& p) { p.out = nullptr; }, "out must not be null"},
-                     {"lse null", [](P& p) { p.lse = nullptr; }, "lse must not be null"},
-                     {"q null", [](P& p) { p.q_rope = nullptr; }, "q_rope must not be null"}});
+  expect_refused<P>(
+      good_mla, {{"latent dim", [](P& p) { p.latent.dim = 500; }, "sparse_mla: latent.dim must equal Dl=512, got 500"},
+                 {"rope dim", [](P& p) { p.rope.dim = 32; }, "rope.dim must equal Dr=64, got 32"},
+                 {"page sizes", [](P& p) { p.rope.page_size = 32; }, "rope.page_size must equal latent.page_size=64"},
+                 {"pages", [](P& p) { p.rope.num_pages = 9; }, "rope.num_pages must equal latent.num_pages=10, got 9"},
+                 {"H", [](P& p) { p.H = 0; }, "H must be >= 1, got 0"},
+                 {"K", [](P& p) { p.K = 0; }, "K must be >= 1, got 0"},
+                 {"scale", [](P& p) { p.scale = NAN; }, "scale must be finite"},
+                 {"out dtype", [](P& p) { p.out_dtype = DType::kI32; }, "out_dtype must be F32 or BF16, got I32"},
+                 {"out null", [](P& p) { p.out = nullptr; }, "out must not be null"},
+                 {"lse null", [](P& p) { p.lse = nullptr; }, "lse must not be null"},
+                 {"q null", [](P& p) { p.q_rope = nullptr; }, "q_rope must not be null"}});
 }
 
 TEST(KernelValidate, CacheWriteAndLseMerge) {

@@ -8,6 +8,7 @@
 
 #include "dsacp/case_file.h"
 #include "dsacp/replay.h"
+#include "support/test_seed.h"
 #include "dsacp/step.h"
 #include "support/reference_math.h"
 
@@ -61,7 +62,7 @@ TEST_P(StepExecutorTest, MatchesFp64AndIsLayoutIndependent) {
   spec.topk = sc.topk;
   spec.scale = 0.3f;
   spec.dtype = sc.dtype;
-  spec.seed = 1000 + sc.page_size;
+  spec.seed = testing::test_seed(1000 + sc.page_size);
   auto c = case_generate(spec);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   auto backend = make_cpu_backend(2);
@@ -89,8 +90,8 @@ TEST_P(StepExecutorTest, MatchesFp64AndIsLayoutIndependent) {
       const auto qn = token_rows(c->q_nope, t, int64_t{d.H} * d.Dl);
       const auto qr = token_rows(c->q_rope, t, int64_t{d.H} * d.Dr);
       for (int32_t h = 0; h < d.H; ++h) {
-        const auto want = ref::attention(std::span<const float>(qn).subspan(size_t{h} * d.Dl, d.Dl),
-                                         std::span<const float>(qr).subspan(size_t{h} * d.Dr, d.Dr), latent, rope,
+        const auto want = ref::attention(std::span<const float>(qn).subspan(static_cast<size_t>(h) * d.Dl, d.Dl),
+                                         std::span<const float>(qr).subspan(static_cast<size_t>(h) * d.Dr, d.Dr), latent, rope,
                                          row, c->scale, d.Dl, d.Dr);
         std::span<const float> got(res->out.data_as<float>() + (t * d.H + h) * d.Dl, static_cast<size_t>(d.Dl));
         EXPECT_LT(ref::rel_norm_error(got, want.out), 1e-5) << "request " << b << " token " << i << " head " << h;

@@ -63,8 +63,10 @@ std::string check_topk_row(std::span<const int32_t> row, std::span<const double>
   for (int32_t j = 0; j < n; ++j) {
     if (std::isnan(scores[j])) continue;
     scale = std::max(scale, std::abs(scores[j]));
-    if (chosen[j]) min_chosen = std::min(min_chosen, scores[j]);
-    else max_unchosen = std::max(max_unchosen, scores[j]);
+    if (chosen[j])
+      min_chosen = std::min(min_chosen, scores[j]);
+    else
+      max_unchosen = std::max(max_unchosen, scores[j]);
   }
   if (max_unchosen > min_chosen + tol * std::max(scale, 1e-30)) {
     return "an unchosen score " + std::to_string(max_unchosen) + " beats a chosen one " + std::to_string(min_chosen);
@@ -72,9 +74,9 @@ std::string check_topk_row(std::span<const int32_t> row, std::span<const double>
   return "";
 }
 
-AttentionResult attention(std::span<const float> q_nope, std::span<const float> q_rope,
-                          std::span<const float> latent, std::span<const float> rope,
-                          std::span<const int32_t> chosen, double scale, int32_t dl, int32_t dr) {
+AttentionResult attention(std::span<const float> q_nope, std::span<const float> q_rope, std::span<const float> latent,
+                          std::span<const float> rope, std::span<const int32_t> chosen, double scale, int32_t dl,
+                          int32_t dr) {
   AttentionResult r;
   r.out.assign(static_cast<size_t>(dl), 0.0);
   std::vector<double> logits;

@@ -22,8 +22,7 @@ std::vector<int32_t> canonical_topk(std::span<const double> scores, int32_t k);
 // Checks a top-k row against fp64 scores, allowing near ties at the selection boundary: the row must be
 // ascending, front-packed, -1 padded, hold min(K, S) distinct positions, and every chosen score must be
 // >= every unchosen score up to `tol` (relative to the largest |score|). Returns "" when it holds, else why.
-std::string check_topk_row(std::span<const int32_t> row, std::span<const double> scores, int32_t k,
-                           double tol = 1e-5);
+std::string check_topk_row(std::span<const int32_t> row, std::span<const double> scores, int32_t k, double tol = 1e-5);
 
 // Attention of one query head over chosen positions (entries < 0 end the list; they are front-packed):
 //   l(j) = scale * (q_nope . latent[j] + q_rope . rope[j]); out = softmax(l) @ latent; lse = ln sum exp l.
@@ -32,9 +31,9 @@ struct AttentionResult {
   std::vector<double> out;  // [Dl]
   double lse = 0.0;
 };
-AttentionResult attention(std::span<const float> q_nope, std::span<const float> q_rope,
-                          std::span<const float> latent, std::span<const float> rope,
-                          std::span<const int32_t> chosen, double scale, int32_t dl, int32_t dr);
+AttentionResult attention(std::span<const float> q_nope, std::span<const float> q_rope, std::span<const float> latent,
+                          std::span<const float> rope, std::span<const int32_t> chosen, double scale, int32_t dl,
+                          int32_t dr);
 
 // ||got - want|| / ||want|| (0 when both are zero; +inf when want is zero and got is not, or on NaN).
 double rel_norm_error(std::span<const float> got, std::span<const double> want);

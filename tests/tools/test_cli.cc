@@ -4,7 +4,9 @@
 
 #include <array>
 #include <cstdio>
+#include <cmath>
 #include <cstring>
+#include <functional>
 #include <unistd.h>
 #include <filesystem>
 #include <fstream>
@@ -58,15 +60,23 @@ TEST(Cli, HelpForEveryCommand) {
   EXPECT_NE(r.output.find("unknown command"), std::string::npos);
 }
 
-TEST(Cli, LayoutFlagsAreRefusedUntilTheyExist) {
-  for (const char* flag : {"--pcp 4", "--dcp 2", "--interleave 3", "--indexer sharded", "--dsa-cp"}) {
-    CmdResult r = run_cli(std::string("replay x.safetensors --out y ") + flag);
-    EXPECT_EQ(r.code, 2) << flag;
-    EXPECT_NE(r.output.find("not available yet"), std::string::npos) << r.output;
+TEST(Cli, InvalidLayoutsAreRefusedInOneLine) {
+  const std::string case_path = temp_path("layout_case.safetensors");
+  ASSERT_EQ(run_cli("make-case " + case_path + " --heads 4").code, 0);
+  const std::string out = temp_path("layout_out.safetensors");
+  struct Bad {
+    const char* flags;
+    const char* says;
+  } bad[] = {{"--dsa-cp --pcp 2 --dcp 2", "DSA-CP with PCP"},
+             {"--dcp 3", "H must be a multiple of D"},
+             {"--dcp 2 --pcp-decode gathered", "gathered decodes with DCP"},
+             {"--indexer mirrored", "--indexer: expected one of sharded, replicated"},
+             {"--dcp 0", "--dcp: expected an integer"}};
+  for (const Bad& b : bad) {
+    CmdResult r = run_cli("replay " + case_path + " --out " + out + " " + b.flags);
+    EXPECT_NE(r.code, 0) << b.flags;
+    EXPECT_NE(r.output.find(b.says), std::string::npos) << b.flags << ": " << r.output;
     EXPECT_EQ(count_lines(r.output), 1) << r.output;
-    r = run_cli(std::string("run ") + flag);
-    EXPECT_EQ(r.code, 2) << flag;
-    EXPECT_NE(r.output.find("not available yet"), std::string::npos) << r.output;
   }
   CmdResult r = run_cli("run --device cuda");
   EXPECT_NE(r.code, 0);
@@ -109,6 +119,35 @@ TEST(Cli, MakeCaseThenReplayMatchesTheLibrary) {
   EXPECT_EQ(0, std::memcmp(got->topk_indices.data(), want->topk_indices.data(), want->topk_indices.nbytes()));
   EXPECT_EQ(0, std::memcmp(got->out.data(), want->out.data(), want->out.nbytes()));
   EXPECT_EQ(0, std::memcmp(got->lse.data(), want->lse.data(), want->lse.nbytes()));
+}
+
+// Every layout gives the same top-k rows as one device (issue 3: --pcp 4 as --pcp 1), outputs within fp32 rounding.
+TEST(Cli, ReplayInEveryLayoutMatchesOneDevice) {
+  const std::string case_path = temp_path("pcp_case.safetensors");
+  ASSERT_EQ(run_cli("make-case " + case_path + " --query-lens 2,1,37,9,1 --context-lens 80,300,0,21,0 --topk 32 --seed 5")
+                .code,
+            0);
+  auto read = [&](const std::string& flags) {
+    const std::string out = temp_path("pcp_result" + std::to_string(std::hash<std::string>{}(flags)) + ".safetensors");
+    CmdResult r = run_cli("replay " + case_path + " --out " + out + " " + flags);
+    EXPECT_EQ(r.code, 0) << flags << ": " << r.output;
+    return result_read(out);
+  };
+  auto one = read("--pcp 1");
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  for (const char* flags : {"--pcp 4", "--pcp 2 --interleave 3", "--pcp 3 --pcp-decode gathered --page-size 8",
+                            "--dcp 2 --indexer replicated", "--pcp 2 --dcp 2 --indexer sharded",
+                            "--dcp 4 --dsa-cp --interleave 1"}) {
+    auto cp = read(flags);
+    ASSERT_TRUE(cp.ok()) << cp.status().to_string();
+    EXPECT_EQ(0, std::memcmp(cp->topk_indices.data(), one->topk_indices.data(), one->topk_indices.nbytes())) << flags;
+    double err = 0;
+    for (int64_t i = 0; i < one->out.numel(); ++i) err = std::max(err, double(std::fabs(cp->out.get_f32(i) - one->out.get_f32(i))));
+    EXPECT_LT(err, 1e-5) << flags;
+  }
+  CmdResult bad = run_cli("replay " + case_path + " --out /tmp/x.safetensors --pcp 0");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.output.find("--pcp"), std::string::npos) << bad.output;
 }
 
 TEST(Cli, MalformedCasesAreRefusedInOneLine) {

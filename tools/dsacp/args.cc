@@ -106,9 +106,6 @@ Result<ParsedArgs> parse_args(const CommandSpec& spec, const std::vector<std::st
         a = a.substr(0, eq);
         inline_value = true;
       }
-      if (auto ny = spec.not_yet.find(a); ny != spec.not_yet.end()) {
-        return unsupported(where + ": " + a + " " + ny->second);
-      }
       const OptionSpec* opt = nullptr;
       for (const OptionSpec& o : spec.options) opt = o.name == a ? &o : opt;
       if (opt == nullptr) return invalid_argument(where + ": unknown option " + a + " (see " + where + " --help)");

@@ -24,8 +24,6 @@ struct CommandSpec {
   std::string summary;
   std::vector<std::string> positionals;  // names of required positionals ("CASE")
   std::vector<OptionSpec> options;
-  // Options that a later release adds: refused with this message instead of "unknown option".
-  std::map<std::string, std::string> not_yet;
 };
 
 std::string command_help(const CommandSpec& spec);

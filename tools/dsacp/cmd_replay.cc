@@ -15,7 +15,8 @@ CommandSpec replay_spec() {
   s.usage = "dsacp replay CASE --out RESULT [options]";
   s.summary =
       "Loads the case's context into paged caches (pages in a shuffled order, NaN in every unused slot),\n"
-      "runs the step (cache write, indexer + exact top-k, sparse MLA attention) and writes the result file:\n"
+      "runs the step (cache write, indexer + exact top-k, sparse MLA attention) in the given layout and writes\n"
+      "the result file (the same whatever the layout):\n"
       "topk_indices I32 [T, K], out [T, H, Dl], lse F32 [T, H], rows in the case's token order.";
   s.positionals = {"CASE"};
   s.options = {
@@ -26,7 +27,7 @@ CommandSpec replay_spec() {
       {"--page-seed", "N", "seed of the shuffled page order (0 = pages in order)", "24301"},
       {"--device", "cpu|cuda", "backend (cuda: sm_90a GPU 0)", "cpu"},
   };
-  s.not_yet = layout_flags_not_yet();
+  for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   return s;
 }
 
@@ -53,6 +54,8 @@ int cmd_replay(const std::vector<std::string>& argv) {
     if (!s.ok()) return fail(s);
   }
 
+  auto layout = read_layout(args, 1, 1);
+  if (!layout.ok()) return fail(layout.status());
   const std::string case_path = args.positionals()[0];
   auto c = case_read(case_path);
   if (!c.ok()) return fail(c.status());
@@ -69,12 +72,14 @@ int cmd_replay(const std::vector<std::string>& argv) {
   options.page_size = static_cast<int32_t>(*page_size);
   options.out_dtype = *out_dtype == "bf16" ? DType::kBF16 : DType::kF32;
   options.page_shuffle_seed = static_cast<uint64_t>(*page_seed);
+  options.layout = *layout;
   auto result = replay_case(*backend, *c, options);
   if (!result.ok()) return fail(result.status().with_context(case_path));
   const std::string out_path = *args.get("--out");
   if (Status s = result_write(out_path, *result); !s.ok()) return fail(s);
-  std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d -> %s\n",
-               static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, out_path.c_str());
+  std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d -> %s\n",
+               static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout->P, layout->D,
+               out_path.c_str());
   return 0;
 }
 

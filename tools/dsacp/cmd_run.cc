@@ -33,7 +33,7 @@ CommandSpec run_spec() {
       "rounding). Prints a progress bar (on a terminal) and a summary; exits 1 if a check fails.";
   s.options = {
       {"--requests", "N", "requests in the workload", "4"},
-      {"--prompt-len", "A[:B]", "prompt length per request, uniform in [A, B]", "1024:4096"},
+      {"--prompt-len", "A[:B]", "prompt length per request, uniform in [A, B]", "512:2048"},
       {"--chunk", "N", "prefill token budget per step", "1024"},
       {"--decode-steps", "N", "decode steps per request after its prefill", "8"},
       {"--mtp", "N", "most tokens per decode step (1 + draft tokens, <= 16); lengths vary in [1, N]", "2"},
@@ -53,7 +53,7 @@ CommandSpec run_spec() {
       {"--json", "", "print the summary as JSON on stdout", ""},
       {"--no-progress", "", "no progress bar", ""},
   };
-  s.not_yet = layout_flags_not_yet();
+  for (const OptionSpec& o : layout_options(2, 2)) s.options.push_back(o);
   return s;
 }
 
@@ -66,6 +66,7 @@ struct RunConfig {
   DType dtype;
   WorkloadDims dims;
   bool json, progress;
+  CpLayout layout;
   bool cuda = false;  // --device cuda
 };
 
@@ -92,7 +93,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   RunConfig c;
   auto geti = [&](const char* n, int64_t def, int64_t lo, int64_t hi) { return a.get_int(n, def, lo, hi); };
   DSACP_ASSIGN_OR_RETURN(int64_t requests, geti("--requests", 4, 1, 4096));
-  DSACP_ASSIGN_OR_RETURN(c.prompt, a.get_range("--prompt-len", {1024, 4096}, 1, int64_t{1} << 30));
+  DSACP_ASSIGN_OR_RETURN(c.prompt, a.get_range("--prompt-len", {512, 2048}, 1, int64_t{1} << 30));
   DSACP_ASSIGN_OR_RETURN(int64_t chunk, geti("--chunk", 1024, 1, 1 << 24));
   DSACP_ASSIGN_OR_RETURN(int64_t decode_steps, geti("--decode-steps", 8, 0, 1 << 20));
   DSACP_ASSIGN_OR_RETURN(int64_t mtp, geti("--mtp", 2, 1, kMaxDecodeThreshold));
@@ -122,6 +123,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   c.samples = static_cast<int32_t>(samples);
   c.seed = static_cast<uint64_t>(seed);
   c.threads = static_cast<int32_t>(threads);
+  DSACP_ASSIGN_OR_RETURN(c.layout, read_layout(a, 2, 2));
   c.json = a.has("--json");
   c.progress = !a.has("--no-progress") && isatty(2);
   return c;
@@ -159,7 +161,9 @@ int cmd_run(const std::vector<std::string>& argv) {
   const WorkloadDims& d = cfg.dims;
   const WorkloadValues values(cfg.seed, d, cfg.dtype);
 
-  // Requests and the pool: enough pages for every request's whole life at once.
+  // Requests and the pools: enough pages for every request's whole life at once. Every CP rank has its own
+  // pools; the block table is shared (pages for the largest share, rank 0's).
+  const KvSharding sharding{cfg.layout.num_ranks(), cfg.layout.interleave == 0 ? cfg.page_size : cfg.layout.interleave};
   std::vector<RequestState> reqs(static_cast<size_t>(cfg.requests));
   int64_t pages_needed = 0, total_tokens = 0;
   for (int32_t b = 0; b < cfg.requests; ++b) {
@@ -168,7 +172,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     reqs[b].decodes_left = cfg.decode_steps;
     const int64_t max_len = reqs[b].prompt_len + int64_t{cfg.decode_steps} * cfg.mtp;
     if (max_len > INT32_MAX) return fail(invalid_argument("request length exceeds 2^31 - 1 tokens"));
-    pages_needed += (max_len + cfg.page_size - 1) / cfg.page_size;
+    pages_needed += sharding.pages_needed(max_len, cfg.page_size);
     total_tokens += reqs[b].prompt_len + cfg.decode_steps;  // decode progress counts steps
   }
   std::unique_ptr<Backend> backend;
@@ -180,8 +184,8 @@ int cmd_run(const std::vector<std::string>& argv) {
     backend = make_cpu_backend(cfg.threads);
   }
   PagedCacheConfig cc{pages_needed, cfg.page_size, d.Dl, d.Dr, d.Di, cfg.dtype};
-  auto cache = PagedKvCache::create(*backend, cc);
-  if (!cache.ok()) return fail(cache.status());
+  auto cluster = LocalCpCluster::create(*backend, cfg.layout, cc);
+  if (!cluster.ok()) return fail(cluster.status());
   PageAllocator allocator(cc.num_pages, cfg.seed);
 
   StepConfig sc;
@@ -202,6 +206,10 @@ int cmd_run(const std::vector<std::string>& argv) {
   // bf16 bound applies, not fp32 rounding.
   if (cfg.cuda) tol.out_rel = 1e-2;
   int64_t peak_pages = 0, progress_done = 0, step = 0;
+  // Peak KV bytes (latent + rope + indexer key of the tokens it stores) each rank holds.
+  const double elem = static_cast<double>(dtype_size(cfg.dtype));
+  const bool replicated_index = cfg.layout.indexer == IndexerMode::kReplicated;
+  std::vector<double> peak_rank_bytes(static_cast<size_t>(sharding.Pt), 0.0);
   double gen_seconds = 0, verify_seconds = 0;
   using Clock = std::chrono::steady_clock;
   const auto t_start = Clock::now();
@@ -235,7 +243,8 @@ int cmd_run(const std::vector<std::string>& argv) {
     std::vector<const SequencePages*> seqs;
     for (const StepSlice& s : slices) {
       RequestState& r = reqs[s.request];
-      if (Status st = r.pages.reserve(allocator, s.first_pos + s.count, cfg.page_size); !st.ok()) return fail(st);
+      const int64_t local = sharding.local_len(s.first_pos + s.count, 0);
+      if (Status st = r.pages.reserve(allocator, local, cfg.page_size); !st.ok()) return fail(st);
       seqs.push_back(&r.pages);
     }
     peak_pages = std::max(peak_pages, allocator.num_used());
@@ -245,7 +254,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     auto tensors = make_step_tensors(values, slices, cfg.threads);
     if (!tensors.ok()) return fail(tensors.status());
     auto t1 = Clock::now();
-    auto result = step_run_host(*backend, sc, batch, table, *cache, tensors->inputs());
+    auto result = (*cluster)->step(sc, batch, table, tensors->inputs());
     if (!result.ok()) return fail(result.status().with_context("step " + std::to_string(step)));
     auto t2 = Clock::now();
     gen_seconds += std::chrono::duration<double>(t1 - t0).count();
@@ -305,15 +314,28 @@ int cmd_run(const std::vector<std::string>& argv) {
         if (Status st = r.pages.release(allocator); !st.ok()) return fail(st);
       }
     }
+    for (int32_t cr = 0; cr < sharding.Pt; ++cr) {
+      double bytes = 0;
+      for (const RequestState& r : reqs) {
+        const double local = static_cast<double>(sharding.local_len(r.cached, cr));
+        bytes += elem * ((d.Dl + d.Dr) * local + d.Di * (replicated_index ? static_cast<double>(r.cached) : local));
+      }
+      peak_rank_bytes[cr] = std::max(peak_rank_bytes[cr], bytes);
+    }
     ++step;
     if (cfg.progress) draw_progress(progress_done, total_tokens, step, has_prefill ? "prefill" : "decode");
   }
   if (cfg.progress) std::fputc('\n', stderr);
   const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
   const bool pass = check.failures == 0;
-  const double page_bytes = static_cast<double>(cache->bytes()) / static_cast<double>(cc.num_pages);
+  const double page_bytes = static_cast<double>((*cluster)->cache_bytes_per_rank()) / static_cast<double>(cc.num_pages);
   auto rate = [](const PhaseStats& p) { return p.seconds > 0 ? p.tokens / p.seconds : 0.0; };
 
+  std::string rank_bytes_list, rank_bytes_text;
+  for (double b : peak_rank_bytes) {
+    rank_bytes_list += (rank_bytes_list.empty() ? "" : ",") + fmt("%.0f", b);
+    rank_bytes_text += (rank_bytes_text.empty() ? "" : " ") + fmt("%.1f", b / (1 << 20));
+  }
   if (cfg.json) {
     std::printf(
         "{\"command\":\"run\",\"device\":\"%s\",\"threads\":%d,\"requests\":%d,\"prompt_len\":[%lld,%lld],"
@@ -321,7 +343,8 @@ int cmd_run(const std::vector<std::string>& argv) {
         "\"K\":%d},\"page_size\":%d,\"dtype\":\"%s\",\"seed\":%llu,"
         "\"prefill\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
         "\"decode\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
-        "\"pages\":{\"total\":%lld,\"peak_used\":%lld,\"bytes_per_page\":%.0f},"
+        "\"pages\":{\"total\":%lld,\"peak_used\":%lld,\"bytes_per_page\":%.0f},\"pcp\":%d,\"dcp\":%d,"
+        "\"interleave\":%d,\"indexer\":\"%s\",\"dsa_cp\":%s,\"pcp_decode\":\"%s\",\"kv_bytes_per_rank\":[%s],"
         "\"check\":{\"tokens\":%lld,\"topk_exact\":%lld,\"near_tie_swaps\":%lld,\"failures\":%lld,"
         "\"max_out_rel_err\":%.3e,\"max_lse_abs_err\":%.3e,\"pass\":%s},\"wall_seconds\":%.3f}\n",
         cfg.cuda ? "cuda" : "cpu", cfg.threads, cfg.requests,
@@ -331,6 +354,9 @@ int cmd_run(const std::vector<std::string>& argv) {
         static_cast<long long>(prefill_stats.tokens), prefill_stats.seconds, rate(prefill_stats),
         static_cast<long long>(decode_stats.steps), static_cast<long long>(decode_stats.tokens), decode_stats.seconds,
         rate(decode_stats), static_cast<long long>(cc.num_pages), static_cast<long long>(peak_pages), page_bytes,
+        cfg.layout.P, cfg.layout.D, sharding.I, cfg.layout.indexer == IndexerMode::kSharded ? "sharded" : "replicated",
+        cfg.layout.dsa_cp ? "true" : "false", cfg.layout.decode_mode == DecodeMode::kLocalMerge ? "local" : "gathered",
+        rank_bytes_list.c_str(),
         static_cast<long long>(check.tokens), static_cast<long long>(check.exact),
         static_cast<long long>(check.near_tie_swaps), static_cast<long long>(check.failures), check.max_out_rel,
         check.max_lse_abs, pass ? "true" : "false", wall);
@@ -338,8 +364,16 @@ int cmd_run(const std::vector<std::string>& argv) {
     std::printf("dsacp run: %d requests, prompts %lld..%lld tokens, chunk %d, %d decode steps (MTP <= %d)\n",
                 cfg.requests, static_cast<long long>(cfg.prompt.first), static_cast<long long>(cfg.prompt.second),
                 cfg.chunk, cfg.decode_steps, cfg.mtp);
-    std::printf("  H=%d Dl=%d Dr=%d Hi=%d Di=%d K=%d, page size %d, %s, cpu backend\n\n", d.H, d.Dl, d.Dr, d.Hi,
+    std::printf("  H=%d Dl=%d Dr=%d Hi=%d Di=%d K=%d, page size %d, %s, cpu backend\n", d.H, d.Dl, d.Dr, d.Hi,
                 d.Di, d.K, cfg.page_size, dtype_name(cfg.dtype));
+    if (sharding.Pt == 1) {
+      std::printf("  layout: single device\n\n");
+    } else {
+      std::printf("  layout: P=%d x D=%d (%d ranks%s), interleave %d, %s indexer, decodes by %s\n\n", cfg.layout.P,
+                  cfg.layout.D, sharding.Pt, cfg.layout.dsa_cp ? ", DSA-CP" : "", sharding.I,
+                  cfg.layout.indexer == IndexerMode::kSharded ? "sharded" : "replicated",
+                  cfg.layout.decode_mode == DecodeMode::kLocalMerge ? "local attention + LSE merge" : "gathered KV");
+    }
     std::printf("  %-8s %6s %9s %10s %12s\n", "phase", "steps", "tokens", "seconds", "tokens/s");
     for (auto [name, p] : {std::pair{"prefill", prefill_stats}, std::pair{"decode", decode_stats}}) {
       std::printf("  %-8s %6lld %9lld %10.3f %12.1f\n", name, static_cast<long long>(p.steps),
@@ -348,6 +382,7 @@ int cmd_run(const std::vector<std::string>& argv) {
     std::printf("\n  pages: peak %lld of %lld used (%d tokens, %.1f KiB each: latent + rope + indexer keys)\n",
                 static_cast<long long>(peak_pages), static_cast<long long>(cc.num_pages), cfg.page_size,
                 page_bytes / 1024.0);
+    std::printf("  KV held per rank at peak (MiB): %s\n", rank_bytes_text.c_str());
     std::printf("  check vs fp64: %lld tokens, top-k exact %lld (near-tie swaps %lld), max out rel err %s,"
                 " max lse err %s -> %s\n",
                 static_cast<long long>(check.tokens), static_cast<long long>(check.exact),

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "args.h"
+#include "dsacp/cp_step.h"
 
 namespace dsacp::cli {
 
@@ -13,8 +14,10 @@ int cmd_run(const std::vector<std::string>& args);
 int cmd_replay(const std::vector<std::string>& args);
 int cmd_make_case(const std::vector<std::string>& args);
 
-// Layout flags that later releases add, refused with a clear message until then.
-std::map<std::string, std::string> layout_flags_not_yet();
+// The layout options of replay and run (--pcp, --dcp, --interleave, --indexer, --dsa-cp, --pcp-decode) and
+// their reading, with the command's default P and D.
+std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D);
+Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t default_D);
 
 // Prints "dsacp <cmd>: error: <message>" to stderr and returns the exit code for the status
 // (2 for invalid arguments, 1 otherwise).

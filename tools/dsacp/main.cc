@@ -8,15 +8,35 @@
 
 namespace dsacp::cli {
 
-std::map<std::string, std::string> layout_flags_not_yet() {
-  const std::string single = "is not available yet: this release runs the single-device layout only";
+std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D) {
   return {
-      {"--pcp", single + " (prefill context parallelism comes in a later release)"},
-      {"--dcp", single + " (decode context parallelism comes in a later release)"},
-      {"--interleave", single + " (KV interleave applies to context parallel layouts, which come in a later release)"},
-      {"--indexer", single + " (indexer modes apply to decode context parallelism, which comes in a later release)"},
-      {"--dsa-cp", single + " (DSA-CP comes in a later release)"},
+      {"--pcp", "N", "prefill context parallel ranks (P; threads of this process)", std::to_string(default_P)},
+      {"--dcp", "N", "decode context parallel ranks inside each PCP rank (D); P*D ranks in all",
+       std::to_string(default_D)},
+      {"--interleave", "N", "KV interleave: consecutive positions per shard unit (0 = the page size)", "0"},
+      {"--indexer", "sharded|replicated",
+       "indexer keys sharded like the KV (exact merge of per-rank top-k) or stored on every rank", "sharded"},
+      {"--dsa-cp", "", "DCP ranks split tokens (all heads each) instead of heads (needs --pcp 1)", ""},
+      {"--pcp-decode", "local|gathered",
+       "decodes: local attention + LSE merge, or over the gathered KV (reference design; D = 1 only)", "local"},
   };
+}
+
+Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t default_D) {
+  CpLayout layout;
+  DSACP_ASSIGN_OR_RETURN(int64_t P, args.get_int("--pcp", default_P, 1, 1024));
+  DSACP_ASSIGN_OR_RETURN(int64_t D, args.get_int("--dcp", default_D, 1, 1024));
+  if (P * D > 1024) return invalid_argument("--pcp x --dcp must be at most 1024 ranks, got " + std::to_string(P * D));
+  DSACP_ASSIGN_OR_RETURN(int64_t I, args.get_int("--interleave", 0, 0, 1 << 30));
+  DSACP_ASSIGN_OR_RETURN(std::string indexer, args.get_choice("--indexer", "sharded", {"sharded", "replicated"}));
+  DSACP_ASSIGN_OR_RETURN(std::string mode, args.get_choice("--pcp-decode", "local", {"local", "gathered"}));
+  layout.P = static_cast<int32_t>(P);
+  layout.D = static_cast<int32_t>(D);
+  layout.interleave = static_cast<int32_t>(I);
+  layout.indexer = indexer == "sharded" ? IndexerMode::kSharded : IndexerMode::kReplicated;
+  layout.dsa_cp = args.has("--dsa-cp");
+  layout.decode_mode = mode == "local" ? DecodeMode::kLocalMerge : DecodeMode::kGathered;
+  return layout;
 }
 
 int report_error(const std::string& command, const Status& status) {

@@ -25,8 +25,8 @@ Status check_token_keys(const char* kernel, const QueryRowsView& rows, int64_t t
   }
   const int64_t max_keys = static_cast<int64_t>(bt.max_pages) * page_size;
   if (key_len < 0 || key_len > max_keys) {
-    return out_of_range(where + "rows.key_len=" + std::to_string(key_len) + " outside [0, max_pages*page_size=" +
-                        std::to_string(max_keys) + "]");
+    return out_of_range(where + "rows.key_len=" + std::to_string(key_len) +
+                        " outside [0, max_pages*page_size=" + std::to_string(max_keys) + "]");
   }
   const int32_t pages = static_cast<int32_t>((static_cast<int64_t>(key_len) + page_size - 1) / page_size);
   for (int32_t c = checked_pages[b]; c < pages; ++c) {
@@ -71,12 +71,20 @@ class CpuBackend final : public Backend {
     }
     const size_t rounded = std::max<size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
     void* ptr = std::aligned_alloc(kAlign, rounded);
-    if (ptr == nullptr) return resource_exhausted("cpu allocate: out of host memory for " + std::to_string(bytes) + " bytes");
+    if (ptr == nullptr)
+      return resource_exhausted("cpu allocate: out of host memory for " + std::to_string(bytes) + " bytes");
     return DeviceBuffer(ptr, bytes, [](void* q) { std::free(q); });
   }
 
-  Status copy_to_device(void* dst, const void* src, size_t bytes) override { return copy("copy_to_device", dst, src, bytes); }
-  Status copy_to_host(void* dst, const void* src, size_t bytes) override { return copy("copy_to_host", dst, src, bytes); }
+  Status copy_to_device(void* dst, const void* src, size_t bytes) override {
+    return copy("copy_to_device", dst, src, bytes);
+  }
+  Status copy_to_host(void* dst, const void* src, size_t bytes) override {
+    return copy("copy_to_host", dst, src, bytes);
+  }
+  Status copy_on_device(void* dst, const void* src, size_t bytes) override {
+    return copy("copy_on_device", dst, src, bytes);
+  }
 
   Status fill(void* dst, DType dtype, int64_t count, float value) override {
     if (count < 0) return invalid_argument("fill: count must be >= 0, got " + std::to_string(count));
@@ -107,6 +115,9 @@ class CpuBackend final : public Backend {
   Status indexer_topk(const IndexerTopkParams& p) override { return cpu::indexer_topk(p, num_threads_); }
   Status sparse_mla(const SparseMlaParams& p) override { return cpu::sparse_mla(p, num_threads_); }
   Status lse_merge(const LseMergeParams& p) override { return cpu::lse_merge(p, num_threads_); }
+  Status gather_rows(const GatherRowsParams& p) override { return cpu::gather_rows(p, num_threads_); }
+  Status topk_remap(const TopkRemapParams& p) override { return cpu::topk_remap(p, num_threads_); }
+  Status topk_merge(const TopkMergeParams& p) override { return cpu::topk_merge(p, num_threads_); }
 
  private:
   static Status copy(const char* what, void* dst, const void* src, size_t bytes) {

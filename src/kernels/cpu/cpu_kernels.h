@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "dsacp/kernel_params.h"
@@ -15,6 +16,27 @@ Status cache_write(const CacheWriteParams& p, int num_threads);
 Status indexer_topk(const IndexerTopkParams& p, int num_threads);
 Status sparse_mla(const SparseMlaParams& p, int num_threads);
 Status lse_merge(const LseMergeParams& p, int num_threads);
+Status gather_rows(const GatherRowsParams& p, int num_threads);
+Status topk_remap(const TopkRemapParams& p, int num_threads);
+Status topk_merge(const TopkMergeParams& p, int num_threads);
+
+// Order key of a top-k candidate: larger = better. Score first (NaN below every number, -0 == +0), then the
+// lower position wins a tie. Distinct positions give distinct keys, so the order is strict and total.
+inline uint64_t topk_rank_key(float score, int32_t position) {
+  uint32_t u;
+  if (score != score) {
+    u = 0;  // NaN ranks below everything, -inf included
+  } else {
+    if (score == 0.f) score = 0.f;
+    std::memcpy(&u, &score, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    if (u == 0) u = 1;
+  }
+  return (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(position));
+}
+inline int32_t topk_rank_key_position(uint64_t key) {
+  return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
+}
 
 // Checks that token t's request row and its first key_len keys are addressable through the block table:
 // request in [0, num_requests), key_len in [0, max_pages * page_size], and every page id the keys use in

@@ -1,6 +1,8 @@
 // lse_merge: exact merge of partial attention results over disjoint key sets by their log-sum-exp.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "core/parallel.h"
 #include "kernels/cpu/cpu_kernels.h"
@@ -12,6 +14,8 @@ Status lse_merge(const LseMergeParams& p, int num_threads) {
   const int64_t dl = p.Dl;
   const double neg_inf = -std::numeric_limits<double>::infinity();
   parallel_for(rows, num_threads, 64, [&](int64_t begin, int64_t end) {
+    // Sums go to a row buffer first, so `out` may alias one of the parts (an in-place merge).
+    std::vector<float> acc(static_cast<size_t>(dl));
     for (int64_t r = begin; r < end; ++r) {
       // A part with a NaN or infinite LSE holds no keys (or is broken): it counts as -inf, weight 0.
       double max_lse = neg_inf;
@@ -30,15 +34,16 @@ Status lse_merge(const LseMergeParams& p, int num_threads) {
         const float l = p.part_lse[s * rows + r];
         if (std::isfinite(l)) sum += std::exp(static_cast<double>(l) - max_lse);
       }
-      for (int64_t d = 0; d < dl; ++d) out[d] = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
       // Parts in a fixed order; a part with weight 0 is skipped, so NaN in its out never leaks.
       for (int32_t s = 0; s < p.num_parts; ++s) {
         const float l = p.part_lse[s * rows + r];
         if (!std::isfinite(l)) continue;
         const float w = static_cast<float>(std::exp(static_cast<double>(l) - max_lse) / sum);
         const float* part = p.part_out + (s * rows + r) * dl;
-        for (int64_t d = 0; d < dl; ++d) out[d] += w * part[d];
+        for (int64_t d = 0; d < dl; ++d) acc[d] += w * part[d];
       }
+      std::copy(acc.begin(), acc.end(), out);
       p.lse[r] = static_cast<float>(max_lse + std::log(sum));
     }
   });

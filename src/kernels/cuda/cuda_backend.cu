@@ -1,5 +1,5 @@
 // The CUDA backend (sm_90a): device memory, copies, and the step's kernels on one stream.
-// Each kernel call validates what the backend supports, launches, then reads the launch's device error word
+// Thread-safe (calls are serialized). Each kernel call validates what the backend supports, launches, then reads the launch's device error word
 // (one small device-to-host copy and a stream synchronization) so that a bad page id, request row or slot comes
 // back as a Status from the same call. Every CUDA call is checked; nothing aborts.
 #include <cuda_runtime_api.h>
@@ -12,6 +12,7 @@
 
 #include "dsacp/backend.h"
 #include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace dsacp {
@@ -80,6 +81,7 @@ class CudaBackend final : public Backend {
 
   Status copy_to_device(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return Status::ok_status();
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -88,30 +90,44 @@ class CudaBackend final : public Backend {
 
   Status copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return Status::ok_status();
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::ok_status();
   }
 
+  Status copy_on_device(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return Status::ok_status();
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return Status::ok_status();
+  }
+
   Status fill(void* dst, DType dtype, int64_t count, float value) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return cuda::launch_fill(dst, dtype, count, value, ctx());
   }
 
   Status synchronize() override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::ok_status();
   }
 
   Status cache_write(const CacheWriteParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::launch_cache_write(p, ctx()));
     return check_device_error("cache_write");
   }
 
   Status indexer_topk(const IndexerTopkParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::indexer_topk_supported(p));
     const int64_t T = p.rows.num_tokens;
@@ -135,6 +151,7 @@ class CudaBackend final : public Backend {
   }
 
   Status sparse_mla(const SparseMlaParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p));
     const int splits = cuda::sparse_mla_num_splits(p, num_sms_);
@@ -144,7 +161,39 @@ class CudaBackend final : public Backend {
     return check_device_error("sparse_mla");
   }
 
+  Status gather_rows(const GatherRowsParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_RETURN_IF_ERROR(cuda::launch_gather_rows(p, ctx()));
+    return check_device_error("gather_rows");
+  }
+
+  Status topk_remap(const TopkRemapParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_RETURN_IF_ERROR(cuda::launch_topk_remap(p, ctx()));
+    return check_device_error("topk_remap");
+  }
+
+  // Exact merge of the sharded indexer's candidate rows. Runs the CPU oracle's merge on host copies (the
+  // candidates are Pt * K per row, small next to the scoring); a device merge is future work.
+  Status topk_merge(const TopkMergeParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const size_t parts = static_cast<size_t>(p.num_parts) * p.num_rows * p.K;
+    std::vector<int32_t> part_topk(parts), topk(static_cast<size_t>(p.num_rows) * p.K);
+    std::vector<float> part_scores(parts);
+    DSACP_RETURN_IF_ERROR(copy_to_host(part_topk.data(), p.part_topk, parts * sizeof(int32_t)));
+    DSACP_RETURN_IF_ERROR(copy_to_host(part_scores.data(), p.part_scores, parts * sizeof(float)));
+    TopkMergeParams h = p;
+    h.part_topk = part_topk.data();
+    h.part_scores = part_scores.data();
+    h.topk = topk.data();
+    DSACP_RETURN_IF_ERROR(cpu::topk_merge(h, 0));
+    return copy_to_device(p.topk, topk.data(), topk.size() * sizeof(int32_t));
+  }
+
   Status lse_merge(const LseMergeParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::launch_lse_merge(p, p.out, DType::kF32, ctx()));
     return check_device_error("lse_merge");
@@ -178,6 +227,10 @@ class CudaBackend final : public Backend {
       case cuda::kDevBadPage:
         return out_of_range(k + ": token " + r +
                             ": a key it uses maps to a block_table entry outside [0, num_pages) or past max_pages");
+      case cuda::kDevBadIndex:
+        return out_of_range(k + ": index[" + r + "] outside [-1, src_rows)");
+      case cuda::kDevBadEntry:
+        return out_of_range(k + ": row " + r + ": an entry < -1 (entries are positions >= 0 or -1)");
       case cuda::kDevBadSlot:
         return out_of_range(k + ": row " + r + ": slot outside [0, num_pages*page_size) (and not -1)");
       default:
@@ -185,6 +238,9 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // One stream, one error word and shared scratch: calls from several threads (CP ranks as threads sharing the
+  // device) are serialized. Each kernel call synchronizes anyway to read its error word.
+  std::recursive_mutex mu_;
   int device_;
   int num_sms_;
   cudaStream_t stream_;

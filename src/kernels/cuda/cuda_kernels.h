@@ -27,6 +27,10 @@ Status launch_fill(void* dst, DType dtype, int64_t count, float value, const Lau
 // out (f32 or bf16) = LSE merge of num_parts partial (f32) results; lse may be null.
 Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx);
 
+// ---- context-parallel helpers ----
+Status launch_gather_rows(const GatherRowsParams& p, const LaunchContext& ctx);
+Status launch_topk_remap(const TopkRemapParams& p, const LaunchContext& ctx);
+
 // ---- sparse MLA ----------------------------------------------------------------------------------------------
 // "unsupported" with the supported set when the parameters are outside it.
 Status sparse_mla_supported(const SparseMlaParams& p);

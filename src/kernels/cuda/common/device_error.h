@@ -13,6 +13,8 @@ enum DeviceErrorCode : int32_t {
   kDevBadKeyLen = 2,    // rows.key_len[t] < 0 or > max_pages * page_size
   kDevBadPage = 3,      // a page id the kernel needs is outside [0, num_pages) (or past max_pages)
   kDevBadSlot = 4,      // cache_write slot outside [0, num_pages * page_size) and not -1
+  kDevBadIndex = 5,     // gather_rows index outside [-1, src_rows)
+  kDevBadEntry = 6,     // topk_remap entry < -1
 };
 
 // word[0] = first error code, word[1] = the row (token or cache row) it was found at.

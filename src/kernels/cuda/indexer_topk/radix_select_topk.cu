@@ -52,7 +52,8 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
                                                                      const int64_t* __restrict__ score_offset,
                                                                      const int32_t* __restrict__ key_len,
                                                                      int64_t t0, int32_t K, int32_t cache_elems,
-                                                                     int32_t* __restrict__ topk) {
+                                                                     int32_t* __restrict__ topk,
+                                                                     float* __restrict__ topk_scores) {
   extern __shared__ __align__(16) uint32_t s_cache[];  // [cache_elems] rank keys of the row, when it fits
   __shared__ uint32_t hist[4096];
   __shared__ uint32_t s_prefix, s_remaining;
@@ -62,11 +63,15 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
   const int32_t n = key_len[t];
   int32_t* out = topk + t * K;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float* row = scores + score_offset[t];
+  float* out_scores = topk_scores == nullptr ? nullptr : topk_scores + t * K;  // optional [T, K]
   if (n <= K) {
-    for (int i = tid; i < K; i += kThreads) out[i] = i < n ? i : -1;
+    for (int i = tid; i < K; i += kThreads) {
+      out[i] = i < n ? i : -1;
+      if (out_scores != nullptr) out_scores[i] = i < n ? row[i] : -INFINITY;
+    }
     return;
   }
-  const float* row = scores + score_offset[t];
   const bool cached = n <= cache_elems;
 
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(K);
@@ -174,7 +179,11 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
     const uint32_t eq_ballot = __ballot_sync(0xffffffffu, eq);
     const bool sel = (i < hi && u > thr) || (eq && eq_base + __popc(eq_ballot & lt_mask) < need);
     const uint32_t sel_ballot = __ballot_sync(0xffffffffu, sel);
-    if (sel) out[out_base + __popc(sel_ballot & lt_mask)] = i;
+    if (sel) {
+      const int32_t pos = out_base + __popc(sel_ballot & lt_mask);
+      out[pos] = i;
+      if (out_scores != nullptr) out_scores[pos] = row[i];
+    }
     out_base += __popc(sel_ballot);
     eq_base += __popc(eq_ballot);
   }
@@ -191,7 +200,7 @@ Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t 
   DSACP_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(radix_select_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
-      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, p.topk);
+      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, p.topk, p.topk_scores);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
   return Status::ok_status();
 }

@@ -1,0 +1,70 @@
+// The context-parallel step: one rank's part (cp_step_run), and a local cluster that runs every rank of a
+// layout as threads of this process over full-batch host tensors (what replay, run and the tests use).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/communicator.h"
+#include "dsacp/cp_plan.h"
+#include "dsacp/paged_cache.h"
+#include "dsacp/step.h"
+
+namespace dsacp {
+
+// A rank's communicators: all Pt ranks (rank cr = r*D + d), its PCP group (the P ranks with the same d,
+// rank r) and its DCP group (the D ranks with the same r, rank d).
+struct CpComms {
+  Communicator* world = nullptr;
+  Communicator* pcp = nullptr;
+  Communicator* dcp = nullptr;
+};
+
+// One CP rank's step. `inputs` hold the rank's rows (plan.num_rows; padding rows may hold anything) with its
+// heads only (q_nope/q_rope [rows, plan.num_heads, .]); `outputs` hold plan.output_rows rows of its heads:
+// the rows' results, then graph-bucket rows (topk -1, out 0, lse -inf). The cache must have
+// index_page_factor = Pt under the replicated indexer.
+Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& config,
+                   const std::vector<Request>& requests, const CpRankPlan& plan, const CpLayout& layout,
+                   const KvSharding& sharding, const BlockTable& table, PagedKvCache& cache, const StepInputs& inputs,
+                   const StepOutputs& outputs);
+
+// Every rank of a CP layout as threads of this process, each with its own cache pools; one shared block
+// table per request (pages for the request's share on rank 0, the largest). A failing rank aborts the
+// groups, so no rank hangs.
+class LocalCpCluster {
+ public:
+  // per_rank_cache.index_page_factor is set from the layout (Pt under the replicated indexer).
+  static Result<std::unique_ptr<LocalCpCluster>> create(Backend& backend, const CpLayout& layout,
+                                                        const PagedCacheConfig& per_rank_cache);
+  const KvSharding& sharding() const { return sharding_; }
+  const CpLayout& layout() const { return layout_; }
+  int32_t num_ranks() const { return sharding_.Pt; }
+  // Pages a request of S tokens needs in the shared block table.
+  int64_t pages_needed(int64_t S) const { return sharding_.pages_needed(S, cache_config_.page_size); }
+  size_t cache_bytes_per_rank() const;
+  const PagedKvCache& cache(int32_t cr) const { return caches_.at(static_cast<size_t>(cr)); }
+
+  // Writes each request's context rows (positions [0, context_len)) on the ranks that own them (and every
+  // indexer key on every rank under the replicated indexer).
+  Status load_context(const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
+                      const Tensor& ctx_rope, const Tensor& ctx_index_keys);
+  // Runs one step on every rank; returns the full batch's results in token order.
+  Result<StepResult> step(const StepConfig& config, const std::vector<Request>& requests, const BlockTable& table,
+                          const HostStepInputs& inputs);
+
+ private:
+  LocalCpCluster() = default;
+  Backend* backend_ = nullptr;
+  CpLayout layout_;
+  KvSharding sharding_;
+  PagedCacheConfig cache_config_;
+  std::vector<PagedKvCache> caches_;  // one per CP rank cr
+};
+
+// Host rows of `full` selected by `rows` (-1 = a zero row): [rows.size(), ...].
+Result<Tensor> select_rows(const Tensor& full, const std::vector<int64_t>& rows);
+
+}  // namespace dsacp

@@ -1,0 +1,96 @@
+// Row gather (with f32/bf16 conversion) and the global-to-local top-k remap of context parallelism.
+#include <algorithm>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/parallel.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace dsacp::cpu {
+
+Status gather_rows(const GatherRowsParams& p, int num_threads) {
+  for (int64_t i = 0; i < p.num_rows; ++i) {
+    if (p.index[i] < -1 || p.index[i] >= p.src_rows) {
+      return out_of_range("gather_rows: index[" + std::to_string(i) + "] = " + std::to_string(p.index[i]) +
+                          " outside [-1, " + std::to_string(p.src_rows) + ")");
+    }
+  }
+  const int64_t dim = p.dim;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  parallel_for(p.num_rows, num_threads, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t src = p.index[i];
+      for (int64_t d = 0; d < dim; ++d) {
+        const float v = src < 0 ? nan : load_as_f32(p.src, p.src_dtype, src * dim + d);
+        store_from_f32(p.dst, p.dst_dtype, i * dim + d, v);
+      }
+    }
+  });
+  return Status::ok_status();
+}
+
+Status topk_remap(const TopkRemapParams& p, int num_threads) {
+  const int64_t n = p.num_rows * p.K;
+  for (int64_t i = 0; i < n; ++i) {
+    if (p.topk[i] < -1) {
+      return out_of_range("topk_remap: entry " + std::to_string(i) + " = " + std::to_string(p.topk[i]) +
+                          " (entries are positions >= 0 or -1)");
+    }
+  }
+  const int64_t Pt = p.Pt, I = p.I;
+  parallel_for(p.num_rows, num_threads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* in = p.topk + r * p.K;
+      int32_t* out = p.local + r * p.K;
+      int32_t kept = 0;
+      for (int32_t i = 0; i < p.K; ++i) {
+        const int64_t e = in[i];
+        if (e >= 0 && (e / I) % Pt == p.cr) out[kept++] = static_cast<int32_t>((e / (Pt * I)) * I + e % I);
+      }
+      for (int32_t i = kept; i < p.K; ++i) out[i] = -1;
+    }
+  });
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cpu
+
+namespace dsacp::cpu {
+
+Status topk_merge(const TopkMergeParams& p, int num_threads) {
+  const int64_t S = p.num_parts, T = p.num_rows, K = p.K, I = p.I;
+  for (int64_t i = 0; i < S * T * K; ++i) {
+    if (p.part_topk[i] < -1) {
+      return out_of_range("topk_merge: part entry " + std::to_string(i) + " = " + std::to_string(p.part_topk[i]) +
+                          " (entries are positions >= 0 or -1)");
+    }
+  }
+  parallel_for(T, num_threads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint64_t> keys;
+    for (int64_t t = begin; t < end; ++t) {
+      keys.clear();
+      for (int64_t s = 0; s < S; ++s) {
+        const int32_t* row = p.part_topk + (s * T + t) * K;
+        const float* sc = p.part_scores + (s * T + t) * K;
+        for (int64_t i = 0; i < K && row[i] >= 0; ++i) {
+          const int64_t l = row[i];
+          const int64_t g = ((l / I) * S + s) * I + l % I;
+          keys.push_back(topk_rank_key(sc[i], static_cast<int32_t>(g)));
+        }
+      }
+      const int64_t n = std::min<int64_t>(K, static_cast<int64_t>(keys.size()));
+      if (static_cast<int64_t>(keys.size()) > K) {
+        std::nth_element(keys.begin(), keys.begin() + (K - 1), keys.end(), std::greater<uint64_t>());
+      }
+      int32_t* out = p.topk + t * K;
+      for (int64_t i = 0; i < n; ++i) out[i] = topk_rank_key_position(keys[i]);
+      std::sort(out, out + n);
+      for (int64_t i = n; i < K; ++i) out[i] = -1;
+    }
+  });
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cpu

@@ -1,0 +1,264 @@
+// Every rank of a CP layout as threads of this process (the embedded default; what tests use).
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "dsacp/cp_step.h"
+#include "layer/step_checks.h"
+
+namespace dsacp {
+
+Result<Tensor> select_rows(const Tensor& full, const std::vector<int64_t>& rows) {
+  if (full.shape().empty()) return invalid_argument("select_rows: a tensor with no dimensions");
+  Shape shape = full.shape();
+  const int64_t n = shape[0];
+  shape[0] = static_cast<int64_t>(rows.size());
+  DSACP_ASSIGN_OR_RETURN(Tensor out, Tensor::zeros(full.dtype(), shape));
+  const size_t row_bytes = n == 0 ? 0 : full.nbytes() / static_cast<size_t>(n);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < -1 || rows[i] >= n) {
+      return out_of_range("select_rows: row " + std::to_string(rows[i]) + " outside [-1, " + std::to_string(n) + ")");
+    }
+    if (rows[i] >= 0) {
+      std::memcpy(static_cast<char*>(out.data()) + i * row_bytes,
+                  static_cast<const char*>(full.data()) + rows[i] * row_bytes, row_bytes);
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// Rows of a [T, H, D] tensor (-1 = zero row), heads [h0, h0 + nh) only: [rows.size(), nh, D].
+Result<Tensor> select_rows_heads(const Tensor& full, const std::vector<int64_t>& rows, int64_t h0, int64_t nh) {
+  const int64_t H = full.dim(1), D = full.dim(2);
+  DSACP_ASSIGN_OR_RETURN(Tensor out, Tensor::zeros(full.dtype(), {static_cast<int64_t>(rows.size()), nh, D}));
+  const size_t elem = dtype_size(full.dtype());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0) continue;
+    std::memcpy(static_cast<char*>(out.data()) + i * nh * D * elem,
+                static_cast<const char*>(full.data()) + (rows[i] * H + h0) * D * elem, nh * D * elem);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend, const CpLayout& layout,
+                                                               const PagedCacheConfig& per_rank_cache) {
+  if (layout.P < 1) return invalid_argument("--pcp must be >= 1, got " + std::to_string(layout.P));
+  if (layout.D < 1) return invalid_argument("--dcp must be >= 1, got " + std::to_string(layout.D));
+  if (layout.interleave < 0) return invalid_argument("--interleave must be >= 1, got " + std::to_string(layout.interleave));
+  if (layout.graph_bucket_tokens < 0) return invalid_argument("graph bucket must be >= 0");
+  std::unique_ptr<LocalCpCluster> c(new LocalCpCluster());
+  c->backend_ = &backend;
+  c->layout_ = layout;
+  c->sharding_ = KvSharding{layout.num_ranks(), layout.interleave == 0 ? per_rank_cache.page_size : layout.interleave};
+  c->cache_config_ = per_rank_cache;
+  c->cache_config_.index_page_factor = layout.indexer == IndexerMode::kReplicated ? layout.num_ranks() : 1;
+  for (int32_t r = 0; r < layout.num_ranks(); ++r) {
+    DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, c->cache_config_));
+    c->caches_.push_back(std::move(cache));
+  }
+  return c;
+}
+
+size_t LocalCpCluster::cache_bytes_per_rank() const { return caches_.empty() ? 0 : caches_[0].bytes(); }
+
+Status LocalCpCluster::load_context(const std::vector<Request>& requests, const BlockTable& table,
+                                    const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys) {
+  if (sharding_.Pt == 1) {
+    return cache_load_context(*backend_, caches_[0], requests, table, ctx_latent, ctx_rope, ctx_index_keys);
+  }
+  const int32_t B = cache_config_.page_size;
+  const bool replicated = layout_.indexer == IndexerMode::kReplicated;
+  std::vector<int64_t> seq_lens;
+  for (const Request& r : requests) seq_lens.push_back(r.seq_len());
+  BlockTable rep;
+  if (replicated) {
+    DSACP_ASSIGN_OR_RETURN(rep, replicated_index_table(table, seq_lens, sharding_.Pt, B));
+  }
+  int64_t rows = 0;
+  for (const Request& r : requests) rows += r.context_len;
+  const auto floats = {DType::kF32, DType::kBF16};
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cache_config_.Dl}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cache_config_.Dr}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cache_config_.Di}}));
+  if (rows == 0) return Status();
+  auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend_->allocate(t.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend_->copy_to_device(b.get(), t.data(), t.nbytes()));
+    return b;
+  };
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_latent, up(ctx_latent));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rope, up(ctx_rope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_idx, up(ctx_index_keys));
+  for (int32_t cr = 0; cr < sharding_.Pt; ++cr) {
+    std::vector<int64_t> owned, all;
+    for (size_t b = 0; b < requests.size(); ++b) {
+      for (int64_t p = 0; p < requests[b].context_len; ++p) {
+        DSACP_ASSIGN_OR_RETURN(int64_t s, sharded_slot(sharding_, cr, table, static_cast<int32_t>(b), p, B));
+        owned.push_back(s);
+        if (replicated) all.push_back(int64_t{rep.page(static_cast<int32_t>(b), p / B)} * B + p % B);
+      }
+    }
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(*backend_, owned));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_all, upload_vector(*backend_, all));
+    const struct {
+      const DeviceBuffer* rows;
+      DType dtype;
+      PagedPoolView pool;
+      const DeviceBuffer* slots;
+    } writes[] = {{&d_latent, ctx_latent.dtype(), caches_[cr].latent(), &d_owned},
+                  {&d_rope, ctx_rope.dtype(), caches_[cr].rope(), &d_owned},
+                  {&d_idx, ctx_index_keys.dtype(), caches_[cr].index_keys(), replicated ? &d_all : &d_owned}};
+    for (const auto& w : writes) {
+      CacheWriteParams p;
+      p.rows = w.rows->get();
+      p.rows_dtype = w.dtype;
+      p.num_rows = rows;
+      p.slots = w.slots->as<const int64_t>();
+      p.pool = w.pool;
+      DSACP_RETURN_IF_ERROR(cache_write_run(*backend_, p).with_context("context load on rank " + std::to_string(cr)));
+    }
+  }
+  return backend_->synchronize();
+}
+
+namespace {
+
+// One rank's inputs, outputs and status for a step.
+struct RankWork {
+  CpRankPlan plan;
+  Tensor q_nope, q_rope, kv_latent, k_rope, idx_q, idx_w, idx_k;
+  StepResult result;
+  Status status;
+};
+
+Status run_rank(Backend& backend, const CpComms& comms, const StepConfig& c, const std::vector<Request>& requests,
+                const CpLayout& layout, const KvSharding& sharding, const BlockTable& table, PagedKvCache& cache,
+                RankWork& w) {
+  auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend.allocate(std::max<size_t>(t.nbytes(), 1)));
+    if (t.nbytes() > 0) DSACP_RETURN_IF_ERROR(backend.copy_to_device(b.get(), t.data(), t.nbytes()));
+    return b;
+  };
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_nope, up(w.q_nope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_rope, up(w.q_rope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer kv_latent, up(w.kv_latent));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer k_rope, up(w.k_rope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up(w.idx_q));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up(w.idx_w));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up(w.idx_k));
+  const int64_t rows = w.plan.output_rows, Hr = w.plan.num_heads;
+  DSACP_ASSIGN_OR_RETURN(w.result.topk_indices, Tensor::zeros(DType::kI32, {rows, c.K}));
+  DSACP_ASSIGN_OR_RETURN(w.result.out, Tensor::zeros(c.out_dtype, {rows, Hr, c.Dl}));
+  DSACP_ASSIGN_OR_RETURN(w.result.lse, Tensor::zeros(DType::kF32, {rows, Hr}));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_topk, backend.allocate(std::max<size_t>(w.result.topk_indices.nbytes(), 1)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_out, backend.allocate(std::max<size_t>(w.result.out.nbytes(), 1)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(w.result.lse.nbytes(), 1)));
+  StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
+                idx_k.get()};
+  StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
+  DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, w.plan, layout, sharding, table, cache, in, out));
+  if (rows > 0) {
+    DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.topk_indices.data(), d_topk.get(), w.result.topk_indices.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.out.data(), d_out.get(), w.result.out.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.lse.data(), d_lse.get(), w.result.lse.nbytes()));
+  }
+  return Status();
+}
+
+}  // namespace
+
+Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<Request>& requests,
+                                        const BlockTable& table, const HostStepInputs& inputs) {
+  if (sharding_.Pt == 1) return step_run_host(*backend_, c, requests, table, caches_[0], inputs);
+  DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
+  DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
+  const int64_t T = layout.num_tokens;
+  const DType a = c.act_dtype;
+  auto check = [](const char* name, const Tensor* t, std::initializer_list<DType> dtypes,
+                  std::initializer_list<DimSpec> dims) -> Status {
+    if (t == nullptr) return invalid_argument(std::string(name) + ": missing");
+    return check_tensor(name, t->view(), dtypes, dims);
+  };
+  DSACP_RETURN_IF_ERROR(check("q_nope", inputs.q_nope, {a}, {{"T", T}, {"H", c.H}, {"Dl", c.Dl}}));
+  DSACP_RETURN_IF_ERROR(check("q_rope", inputs.q_rope, {a}, {{"T", T}, {"H", c.H}, {"Dr", c.Dr}}));
+  DSACP_RETURN_IF_ERROR(check("kv_latent", inputs.kv_latent, {a}, {{"T", T}, {"Dl", c.Dl}}));
+  DSACP_RETURN_IF_ERROR(check("k_rope", inputs.k_rope, {a}, {{"T", T}, {"Dr", c.Dr}}));
+  DSACP_RETURN_IF_ERROR(check("idx_q", inputs.idx_q, {a}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
+  DSACP_RETURN_IF_ERROR(check("idx_w", inputs.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
+  DSACP_RETURN_IF_ERROR(check("idx_k", inputs.idx_k, {a}, {{"T", T}, {"Di", c.Di}}));
+
+  const int32_t P = layout_.P, D = layout_.D, Pt = P * D;
+  std::vector<RankWork> work(static_cast<size_t>(Pt));
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    RankWork& w = work[cr];
+    DSACP_ASSIGN_OR_RETURN(w.plan, cp_rank_plan(requests, layout_, cr / D, cr % D, table, cache_config_.page_size,
+                                                c.decode_threshold, c.H));
+    const std::vector<int64_t>& token = w.plan.row_token;
+    DSACP_ASSIGN_OR_RETURN(w.q_nope, select_rows_heads(*inputs.q_nope, token, w.plan.head_begin, w.plan.num_heads));
+    DSACP_ASSIGN_OR_RETURN(w.q_rope, select_rows_heads(*inputs.q_rope, token, w.plan.head_begin, w.plan.num_heads));
+    DSACP_ASSIGN_OR_RETURN(w.kv_latent, select_rows(*inputs.kv_latent, token));
+    DSACP_ASSIGN_OR_RETURN(w.k_rope, select_rows(*inputs.k_rope, token));
+    DSACP_ASSIGN_OR_RETURN(w.idx_q, select_rows(*inputs.idx_q, token));
+    DSACP_ASSIGN_OR_RETURN(w.idx_w, select_rows(*inputs.idx_w, token));
+    DSACP_ASSIGN_OR_RETURN(w.idx_k, select_rows(*inputs.idx_k, token));
+  }
+
+  // Groups: the world, D PCP groups (same d) and P DCP groups (same r).
+  auto world = LocalGroup::create(Pt);
+  std::vector<std::shared_ptr<LocalGroup>> pcp_groups, dcp_groups;
+  for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P));
+  for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D));
+  std::vector<std::thread> threads;
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    threads.emplace_back([&, cr] {
+      const int32_t r = cr / D, d = cr % D;
+      auto w_comm = world->make_communicator(cr);
+      auto p_comm = pcp_groups[d]->make_communicator(r);
+      auto d_comm = dcp_groups[r]->make_communicator(d);
+      CpComms comms{w_comm.get(), p_comm.get(), d_comm.get()};
+      work[cr].status = run_rank(*backend_, comms, c, requests, layout_, sharding_, table, caches_[cr], work[cr]);
+      if (!work[cr].status.ok()) {
+        for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) comm->abort(work[cr].status.message());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    if (!work[cr].status.ok()) {
+      return work[cr].status.with_context("CP rank " + std::to_string(cr) + " (r=" + std::to_string(cr / D) +
+                                          ", d=" + std::to_string(cr % D) + ")");
+    }
+  }
+
+  // Assemble the batch in token order. Each (token, head) comes from one rank: a row shared by every PCP rank
+  // (a decode) from r = 0, any other row from the rank that holds it; heads from the rank that computed them.
+  StepResult result;
+  DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {T, c.K}));
+  DSACP_ASSIGN_OR_RETURN(result.out, Tensor::zeros(c.out_dtype, {T, c.H, c.Dl}));
+  DSACP_ASSIGN_OR_RETURN(result.lse, Tensor::zeros(DType::kF32, {T, c.H}));
+  const size_t out_elem = dtype_size(c.out_dtype);
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    const RankWork& w = work[cr];
+    const int64_t Hr = w.plan.num_heads, h0 = w.plan.head_begin;
+    for (int64_t i = 0; i < w.plan.num_rows; ++i) {
+      const int64_t t = w.plan.row_token[i];
+      const bool decode_copy = !layout_.dsa_cp && i < w.plan.pcp.num_local_decode_tokens && w.plan.r != 0;
+      if (t < 0 || decode_copy) continue;
+      if (h0 == 0) {
+        std::memcpy(result.topk_indices.data_as<int32_t>() + t * c.K, w.result.topk_indices.data_as<int32_t>() + i * c.K,
+                    static_cast<size_t>(c.K) * sizeof(int32_t));
+      }
+      std::memcpy(static_cast<char*>(result.out.data()) + (t * c.H + h0) * c.Dl * out_elem,
+                  static_cast<const char*>(w.result.out.data()) + i * Hr * c.Dl * out_elem, Hr * c.Dl * out_elem);
+      std::memcpy(result.lse.data_as<float>() + t * c.H + h0, w.result.lse.data_as<float>() + i * Hr,
+                  static_cast<size_t>(Hr) * sizeof(float));
+    }
+  }
+  return result;
+}
+
+}  // namespace dsacp

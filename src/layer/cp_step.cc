@@ -1,0 +1,512 @@
+// One CP rank's step for any P x D layout (contract §3, reference-design §3-5):
+//   1. KV exchange: the step's KV rows are all-gathered over the exchange group (the PCP group; the DCP group
+//      under DSA-CP) and each rank writes the tokens it owns (and, with the replicated indexer, every token's
+//      indexer key);
+//   2. top-k: replicated indexer -> computed locally over the replicated keys; sharded indexer -> rows shared
+//      by every rank get per-rank candidates merged exactly, other rows (PCP prefill) use a gathered view of
+//      the indexer keys;
+//   3. attention: decode rows attend over each rank's own keys, and the partial results are merged by LSE
+//      (all-to-all over the heads, or over the tokens under DSA-CP); prefill rows attend over a gathered view
+//      of the KV with this rank's heads. Decodes never re-gather the KV (unless DecodeMode::kGathered, D = 1).
+#include <limits>
+#include <numeric>
+#include <string>
+
+#include "dsacp/cp_step.h"
+#include "layer/step_checks.h"
+
+namespace dsacp {
+namespace {
+
+struct View {
+  DeviceBuffer storage;
+  PagedPoolView pool;
+};
+
+// Packs `own` rows for the view, all-gathers them over `comm` and lays them out as the view's pool.
+Result<View> build_view(Backend& backend, Communicator& comm, const PagedPoolView& own, const GatheredViewPlan& v) {
+  const int64_t P = comm.size();
+  const size_t row_bytes = static_cast<size_t>(own.dim) * dtype_size(own.dtype);
+  if (v.rows_per_rank < 1) return internal_error("gathered view with no rows");
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_pack_slots, upload_vector(backend, v.pack_slots));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer pack, backend.allocate(v.rows_per_rank * row_bytes));
+  GatherRowsParams g;
+  g.src = own.data;
+  g.src_dtype = own.dtype;
+  g.src_rows = own.num_pages * own.page_size;
+  g.dim = own.dim;
+  g.index = d_pack_slots.as<const int64_t>();
+  g.num_rows = v.rows_per_rank;
+  g.dst = pack.get();
+  g.dst_dtype = own.dtype;
+  DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("pack for a gathered view"));
+  View out;
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer gathered, backend.allocate(P * v.rows_per_rank * row_bytes));
+  DSACP_RETURN_IF_ERROR(comm.all_gather(pack.get(), gathered.get(), v.rows_per_rank * row_bytes));
+  out.pool = own;
+  out.pool.num_pages = v.view_num_pages;
+  if (v.direct) {
+    out.storage = std::move(gathered);
+  } else {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_unpack, upload_vector(backend, v.unpack_rows));
+    DSACP_ASSIGN_OR_RETURN(out.storage, backend.allocate(v.view_num_pages * own.page_size * row_bytes));
+    g.src = gathered.get();
+    g.src_rows = P * v.rows_per_rank;
+    g.index = d_unpack.as<const int64_t>();
+    g.num_rows = static_cast<int64_t>(v.unpack_rows.size());
+    g.dst = out.storage.get();
+    DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("unpack a gathered view"));
+  }
+  out.pool.data = out.storage.get();
+  return out;
+}
+
+template <typename T>
+T* offset_ptr(T* p, int64_t elements) {
+  return p == nullptr ? nullptr : p + elements;
+}
+void* offset_bytes(void* p, int64_t bytes) { return p == nullptr ? nullptr : static_cast<char*>(p) + bytes; }
+const void* offset_bytes(const void* p, int64_t bytes) {
+  return p == nullptr ? nullptr : static_cast<const char*>(p) + bytes;
+}
+
+// Rows src[index[i]] -> dst (with dtype conversion), rows of `dim` elements.
+Status gather(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
+              const std::vector<int64_t>& index, void* dst, DType dst_dtype, const char* what) {
+  if (index.empty()) return Status();
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_index, upload_vector(backend, index));
+  GatherRowsParams g;
+  g.src = src;
+  g.src_dtype = src_dtype;
+  g.src_rows = src_rows;
+  g.dim = dim;
+  g.index = d_index.as<const int64_t>();
+  g.num_rows = static_cast<int64_t>(index.size());
+  g.dst = dst;
+  g.dst_dtype = dst_dtype;
+  return gather_rows_run(backend, g).with_context(what);
+}
+
+// Everything one rank needs while it runs a step.
+struct RankStep {
+  Backend& backend;
+  const CpComms& comms;
+  const StepConfig& c;
+  const std::vector<Request>& requests;
+  const CpRankPlan& plan;
+  const CpLayout& layout;
+  const KvSharding& sharding;
+  const BlockTable& table;
+  PagedKvCache& cache;
+  const StepInputs& in;
+  const StepOutputs& out;
+  std::vector<int64_t> seq_lens;
+  DeviceBuffer d_table, d_row_request, d_row_key_len;
+
+  int32_t B() const { return cache.config().page_size; }
+  size_t act() const { return dtype_size(c.act_dtype); }
+};
+
+// Local top-k with scores over this rank's own indexer keys for `n` rows, then the exact merge over all
+// ranks of the world group. All ranks must hold the same rows in the same order.
+Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
+                   const std::vector<int32_t>& global_key_len, int32_t* topk) {
+  Communicator& world = *s.comms.world;
+  const int64_t Pt = world.size();
+  const int64_t K = s.c.K;
+  std::vector<int32_t> local_len(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) local_len[t] = static_cast<int32_t>(s.sharding.local_len(global_key_len[t], s.plan.cr));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_local_len, upload_vector(s.backend, local_len));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_topk, s.backend.allocate(n * K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_scores, s.backend.allocate(n * K * sizeof(float)));
+  IndexerTopkParams ip;
+  ip.rows = {n, request, d_local_len.as<const int32_t>()};
+  ip.Hi = s.c.Hi;
+  ip.Di = s.c.Di;
+  ip.K = s.c.K;
+  ip.q = q;
+  ip.q_dtype = s.c.act_dtype;
+  ip.w = w;
+  ip.keys = s.cache.index_keys();
+  ip.block_table = {s.d_table.as<const int32_t>(), s.table.num_requests, s.table.max_pages};
+  ip.topk = part_topk.as<int32_t>();
+  ip.topk_scores = part_scores.as<float>();
+  DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(auto h1, world.all_gather_async(part_topk.get(), all_topk.get(), n * K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(auto h2, world.all_gather_async(part_scores.get(), all_scores.get(), n * K * sizeof(float)));
+  DSACP_RETURN_IF_ERROR(h1->wait());
+  DSACP_RETURN_IF_ERROR(h2->wait());
+  TopkMergeParams mp;
+  mp.num_parts = static_cast<int32_t>(Pt);
+  mp.num_rows = n;
+  mp.K = s.c.K;
+  mp.I = s.sharding.I;
+  mp.part_topk = all_topk.as<const int32_t>();
+  mp.part_scores = all_scores.as<const float>();
+  mp.topk = topk;
+  return topk_merge_run(s.backend, mp).with_context("sharded indexer: candidate merge");
+}
+
+// Partial attention of `n` rows (all `H` heads) over this rank's own keys: the global top-k remapped to local
+// positions, sparse over local lengths. Writes f32 partial out [n, H, Dl] and lse [n, H].
+Status local_partial_attention(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
+                               const std::vector<int32_t>& global_key_len, const int32_t* global_topk, float* part_out,
+                               float* part_lse) {
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer local_topk, s.backend.allocate(n * s.c.K * sizeof(int32_t)));
+  TopkRemapParams rp;
+  rp.num_rows = n;
+  rp.K = s.c.K;
+  rp.topk = global_topk;
+  rp.local = local_topk.as<int32_t>();
+  rp.Pt = s.sharding.Pt;
+  rp.I = s.sharding.I;
+  rp.cr = s.plan.cr;
+  DSACP_RETURN_IF_ERROR(topk_remap_run(s.backend, rp).with_context("top-k remap to local positions"));
+  // After the remap the causal horizon is already in the indices: every kept entry is below the request's
+  // local length (the sparse_mode 0 of reference-design 4.4 step 5).
+  std::vector<int32_t> local_len(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) local_len[t] = static_cast<int32_t>(s.sharding.local_len(global_key_len[t], s.plan.cr));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_local_len, upload_vector(s.backend, local_len));
+  SparseMlaParams ap;
+  ap.rows = {n, request, d_local_len.as<const int32_t>()};
+  ap.H = s.c.H;
+  ap.Dl = s.c.Dl;
+  ap.Dr = s.c.Dr;
+  ap.K = s.c.K;
+  ap.scale = s.c.scale;
+  ap.q_nope = q_nope;
+  ap.q_rope = q_rope;
+  ap.q_dtype = s.c.act_dtype;
+  ap.latent = s.cache.latent();
+  ap.rope = s.cache.rope();
+  ap.block_table = {s.d_table.as<const int32_t>(), s.table.num_requests, s.table.max_pages};
+  ap.topk = local_topk.as<const int32_t>();
+  ap.out = part_out;
+  ap.out_dtype = DType::kF32;
+  ap.lse = part_lse;
+  return sparse_mla_run(s.backend, ap).with_context("local sparse MLA");
+}
+
+// LSE merge of `parts` partial results [parts, rows, Dl] into out (any dtype) and lse.
+Status merge_into(RankStep& s, int32_t parts, int64_t rows, const float* part_out, const float* part_lse, void* out,
+                  float* lse) {
+  LseMergeParams mp;
+  mp.num_parts = parts;
+  mp.num_rows = rows;
+  mp.Dl = s.c.Dl;
+  mp.part_out = part_out;
+  mp.part_lse = part_lse;
+  mp.lse = lse;
+  DeviceBuffer merged;
+  if (s.c.out_dtype == DType::kF32) {
+    mp.out = static_cast<float*>(out);
+  } else {
+    DSACP_ASSIGN_OR_RETURN(merged, s.backend.allocate(rows * s.c.Dl * sizeof(float)));
+    mp.out = merged.as<float>();
+  }
+  DSACP_RETURN_IF_ERROR(lse_merge_run(s.backend, mp).with_context("LSE merge"));
+  if (s.c.out_dtype == DType::kF32) return Status();
+  std::vector<int64_t> identity(static_cast<size_t>(rows));
+  std::iota(identity.begin(), identity.end(), 0);
+  return gather(s.backend, merged.get(), DType::kF32, rows, s.c.Dl, identity, out, s.c.out_dtype, "output conversion");
+}
+
+// Attention of rows [first, first + n) with this rank's heads over a gathered view of the requests' whole KV.
+Status gathered_attention(RankStep& s, int64_t first, int64_t n, const std::vector<int32_t>& view_requests) {
+  if (n == 0) return Status();
+  std::vector<int64_t> lens;
+  for (int32_t b : view_requests) lens.push_back(s.seq_lens[b]);
+  DSACP_ASSIGN_OR_RETURN(GatheredViewPlan vp, gathered_view_plan(view_requests, lens, s.table, s.sharding,
+                                                                 s.plan.cr, s.B()));
+  DSACP_ASSIGN_OR_RETURN(View lat, build_view(s.backend, *s.comms.world, s.cache.latent(), vp));
+  DSACP_ASSIGN_OR_RETURN(View rope, build_view(s.backend, *s.comms.world, s.cache.rope(), vp));
+  std::vector<int32_t> view_row(static_cast<size_t>(s.requests.size()), -1);
+  for (size_t i = 0; i < view_requests.size(); ++i) view_row[view_requests[i]] = static_cast<int32_t>(i);
+  std::vector<int32_t> rows_view(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) rows_view[i] = std::max(0, view_row[s.plan.row_request[first + i]]);
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows_view, upload_vector(s.backend, rows_view));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_view_table, upload_vector(s.backend, vp.view_table.data));
+  const int64_t Hr = s.plan.num_heads;
+  SparseMlaParams ap;
+  ap.rows = {n, d_rows_view.as<const int32_t>(), offset_ptr(s.d_row_key_len.as<const int32_t>(), first)};
+  ap.H = static_cast<int32_t>(Hr);
+  ap.Dl = s.c.Dl;
+  ap.Dr = s.c.Dr;
+  ap.K = s.c.K;
+  ap.scale = s.c.scale;
+  ap.q_nope = offset_bytes(s.in.q_nope, first * Hr * s.c.Dl * static_cast<int64_t>(s.act()));
+  ap.q_rope = offset_bytes(s.in.q_rope, first * Hr * s.c.Dr * static_cast<int64_t>(s.act()));
+  ap.q_dtype = s.c.act_dtype;
+  ap.latent = lat.pool;
+  ap.rope = rope.pool;
+  ap.block_table = {d_view_table.as<const int32_t>(), vp.view_table.num_requests, vp.view_table.max_pages};
+  ap.topk = offset_ptr<const int32_t>(s.out.topk, first * s.c.K);
+  ap.out = offset_bytes(s.out.out, first * Hr * s.c.Dl * static_cast<int64_t>(dtype_size(s.c.out_dtype)));
+  ap.out_dtype = s.c.out_dtype;
+  ap.lse = offset_ptr(s.out.lse, first * Hr);
+  return sparse_mla_run(s.backend, ap).with_context("sparse MLA over the gathered KV");
+}
+
+Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
+  auto check = [](const Communicator* c, const char* name, int32_t size, int32_t rank) -> Status {
+    if (c == nullptr) return invalid_argument(std::string("CP step: no ") + name + " communicator");
+    if (c->size() != size || c->rank() != rank) {
+      return invalid_argument(std::string("CP step: the ") + name + " communicator is rank " +
+                              std::to_string(c->rank()) + " of " + std::to_string(c->size()) + ", the plan expects " +
+                              std::to_string(rank) + " of " + std::to_string(size));
+    }
+    return Status();
+  };
+  DSACP_RETURN_IF_ERROR(check(comms.world, "world", plan.P * plan.D, plan.cr));
+  DSACP_RETURN_IF_ERROR(check(comms.pcp, "PCP", plan.P, plan.r));
+  return check(comms.dcp, "DCP", plan.D, plan.d);
+}
+
+}  // namespace
+
+Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, const std::vector<Request>& requests,
+                   const CpRankPlan& plan, const CpLayout& layout, const KvSharding& sharding, const BlockTable& table,
+                   PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
+  const PagedCacheConfig& cc = cache.config();
+  DSACP_RETURN_IF_ERROR(check_comms(comms, plan));
+  DSACP_RETURN_IF_ERROR(check_step_config(c, cc));
+  DSACP_RETURN_IF_ERROR(validate_layout(layout, c.H));
+  const int32_t Pt = layout.num_ranks();
+  if (sharding.Pt != Pt) {
+    return invalid_argument("KV sharded over " + std::to_string(sharding.Pt) + " ranks, the layout has " +
+                            std::to_string(Pt));
+  }
+  const bool replicated = layout.indexer == IndexerMode::kReplicated;
+  if (replicated && cc.index_page_factor != Pt) {
+    return invalid_argument("the replicated indexer needs an indexer pool of " + std::to_string(Pt) +
+                            " x the pages (index_page_factor), the cache has " + std::to_string(cc.index_page_factor));
+  }
+  const int32_t R = static_cast<int32_t>(requests.size());
+  if (table.num_requests != R) {
+    return invalid_argument("block table has " + std::to_string(table.num_requests) + " rows, the batch has " +
+                            std::to_string(R) + " requests");
+  }
+  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}};
+  std::vector<int64_t> pages(R);
+  for (int32_t b = 0; b < R; ++b) {
+    s.seq_lens.push_back(requests[b].seq_len());
+    pages[b] = sharding.pages_needed(s.seq_lens[b], cc.page_size);
+  }
+  DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc));
+  const int32_t B = cc.page_size;
+  const int64_t rows = plan.num_rows;
+  const int64_t Hr = plan.num_heads;
+  const size_t act = dtype_size(c.act_dtype);
+  DSACP_ASSIGN_OR_RETURN(s.d_table, upload_vector(backend, table.data));
+  DSACP_ASSIGN_OR_RETURN(s.d_row_request, upload_vector(backend, plan.row_request));
+  DSACP_ASSIGN_OR_RETURN(s.d_row_key_len, upload_vector(backend, plan.row_key_len));
+  BlockTable rep_table;
+  if (replicated) {
+    DSACP_ASSIGN_OR_RETURN(rep_table, replicated_index_table(table, s.seq_lens, Pt, B));
+  }
+
+  // 1. KV exchange and the owners' cache writes.
+  Communicator& ex = layout.dsa_cp ? *comms.dcp : *comms.pcp;
+  const int64_t gathered = ex.size() * rows;
+  if (static_cast<int64_t>(plan.gathered_pos.size()) != gathered) return internal_error("CP plan: gathered rows");
+  {
+    struct Exchange {
+      const void* local;
+      int32_t dim;
+      DeviceBuffer rows;
+      std::unique_ptr<CollectiveHandle> handle;
+    } kv[3] = {{in.kv_latent, c.Dl, {}, {}}, {in.k_rope, c.Dr, {}, {}}, {in.idx_k, c.Di, {}, {}}};
+    for (auto& e : kv) {
+      const size_t bytes = static_cast<size_t>(rows) * e.dim * act;
+      DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * act, 1)));
+      DSACP_ASSIGN_OR_RETURN(e.handle, ex.all_gather_async(e.local, e.rows.get(), bytes));
+    }
+    std::vector<int64_t> owned(static_cast<size_t>(gathered), -1), all(static_cast<size_t>(gathered), -1);
+    for (int64_t j = 0; j < gathered; ++j) {
+      const int32_t b = plan.gathered_request[j];
+      if (b < 0) continue;
+      const int64_t p = plan.gathered_pos[j];
+      DSACP_ASSIGN_OR_RETURN(owned[j], sharded_slot(sharding, plan.cr, table, b, p, B));
+      if (replicated) all[j] = int64_t{rep_table.page(b, p / B)} * B + p % B;
+    }
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(backend, owned));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_all, upload_vector(backend, all));
+    const PagedPoolView pools[3] = {cache.latent(), cache.rope(), cache.index_keys()};
+    for (int i = 0; i < 3; ++i) {
+      DSACP_RETURN_IF_ERROR(kv[i].handle->wait());
+      CacheWriteParams w;
+      w.rows = kv[i].rows.get();
+      w.rows_dtype = c.act_dtype;
+      w.num_rows = gathered;
+      w.slots = (i == 2 && replicated ? d_all : d_owned).as<const int64_t>();
+      w.pool = pools[i];
+      DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("CP cache write"));
+    }
+  }
+
+  // 2. Top-k of this rank's rows.
+  const bool decode_only = plan.layout.num_prefills == 0;
+  const int64_t T_all = plan.gathered_pos.size();  // DSA-CP: every token of the padded batch
+  DeviceBuffer all_topk;  // DSA-CP decode-only: the top-k of every token
+  std::vector<int32_t> all_key_len;
+  DeviceBuffer d_all_request;
+  if (layout.dsa_cp) {
+    for (int64_t j = 0; j < T_all; ++j) all_key_len.push_back(plan.gathered_pos[j] < 0 ? 0 : static_cast<int32_t>(plan.gathered_pos[j] + 1));
+    std::vector<int32_t> all_request;
+    for (int64_t j = 0; j < T_all; ++j) all_request.push_back(std::max(0, plan.gathered_request[j]));
+    DSACP_ASSIGN_OR_RETURN(d_all_request, upload_vector(backend, all_request));
+  }
+  if (replicated) {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rep, upload_vector(backend, rep_table.data));
+    IndexerTopkParams ip;
+    ip.rows = {rows, s.d_row_request.as<const int32_t>(), s.d_row_key_len.as<const int32_t>()};
+    ip.Hi = c.Hi;
+    ip.Di = c.Di;
+    ip.K = c.K;
+    ip.q = in.idx_q;
+    ip.q_dtype = c.act_dtype;
+    ip.w = in.idx_w;
+    ip.keys = cache.index_keys();
+    ip.block_table = {d_rep.as<const int32_t>(), rep_table.num_requests, rep_table.max_pages};
+    ip.topk = out.topk;
+    DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("replicated indexer top-k"));
+    if (layout.dsa_cp && decode_only) {
+      DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(T_all * c.K * sizeof(int32_t)));
+      DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(out.topk, all_topk.get(), rows * c.K * sizeof(int32_t)));
+    }
+  } else if (layout.dsa_cp) {
+    // Every rank needs every token's candidates: gather the indexer queries along tokens first.
+    const size_t q_row = static_cast<size_t>(c.Hi) * c.Di * act;
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_q, backend.allocate(std::max<size_t>(T_all * q_row, 1)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_w, backend.allocate(std::max<size_t>(T_all * c.Hi * sizeof(float), 1)));
+    DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.idx_q, all_q.get(), rows * q_row));
+    DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.idx_w, all_w.get(), rows * c.Hi * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
+    DSACP_RETURN_IF_ERROR(merged_topk(s, T_all, all_q.get(), all_w.as<const float>(), d_all_request.as<const int32_t>(),
+                                      all_key_len, all_topk.as<int32_t>()));
+    DSACP_RETURN_IF_ERROR(backend.copy_on_device(out.topk, all_topk.as<int32_t>() + plan.d * rows * c.K,
+                                                 rows * c.K * sizeof(int32_t)));
+  } else {
+    const int64_t shared = plan.num_shared_rows;
+    if (shared > 0) {
+      std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + shared);
+      DSACP_RETURN_IF_ERROR(merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request.as<const int32_t>(), key_len,
+                                        out.topk));
+    }
+    if (shared < rows) {
+      // PCP prefill rows: a gathered view of every request's indexer keys.
+      std::vector<int32_t> ids(R);
+      std::iota(ids.begin(), ids.end(), 0);
+      DSACP_ASSIGN_OR_RETURN(GatheredViewPlan vp, gathered_view_plan(ids, s.seq_lens, table, sharding, plan.cr, B));
+      DSACP_ASSIGN_OR_RETURN(View idx_view, build_view(backend, *comms.world, cache.index_keys(), vp));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_vt, upload_vector(backend, vp.view_table.data));
+      IndexerTopkParams ip;
+      ip.rows = {rows - shared, offset_ptr(s.d_row_request.as<const int32_t>(), shared),
+                 offset_ptr(s.d_row_key_len.as<const int32_t>(), shared)};
+      ip.Hi = c.Hi;
+      ip.Di = c.Di;
+      ip.K = c.K;
+      ip.q = offset_bytes(in.idx_q, shared * c.Hi * c.Di * static_cast<int64_t>(act));
+      ip.q_dtype = c.act_dtype;
+      ip.w = offset_ptr(in.idx_w, shared * c.Hi);
+      ip.keys = idx_view.pool;
+      ip.block_table = {d_vt.as<const int32_t>(), vp.view_table.num_requests, vp.view_table.max_pages};
+      ip.topk = out.topk + shared * c.K;
+      DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k over gathered keys"));
+    }
+  }
+
+  // 3. Attention.
+  std::vector<int32_t> all_ids(R);
+  std::iota(all_ids.begin(), all_ids.end(), 0);
+  if (layout.dsa_cp) {
+    if (!decode_only) {
+      // Batches with a prefill: local token rows, all heads, over the gathered KV (reference-design 4.5).
+      DSACP_RETURN_IF_ERROR(gathered_attention(s, 0, rows, all_ids));
+    } else {
+      // Decode-only: every token's query, local attention over own keys, all-to-all along tokens, merge.
+      const int64_t H = c.H;
+      const size_t qn_row = static_cast<size_t>(H) * c.Dl * act, qr_row = static_cast<size_t>(H) * c.Dr * act;
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_qn, backend.allocate(T_all * qn_row));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_qr, backend.allocate(T_all * qr_row));
+      DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.q_nope, all_qn.get(), rows * qn_row));
+      DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.q_rope, all_qr.get(), rows * qr_row));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_all * H * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(local_partial_attention(s, T_all, all_qn.get(), all_qr.get(), d_all_request.as<const int32_t>(),
+                                                    all_key_len, all_topk.as<const int32_t>(), part_out.as<float>(),
+                                                    part_lse.as<float>()));
+      const int32_t D = comms.dcp->size();
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(T_all * H * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_lse.get(), recv_lse.get(), rows * H * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
+                                       out.lse));
+    }
+  } else {
+    const int64_t T_dec = plan.pcp.num_local_decode_tokens;
+    const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
+    const int64_t first_gathered = local_decodes ? T_dec : 0;
+    if (first_gathered < rows) {
+      std::vector<int32_t> ids(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
+      DSACP_RETURN_IF_ERROR(gathered_attention(s, first_gathered, rows - first_gathered, ids));
+    }
+    if (local_decodes && T_dec > 0) {
+      const int64_t H = c.H, D = comms.dcp->size();
+      // Every head of the decode rows: all-gather the queries along heads over the DCP group.
+      DeviceBuffer full_qn, full_qr, scratch;
+      const void* qn = in.q_nope;
+      const void* qr = in.q_rope;
+      if (D > 1) {
+        DSACP_ASSIGN_OR_RETURN(full_qn, backend.allocate(T_dec * H * c.Dl * act));
+        DSACP_ASSIGN_OR_RETURN(full_qr, backend.allocate(T_dec * H * c.Dr * act));
+        DSACP_ASSIGN_OR_RETURN(scratch, backend.allocate(T_dec * H * c.Dl * act));
+        DSACP_RETURN_IF_ERROR(comms.dcp->all_gather_dim(in.q_nope, full_qn.get(), scratch.get(), T_dec, Hr, c.Dl, act));
+        DSACP_RETURN_IF_ERROR(comms.dcp->all_gather_dim(in.q_rope, full_qr.get(), scratch.get(), T_dec, Hr, c.Dr, act));
+        qn = full_qn.get();
+        qr = full_qr.get();
+      }
+      std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + T_dec);
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_dec * H * c.Dl * sizeof(float)));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_dec * H * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(local_partial_attention(s, T_dec, qn, qr, s.d_row_request.as<const int32_t>(), key_len,
+                                                    out.topk, part_out.as<float>(), part_lse.as<float>()));
+      // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
+      const int64_t block = T_dec * Hr;
+      std::vector<int64_t> index;
+      index.reserve(static_cast<size_t>(Pt * block));
+      for (int32_t k = 0; k < Pt; ++k) {
+        const int64_t h0 = (k % D) * Hr;
+        for (int64_t t = 0; t < T_dec; ++t)
+          for (int64_t h = 0; h < Hr; ++h) index.push_back(t * H + h0 + h);
+      }
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_lse, backend.allocate(Pt * block * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(gather(backend, part_out.get(), DType::kF32, T_dec * H, c.Dl, index, send_out.get(),
+                                   DType::kF32, "pack partial outputs by head"));
+      DSACP_RETURN_IF_ERROR(gather(backend, part_lse.get(), DType::kF32, T_dec * H, 1, index, send_lse.get(),
+                                   DType::kF32, "pack partial LSE by head"));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(Pt * block * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_out.get(), recv_out.get(), block * c.Dl * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_lse.get(), recv_lse.get(), block * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(merge_into(s, Pt, block, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
+                                       out.lse));
+    }
+  }
+
+  // 4. Graph-bucket rows past the local rows: topk -1, out 0, lse -inf.
+  const int64_t extra = plan.output_rows - rows;
+  if (extra > 0) {
+    DSACP_RETURN_IF_ERROR(backend.fill(out.topk + rows * c.K, DType::kI32, extra * c.K, -1.f));
+    DSACP_RETURN_IF_ERROR(backend.fill(offset_bytes(out.out, rows * Hr * c.Dl * static_cast<int64_t>(dtype_size(c.out_dtype))),
+                                       c.out_dtype, extra * Hr * c.Dl, 0.f));
+    DSACP_RETURN_IF_ERROR(backend.fill(out.lse + rows * Hr, DType::kF32, extra * Hr, -std::numeric_limits<float>::infinity()));
+  }
+  return backend.synchronize();
+}
+
+}  // namespace dsacp

@@ -1,0 +1,29 @@
+// Checks shared by the single-device and context-parallel step executors.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/cp_plan.h"
+#include "dsacp/paged_cache.h"
+#include "dsacp/step.h"
+
+namespace dsacp {
+
+// The config's dims and dtypes against the cache's.
+Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache);
+
+// Every request's first `pages_per_request[b]` block-table entries are pages inside the pool.
+Status check_block_table_pages(const BlockTable& table, const std::vector<int64_t>& pages_per_request,
+                               const PagedCacheConfig& cache);
+
+// A host vector copied into a new backend buffer (at least one byte, so the pointer is never null).
+template <typename T>
+Result<DeviceBuffer> upload_vector(Backend& backend, const std::vector<T>& v) {
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer buf, backend.allocate(std::max<size_t>(v.size() * sizeof(T), 1)));
+  if (!v.empty()) DSACP_RETURN_IF_ERROR(backend.copy_to_device(buf.get(), v.data(), v.size() * sizeof(T)));
+  return buf;
+}
+
+}  // namespace dsacp
