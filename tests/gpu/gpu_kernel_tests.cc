@@ -429,6 +429,7 @@ void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
   std::vector<float> w(T * Hi);
   for (size_t i = 0; i < w.size(); ++i) w[i] = 0.125f * uni(701, i);
   std::vector<int32_t> topk_c(T * c.K);
+  std::vector<float> scores_c(T * c.K);
   IndexerTopkParams p;
   p.rows.num_tokens = T;
   p.Hi = Hi;
@@ -445,6 +446,7 @@ void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
   pc.keys.data = keys.data();
   pc.block_table.data = pg.bt.data();
   pc.topk = topk_c.data();
+  pc.topk_scores = scores_c.data();
   const auto t0 = std::chrono::steady_clock::now();
   Status sc = indexer_topk_run(cpu, pc);
   const double cpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -463,12 +465,31 @@ void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
   pgp.keys.data = d_keys.buf.get();
   pgp.block_table.data = d_bt.ptr<int32_t>();
   pgp.topk = d_topk.ptr<int32_t>();
+  Dev d_scores = upload(gpu, std::vector<float>(T * c.K, 12345.f));
+  pgp.topk_scores = d_scores.ptr<float>();
   Status sg = indexer_topk_run(gpu, pgp);
   if (!sg.ok()) {
     report(false, "indexer_topk " + c.name, sg.to_string());
     return;
   }
   std::vector<int32_t> topk_g = download<int32_t>(gpu, d_topk, T * c.K);
+  std::vector<float> scores_g = download<float>(gpu, d_scores, T * c.K);
+  // topk_scores on rows equal to the CPU's: same -inf padding, values within fp32 rounding of the CPU's
+  double score_err = 0, score_max = 0;
+  bool score_pad_ok = true;
+  for (int64_t t = 0; t < T; ++t) {
+    if (!std::equal(&topk_g[t * c.K], &topk_g[t * c.K] + c.K, &topk_c[t * c.K])) continue;
+    for (int64_t i = 0; i < c.K; ++i) {
+      const float a = scores_g[t * c.K + i], r = scores_c[t * c.K + i];
+      if (std::isinf(a) || std::isinf(r)) {
+        if (a != r) score_pad_ok = false;
+        continue;
+      }
+      score_err = std::max(score_err, static_cast<double>(std::abs(a - r)));
+      score_max = std::max(score_max, static_cast<double>(std::abs(r)));
+    }
+  }
+  const bool scores_ok = score_pad_ok && score_err <= 1e-4 * score_max + 1e-6;
   Status sg2 = indexer_topk_run(gpu, pgp);
   std::vector<int32_t> topk_g2 = download<int32_t>(gpu, d_topk, T * c.K);
   const bool rerun_same = sg2.ok() && topk_g == topk_g2;
@@ -532,7 +553,116 @@ void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
   std::snprintf(buf, sizeof buf, "T=%lld rows identical to CPU %lld, near-tie swaps %lld, bad rows %lld, rerun %s, cpu %.2fs",
                 static_cast<long long>(T), static_cast<long long>(rows_exact), static_cast<long long>(swaps),
                 static_cast<long long>(bad_rows), rerun_same ? "bit-identical" : "DIFFERS", cpu_s);
-  report(bad_rows == 0 && rerun_same, "indexer_topk " + c.name, std::string(buf) + first_bad);
+  char sbuf[96];
+  std::snprintf(sbuf, sizeof sbuf, ", topk_scores max abs err %.1e of %.1e%s", score_err, score_max,
+                score_pad_ok ? "" : " (padding differs)");
+  report(bad_rows == 0 && rerun_same && scores_ok, "indexer_topk " + c.name, std::string(buf) + sbuf + first_bad);
+}
+
+void test_cp_kernels(Backend& gpu, Backend& cpu) {
+  // gather_rows: bf16 -> f32 and bf16 -> bf16, -1 rows are NaN
+  const int dim = 576;
+  const int64_t src_rows = 300, n = 257;
+  std::vector<uint16_t> src = random_bf16(src_rows * dim, 900);
+  std::vector<int64_t> index(n);
+  for (int64_t i = 0; i < n; ++i) index[i] = (i % 9 == 4) ? -1 : static_cast<int64_t>(mix(901 + i) % src_rows);
+  Dev d_src = upload(gpu, src), d_index = upload(gpu, index);
+  for (DType dst_dtype : {DType::kF32, DType::kBF16}) {
+    const size_t bytes = n * dim * dtype_size(dst_dtype);
+    std::vector<uint8_t> out_c(bytes);
+    Dev d_out = upload(gpu, std::vector<uint8_t>(bytes, 0));
+    GatherRowsParams p;
+    p.src_dtype = DType::kBF16;
+    p.src_rows = src_rows;
+    p.dim = dim;
+    p.num_rows = n;
+    p.dst_dtype = dst_dtype;
+    GatherRowsParams pc = p, pg = p;
+    pc.src = src.data();
+    pc.index = index.data();
+    pc.dst = out_c.data();
+    pg.src = d_src.buf.get();
+    pg.index = d_index.ptr<int64_t>();
+    pg.dst = d_out.buf.get();
+    Status sc = gather_rows_run(cpu, pc), sg = gather_rows_run(gpu, pg);
+    std::vector<uint8_t> out_g = download<uint8_t>(gpu, d_out, bytes);
+    bool same = sc.ok() && sg.ok();
+    for (int64_t i = 0; same && i < n * dim; ++i) {
+      const float a = load_as_f32(out_g.data(), dst_dtype, i), b = load_as_f32(out_c.data(), dst_dtype, i);
+      same = (std::isnan(a) && std::isnan(b)) || a == b;
+    }
+    report(same, std::string("gather_rows BF16->") + dtype_name(dst_dtype) + " with -1 rows",
+           sg.ok() ? "equal to CPU (NaN rows NaN)" : sg.to_string());
+  }
+  index[3] = src_rows;
+  Dev d_bad = upload(gpu, index);
+  GatherRowsParams pb;
+  pb.src = d_src.buf.get();
+  pb.src_rows = src_rows;
+  pb.dim = dim;
+  pb.index = d_bad.ptr<int64_t>();
+  pb.num_rows = n;
+  Dev d_outb = upload(gpu, std::vector<uint16_t>(n * dim, 0));
+  pb.dst = d_outb.buf.get();
+  Status sb = gather_rows_run(gpu, pb);
+  report(sb.code() == StatusCode::kOutOfRange, "gather_rows bad index -> out_of_range", sb.to_string());
+
+  // topk_remap: Pt = 3, I = 5, rank 1, rows with -1 padding
+  const int64_t rows = 37;
+  const int K = 100;
+  std::vector<int32_t> topk(rows * K, -1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int m = static_cast<int>(mix(950 + r) % (K + 1));
+    for (int i = 0; i < m; ++i) topk[r * K + i] = static_cast<int32_t>(mix(951 + r * K + i) % 5000);
+  }
+  std::vector<int32_t> local_c(rows * K);
+  Dev d_topk = upload(gpu, topk), d_local = upload(gpu, std::vector<int32_t>(rows * K, 7));
+  TopkRemapParams rp;
+  rp.num_rows = rows;
+  rp.K = K;
+  rp.Pt = 3;
+  rp.I = 5;
+  rp.cr = 1;
+  TopkRemapParams rc = rp, rg = rp;
+  rc.topk = topk.data();
+  rc.local = local_c.data();
+  rg.topk = d_topk.ptr<int32_t>();
+  rg.local = d_local.ptr<int32_t>();
+  Status s1 = topk_remap_run(cpu, rc), s2 = topk_remap_run(gpu, rg);
+  report(s1.ok() && s2.ok() && download<int32_t>(gpu, d_local, rows * K) == local_c, "topk_remap Pt=3 I=5 cr=1",
+         s2.ok() ? "identical to CPU" : s2.to_string());
+
+  // topk_merge: 3 parts of local rows with scores (host merge inside the CUDA backend)
+  const int Pt = 3;
+  std::vector<int32_t> part_topk(Pt * rows * K, -1);
+  std::vector<float> part_scores(Pt * rows * K, -INFINITY);
+  for (int s = 0; s < Pt; ++s) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int m = static_cast<int>(mix(960 + s * rows + r) % (K + 1));
+      for (int i = 0; i < m; ++i) {
+        part_topk[(s * rows + r) * K + i] = i * 2;  // ascending local positions
+        part_scores[(s * rows + r) * K + i] = std::round(8.f * uni(961, (s * rows + r) * K + i));  // many ties
+      }
+    }
+  }
+  std::vector<int32_t> merged_c(rows * K);
+  Dev d_pt = upload(gpu, part_topk), d_ps = upload(gpu, part_scores), d_m = upload(gpu, std::vector<int32_t>(rows * K));
+  TopkMergeParams mp;
+  mp.num_parts = Pt;
+  mp.num_rows = rows;
+  mp.K = K;
+  mp.I = 4;
+  TopkMergeParams mc = mp, mg = mp;
+  mc.part_topk = part_topk.data();
+  mc.part_scores = part_scores.data();
+  mc.topk = merged_c.data();
+  mg.part_topk = d_pt.ptr<int32_t>();
+  mg.part_scores = d_ps.ptr<float>();
+  mg.topk = d_m.ptr<int32_t>();
+  s1 = topk_merge_run(cpu, mc);
+  s2 = topk_merge_run(gpu, mg);
+  report(s1.ok() && s2.ok() && download<int32_t>(gpu, d_m, rows * K) == merged_c, "topk_merge 3 parts with ties",
+         s2.ok() ? "identical to CPU" : s2.to_string() + " / " + s1.to_string());
 }
 
 void test_unsupported(Backend& gpu) {
@@ -572,6 +702,7 @@ int main(int argc, char** argv) {
   test_unsupported(*gpu);
   test_cache_write(*gpu, *cpu);
   test_lse_merge(*gpu, *cpu);
+  test_cp_kernels(*gpu, *cpu);
 
   std::vector<MlaCase> mla;
   mla.push_back({"decode H=16 page64 K=2048 split-K", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});
