@@ -61,6 +61,10 @@ int cmd_replay(const std::vector<std::string>& argv) {
   if (!c.ok()) return fail(c.status());
 
   std::unique_ptr<Backend> backend;
+  if (*device == "cuda" && layout->num_ranks() > 1) {
+    return fail(unsupported("--device cuda replays the single-device layout only (--pcp 1 --dcp 1) for now: "
+                            "the in-process CP communicator copies rank buffers with host memcpy"));
+  }
   if (*device == "cuda") {
     auto cuda = make_cuda_backend(0);
     if (!cuda.ok()) return fail(cuda.status().with_context("--device cuda"));

@@ -176,6 +176,12 @@ int cmd_run(const std::vector<std::string>& argv) {
     total_tokens += reqs[b].prompt_len + cfg.decode_steps;  // decode progress counts steps
   }
   std::unique_ptr<Backend> backend;
+  if (cfg.cuda && cfg.layout.num_ranks() > 1) {
+    // The in-process communicator and the CP cluster move rank buffers with host memcpy; on device memory that
+    // would crash. Refuse until they are device-aware (cudaMemcpy / NCCL).
+    return fail(unsupported("--device cuda runs the single-device layout only (--pcp 1 --dcp 1) for now: "
+                            "the in-process CP communicator copies rank buffers with host memcpy"));
+  }
   if (cfg.cuda) {
     auto cuda = make_cuda_backend(0);
     if (!cuda.ok()) return fail(cuda.status().with_context("--device cuda"));
