@@ -16,18 +16,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-// Pulls one 128-byte line into L2 (no register, no shared memory): deepens the gather pipeline for free.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
-
-// L2 prefetch of one gathered cache row (latent 1024 B + rope 128 B); row < 0 = absent.
-__device__ __forceinline__ void prefetch_kv_row_l2(const __nv_bfloat16* latent, const __nv_bfloat16* rope, int32_t row) {
-  if (row < 0) return;
-  const char* l = reinterpret_cast<const char*>(latent + static_cast<int64_t>(row) * 512);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) prefetch_l2(l + i * 128);
-  prefetch_l2(rope + static_cast<int64_t>(row) * 64);
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

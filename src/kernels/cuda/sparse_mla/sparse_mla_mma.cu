@@ -189,8 +189,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
       const int nt = tile + kStages - 1;
       if (nt < ntiles) load_tile(nt, nt % kStages);
       cp_async_commit();
-      const int pf = (nt + 2) * kBN + tid;  // rows two tiles past the ring into L2
-      if (tid < kBN && pf < nkeys) prefetch_kv_row_l2(a.latent, a.rope, sRow[pf]);
     }
     const uint32_t kv = sKV + (tile % kStages) * (kBN * kD * 2);
 

@@ -190,7 +190,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
       sMax[wg * 64 + r1] = mx1;
     }
     __syncthreads();
-    if (tid < 64) prefetch_kv_row_l2(a.latent, a.rope, pre);  // tile + 2 into L2 (its loads have returned by now)
     const float mn0 = fmaxf(m0, fmaxf(sMax[r0], sMax[64 + r0]));
     const float mn1 = fmaxf(m1, fmaxf(sMax[r1], sMax[64 + r1]));
     const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
