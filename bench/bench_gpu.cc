@@ -290,6 +290,15 @@ int main(int argc, char** argv) {
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4));
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=64", 8192, 64, 8192, 1, std::max(3, reps / 4));
   }
+  if (want("splits")) {  // split-K sweep for the decodes (DSACP_MLA_SPLITS override)
+    for (const char* sp : {"1", "2", "3", "4", "6"}) {
+      setenv("DSACP_MLA_SPLITS", sp, 1);
+      bench_sparse_mla(std::string("splits sparse_decode h=64 splits=") + sp, 64, 64, 32768, 64, reps);
+      bench_sparse_mla(std::string("splits sparse_decode h=16 splits=") + sp, 64, 16, 32768, 64, reps);
+      bench_sparse_mla(std::string("splits sparse_decode h=128 splits=") + sp, 64, 128, 32768, 64, reps);
+    }
+    unsetenv("DSACP_MLA_SPLITS");
+  }
   if (want("mma_sync")) {  // the mma.sync kernel on the 64-head-group cases, for comparison
     setenv("DSACP_MLA_KERNEL", "mma", 1);
     bench_sparse_mla("mma_sync sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);

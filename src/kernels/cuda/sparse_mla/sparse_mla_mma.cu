@@ -428,6 +428,7 @@ int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
   const int64_t ctas = p.rows.num_tokens * (p.H > 64 ? p.H / 64 : 1);
   int splits = 1;
   if (ctas > 0 && ctas * 3 / 2 < num_sms) splits = static_cast<int>((num_sms + ctas / 2) / ctas);
+  if (const char* v = std::getenv("DSACP_MLA_SPLITS")) splits = std::max(1, std::atoi(v));  // tuning override
   // at least 64 keys per split, at most kMaxSplitKeys
   splits = std::max(1, std::min(splits, std::max(1, p.K / 64)));
   splits = std::min(splits, 64);
