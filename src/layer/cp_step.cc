@@ -10,6 +10,7 @@
 //      of the KV with this rank's heads. Decodes never re-gather the KV (unless DecodeMode::kGathered, D = 1).
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 
 #include "dsacp/cp_step.h"
@@ -23,13 +24,27 @@ struct View {
   PagedPoolView pool;
 };
 
-// Packs `own` rows for the view, all-gathers them over `comm` and lays them out as the view's pool.
-Result<View> build_view(Backend& backend, Communicator& comm, const PagedPoolView& own, const GatheredViewPlan& v) {
-  const int64_t P = comm.size();
+// A gathered view in flight: this rank's rows packed, the all-gather started.
+struct PendingView {
+  GatheredViewPlan plan;
+  PagedPoolView own;
+  DeviceBuffer pack, gathered;
+  std::unique_ptr<CollectiveHandle> handle;
+  int64_t ranks = 0;
+};
+
+// Packs `own` rows for the view and starts their all-gather over `comm` (reference-design 4.6: right after
+// the cache write, so it overlaps the indexer).
+Result<PendingView> start_view(Backend& backend, Communicator& comm, const PagedPoolView& own,
+                               const GatheredViewPlan& v) {
+  PendingView pv;
+  pv.plan = v;
+  pv.own = own;
+  pv.ranks = comm.size();
   const size_t row_bytes = static_cast<size_t>(own.dim) * dtype_size(own.dtype);
   if (v.rows_per_rank < 1) return internal_error("gathered view with no rows");
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_pack_slots, upload_vector(backend, v.pack_slots));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer pack, backend.allocate(v.rows_per_rank * row_bytes));
+  DSACP_ASSIGN_OR_RETURN(pv.pack, backend.allocate(v.rows_per_rank * row_bytes));
   GatherRowsParams g;
   g.src = own.data;
   g.src_dtype = own.dtype;
@@ -37,24 +52,36 @@ Result<View> build_view(Backend& backend, Communicator& comm, const PagedPoolVie
   g.dim = own.dim;
   g.index = d_pack_slots.as<const int64_t>();
   g.num_rows = v.rows_per_rank;
-  g.dst = pack.get();
+  g.dst = pv.pack.get();
   g.dst_dtype = own.dtype;
   DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("pack for a gathered view"));
+  DSACP_ASSIGN_OR_RETURN(pv.gathered, backend.allocate(pv.ranks * v.rows_per_rank * row_bytes));
+  DSACP_ASSIGN_OR_RETURN(pv.handle, comm.all_gather_async(pv.pack.get(), pv.gathered.get(), v.rows_per_rank * row_bytes));
+  return pv;
+}
+
+// Waits for the view's all-gather and lays the gathered rows out as the view's pool.
+Result<View> finish_view(Backend& backend, PendingView& pv) {
+  DSACP_RETURN_IF_ERROR(pv.handle->wait());
+  const GatheredViewPlan& v = pv.plan;
+  const size_t row_bytes = static_cast<size_t>(pv.own.dim) * dtype_size(pv.own.dtype);
   View out;
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer gathered, backend.allocate(P * v.rows_per_rank * row_bytes));
-  DSACP_RETURN_IF_ERROR(comm.all_gather(pack.get(), gathered.get(), v.rows_per_rank * row_bytes));
-  out.pool = own;
+  out.pool = pv.own;
   out.pool.num_pages = v.view_num_pages;
   if (v.direct) {
-    out.storage = std::move(gathered);
+    out.storage = std::move(pv.gathered);
   } else {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_unpack, upload_vector(backend, v.unpack_rows));
-    DSACP_ASSIGN_OR_RETURN(out.storage, backend.allocate(v.view_num_pages * own.page_size * row_bytes));
-    g.src = gathered.get();
-    g.src_rows = P * v.rows_per_rank;
+    DSACP_ASSIGN_OR_RETURN(out.storage, backend.allocate(v.view_num_pages * pv.own.page_size * row_bytes));
+    GatherRowsParams g;
+    g.src = pv.gathered.get();
+    g.src_dtype = pv.own.dtype;
+    g.src_rows = pv.ranks * v.rows_per_rank;
+    g.dim = pv.own.dim;
     g.index = d_unpack.as<const int64_t>();
     g.num_rows = static_cast<int64_t>(v.unpack_rows.size());
     g.dst = out.storage.get();
+    g.dst_dtype = pv.own.dtype;
     DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("unpack a gathered view"));
   }
   out.pool.data = out.storage.get();
@@ -213,17 +240,32 @@ Status merge_into(RankStep& s, int32_t parts, int64_t rows, const float* part_ou
   return gather(s.backend, merged.get(), DType::kF32, rows, s.c.Dl, identity, out, s.c.out_dtype, "output conversion");
 }
 
-// Attention of rows [first, first + n) with this rank's heads over a gathered view of the requests' whole KV.
-Status gathered_attention(RankStep& s, int64_t first, int64_t n, const std::vector<int32_t>& view_requests) {
-  if (n == 0) return Status();
+// The latent and rope views of the requests attended over the gathered KV, started early.
+struct PendingKvView {
+  std::vector<int32_t> requests;
+  GatheredViewPlan plan;
+  PendingView latent, rope;
+};
+
+Result<PendingKvView> start_kv_view(RankStep& s, const std::vector<int32_t>& view_requests) {
+  PendingKvView kv;
+  kv.requests = view_requests;
   std::vector<int64_t> lens;
   for (int32_t b : view_requests) lens.push_back(s.seq_lens[b]);
-  DSACP_ASSIGN_OR_RETURN(GatheredViewPlan vp, gathered_view_plan(view_requests, lens, s.table, s.sharding,
-                                                                 s.plan.cr, s.B()));
-  DSACP_ASSIGN_OR_RETURN(View lat, build_view(s.backend, *s.comms.world, s.cache.latent(), vp));
-  DSACP_ASSIGN_OR_RETURN(View rope, build_view(s.backend, *s.comms.world, s.cache.rope(), vp));
+  DSACP_ASSIGN_OR_RETURN(kv.plan, gathered_view_plan(view_requests, lens, s.table, s.sharding, s.plan.cr, s.B()));
+  DSACP_ASSIGN_OR_RETURN(kv.latent, start_view(s.backend, *s.comms.world, s.cache.latent(), kv.plan));
+  DSACP_ASSIGN_OR_RETURN(kv.rope, start_view(s.backend, *s.comms.world, s.cache.rope(), kv.plan));
+  return kv;
+}
+
+// Attention of rows [first, first + n) with this rank's heads over the gathered view of the requests' KV.
+Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& kv) {
+  DSACP_ASSIGN_OR_RETURN(View lat, finish_view(s.backend, kv.latent));
+  DSACP_ASSIGN_OR_RETURN(View rope, finish_view(s.backend, kv.rope));
+  if (n == 0) return Status();
+  const GatheredViewPlan& vp = kv.plan;
   std::vector<int32_t> view_row(static_cast<size_t>(s.requests.size()), -1);
-  for (size_t i = 0; i < view_requests.size(); ++i) view_row[view_requests[i]] = static_cast<int32_t>(i);
+  for (size_t i = 0; i < kv.requests.size(); ++i) view_row[kv.requests[i]] = static_cast<int32_t>(i);
   std::vector<int32_t> rows_view(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) rows_view[i] = std::max(0, view_row[s.plan.row_request[first + i]]);
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows_view, upload_vector(s.backend, rows_view));
@@ -247,6 +289,35 @@ Status gathered_attention(RankStep& s, int64_t first, int64_t n, const std::vect
   ap.out_dtype = s.c.out_dtype;
   ap.lse = offset_ptr(s.out.lse, first * Hr);
   return sparse_mla_run(s.backend, ap).with_context("sparse MLA over the gathered KV");
+}
+
+// All rows' queries of `n` rows, gathered along heads over the DCP group (rank-major blocks [D][n, Hr, dim]),
+// rearranged into [n, D*Hr, dim] once the gather is done.
+struct PendingHeads {
+  DeviceBuffer blocks;
+  std::unique_ptr<CollectiveHandle> handle;
+};
+
+Result<PendingHeads> start_head_gather(RankStep& s, const void* q, int64_t n, int32_t dim) {
+  PendingHeads ph;
+  const size_t bytes = static_cast<size_t>(n) * s.plan.num_heads * dim * s.act();
+  DSACP_ASSIGN_OR_RETURN(ph.blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * bytes, 1)));
+  DSACP_ASSIGN_OR_RETURN(ph.handle, s.comms.dcp->all_gather_async(q, ph.blocks.get(), bytes));
+  return ph;
+}
+
+Result<DeviceBuffer> finish_head_gather(RankStep& s, PendingHeads& ph, int64_t n, int32_t dim) {
+  DSACP_RETURN_IF_ERROR(ph.handle->wait());
+  const int64_t D = s.comms.dcp->size(), Hr = s.plan.num_heads;
+  std::vector<int64_t> index;
+  index.reserve(static_cast<size_t>(n * D * Hr));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t k = 0; k < D; ++k)
+      for (int64_t h = 0; h < Hr; ++h) index.push_back((k * n + t) * Hr + h);
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer full, s.backend.allocate(std::max<size_t>(n * D * Hr * dim * s.act(), 1)));
+  DSACP_RETURN_IF_ERROR(gather(s.backend, ph.blocks.get(), s.c.act_dtype, D * n * Hr, dim, index, full.get(),
+                               s.c.act_dtype, "queries gathered along heads"));
+  return full;
 }
 
 Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
@@ -346,16 +417,56 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
   }
 
-  // 2. Top-k of this rank's rows.
+  // 2. Collectives that depend only on the cache write start now and overlap the indexer (reference-design
+  //    4.6): the gathered KV views, the decode queries along heads (or tokens under DSA-CP).
   const bool decode_only = plan.layout.num_prefills == 0;
-  const int64_t T_all = plan.gathered_pos.size();  // DSA-CP: every token of the padded batch
-  DeviceBuffer all_topk;  // DSA-CP decode-only: the top-k of every token
+  const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
+  const int64_t T_dec = layout.dsa_cp ? 0 : plan.pcp.num_local_decode_tokens;
+  const int64_t T_all = static_cast<int64_t>(plan.gathered_pos.size());  // DSA-CP: the padded batch
+  std::vector<int32_t> all_ids(R);
+  std::iota(all_ids.begin(), all_ids.end(), 0);
+  // Rows [first_gathered, rows) attend over the gathered KV of `view_ids`.
+  int64_t first_gathered = rows;
+  std::vector<int32_t> view_ids;
+  if (layout.dsa_cp) {
+    if (!decode_only) {
+      first_gathered = 0;
+      view_ids = all_ids;
+    }
+  } else {
+    first_gathered = local_decodes ? T_dec : 0;
+    view_ids.assign(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
+  }
+  std::optional<PendingKvView> kv_view;
+  if (first_gathered < rows) {
+    DSACP_ASSIGN_OR_RETURN(kv_view, start_kv_view(s, view_ids));
+  }
+  const int32_t D = comms.dcp->size();
+  std::optional<PendingHeads> qn_heads, qr_heads;
+  if (!layout.dsa_cp && local_decodes && T_dec > 0 && D > 1) {
+    DSACP_ASSIGN_OR_RETURN(qn_heads, start_head_gather(s, in.q_nope, T_dec, c.Dl));
+    DSACP_ASSIGN_OR_RETURN(qr_heads, start_head_gather(s, in.q_rope, T_dec, c.Dr));
+  }
+  DeviceBuffer all_qn, all_qr;
+  std::unique_ptr<CollectiveHandle> h_qn, h_qr;
+  if (layout.dsa_cp && decode_only) {
+    const size_t qn_row = static_cast<size_t>(c.H) * c.Dl * act, qr_row = static_cast<size_t>(c.H) * c.Dr * act;
+    DSACP_ASSIGN_OR_RETURN(all_qn, backend.allocate(std::max<size_t>(T_all * qn_row, 1)));
+    DSACP_ASSIGN_OR_RETURN(all_qr, backend.allocate(std::max<size_t>(T_all * qr_row, 1)));
+    DSACP_ASSIGN_OR_RETURN(h_qn, comms.dcp->all_gather_async(in.q_nope, all_qn.get(), rows * qn_row));
+    DSACP_ASSIGN_OR_RETURN(h_qr, comms.dcp->all_gather_async(in.q_rope, all_qr.get(), rows * qr_row));
+  }
+
+  // 3. Top-k of this rank's rows (and, under DSA-CP decode-only batches, of every token).
+  DeviceBuffer all_topk;
   std::vector<int32_t> all_key_len;
   DeviceBuffer d_all_request;
   if (layout.dsa_cp) {
-    for (int64_t j = 0; j < T_all; ++j) all_key_len.push_back(plan.gathered_pos[j] < 0 ? 0 : static_cast<int32_t>(plan.gathered_pos[j] + 1));
     std::vector<int32_t> all_request;
-    for (int64_t j = 0; j < T_all; ++j) all_request.push_back(std::max(0, plan.gathered_request[j]));
+    for (int64_t j = 0; j < T_all; ++j) {
+      all_key_len.push_back(plan.gathered_pos[j] < 0 ? 0 : static_cast<int32_t>(plan.gathered_pos[j] + 1));
+      all_request.push_back(std::max(0, plan.gathered_request[j]));
+    }
     DSACP_ASSIGN_OR_RETURN(d_all_request, upload_vector(backend, all_request));
   }
   if (replicated) {
@@ -373,7 +484,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.topk = out.topk;
     DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("replicated indexer top-k"));
     if (layout.dsa_cp && decode_only) {
-      DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(T_all * c.K * sizeof(int32_t)));
+      DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
       DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(out.topk, all_topk.get(), rows * c.K * sizeof(int32_t)));
     }
   } else if (layout.dsa_cp) {
@@ -390,18 +501,21 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                                  rows * c.K * sizeof(int32_t)));
   } else {
     const int64_t shared = plan.num_shared_rows;
+    std::optional<PendingView> idx_pending;
+    GatheredViewPlan idx_plan;
+    if (shared < rows) {
+      // PCP prefill rows: a gathered view of every request's indexer keys.
+      DSACP_ASSIGN_OR_RETURN(idx_plan, gathered_view_plan(all_ids, s.seq_lens, table, sharding, plan.cr, B));
+      DSACP_ASSIGN_OR_RETURN(idx_pending, start_view(backend, *comms.world, cache.index_keys(), idx_plan));
+    }
     if (shared > 0) {
       std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + shared);
       DSACP_RETURN_IF_ERROR(merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request.as<const int32_t>(), key_len,
                                         out.topk));
     }
     if (shared < rows) {
-      // PCP prefill rows: a gathered view of every request's indexer keys.
-      std::vector<int32_t> ids(R);
-      std::iota(ids.begin(), ids.end(), 0);
-      DSACP_ASSIGN_OR_RETURN(GatheredViewPlan vp, gathered_view_plan(ids, s.seq_lens, table, sharding, plan.cr, B));
-      DSACP_ASSIGN_OR_RETURN(View idx_view, build_view(backend, *comms.world, cache.index_keys(), vp));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_vt, upload_vector(backend, vp.view_table.data));
+      DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(backend, *idx_pending));
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_vt, upload_vector(backend, idx_plan.view_table.data));
       IndexerTopkParams ip;
       ip.rows = {rows - shared, offset_ptr(s.d_row_request.as<const int32_t>(), shared),
                  offset_ptr(s.d_row_key_len.as<const int32_t>(), shared)};
@@ -412,93 +526,71 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       ip.q_dtype = c.act_dtype;
       ip.w = offset_ptr(in.idx_w, shared * c.Hi);
       ip.keys = idx_view.pool;
-      ip.block_table = {d_vt.as<const int32_t>(), vp.view_table.num_requests, vp.view_table.max_pages};
+      ip.block_table = {d_vt.as<const int32_t>(), idx_plan.view_table.num_requests, idx_plan.view_table.max_pages};
       ip.topk = out.topk + shared * c.K;
       DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k over gathered keys"));
     }
   }
 
-  // 3. Attention.
-  std::vector<int32_t> all_ids(R);
-  std::iota(all_ids.begin(), all_ids.end(), 0);
-  if (layout.dsa_cp) {
-    if (!decode_only) {
-      // Batches with a prefill: local token rows, all heads, over the gathered KV (reference-design 4.5).
-      DSACP_RETURN_IF_ERROR(gathered_attention(s, 0, rows, all_ids));
-    } else {
-      // Decode-only: every token's query, local attention over own keys, all-to-all along tokens, merge.
-      const int64_t H = c.H;
-      const size_t qn_row = static_cast<size_t>(H) * c.Dl * act, qr_row = static_cast<size_t>(H) * c.Dr * act;
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_qn, backend.allocate(T_all * qn_row));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_qr, backend.allocate(T_all * qr_row));
-      DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.q_nope, all_qn.get(), rows * qn_row));
-      DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.q_rope, all_qr.get(), rows * qr_row));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_all * H * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(local_partial_attention(s, T_all, all_qn.get(), all_qr.get(), d_all_request.as<const int32_t>(),
-                                                    all_key_len, all_topk.as<const int32_t>(), part_out.as<float>(),
-                                                    part_lse.as<float>()));
-      const int32_t D = comms.dcp->size();
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(T_all * H * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_lse.get(), recv_lse.get(), rows * H * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
-                                       out.lse));
+  // 4. Attention: rows over the gathered KV with this rank's heads (no merge) ...
+  if (kv_view) DSACP_RETURN_IF_ERROR(gathered_attention(s, first_gathered, rows - first_gathered, *kv_view));
+  // ... and decode rows over each rank's own keys, merged by LSE.
+  if (layout.dsa_cp && decode_only) {
+    // Every token's query, local attention over own keys, all-to-all along tokens, merge.
+    DSACP_RETURN_IF_ERROR(h_qn->wait());
+    DSACP_RETURN_IF_ERROR(h_qr->wait());
+    const int64_t H = c.H;
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_all * H * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(local_partial_attention(s, T_all, all_qn.get(), all_qr.get(), d_all_request.as<const int32_t>(),
+                                                  all_key_len, all_topk.as<const int32_t>(), part_out.as<float>(),
+                                                  part_lse.as<float>()));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(T_all * H * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_lse.get(), recv_lse.get(), rows * H * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
+                                     out.lse));
+  } else if (!layout.dsa_cp && local_decodes && T_dec > 0) {
+    const int64_t H = c.H;
+    DeviceBuffer full_qn, full_qr;
+    const void* qn = in.q_nope;
+    const void* qr = in.q_rope;
+    if (qn_heads) {
+      DSACP_ASSIGN_OR_RETURN(full_qn, finish_head_gather(s, *qn_heads, T_dec, c.Dl));
+      DSACP_ASSIGN_OR_RETURN(full_qr, finish_head_gather(s, *qr_heads, T_dec, c.Dr));
+      qn = full_qn.get();
+      qr = full_qr.get();
     }
-  } else {
-    const int64_t T_dec = plan.pcp.num_local_decode_tokens;
-    const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
-    const int64_t first_gathered = local_decodes ? T_dec : 0;
-    if (first_gathered < rows) {
-      std::vector<int32_t> ids(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
-      DSACP_RETURN_IF_ERROR(gathered_attention(s, first_gathered, rows - first_gathered, ids));
+    std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + T_dec);
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_dec * H * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_dec * H * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(local_partial_attention(s, T_dec, qn, qr, s.d_row_request.as<const int32_t>(), key_len,
+                                                  out.topk, part_out.as<float>(), part_lse.as<float>()));
+    // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
+    const int64_t block = T_dec * Hr;
+    std::vector<int64_t> index;
+    index.reserve(static_cast<size_t>(Pt * block));
+    for (int32_t k = 0; k < Pt; ++k) {
+      const int64_t h0 = (k % D) * Hr;
+      for (int64_t t = 0; t < T_dec; ++t)
+        for (int64_t h = 0; h < Hr; ++h) index.push_back(t * H + h0 + h);
     }
-    if (local_decodes && T_dec > 0) {
-      const int64_t H = c.H, D = comms.dcp->size();
-      // Every head of the decode rows: all-gather the queries along heads over the DCP group.
-      DeviceBuffer full_qn, full_qr, scratch;
-      const void* qn = in.q_nope;
-      const void* qr = in.q_rope;
-      if (D > 1) {
-        DSACP_ASSIGN_OR_RETURN(full_qn, backend.allocate(T_dec * H * c.Dl * act));
-        DSACP_ASSIGN_OR_RETURN(full_qr, backend.allocate(T_dec * H * c.Dr * act));
-        DSACP_ASSIGN_OR_RETURN(scratch, backend.allocate(T_dec * H * c.Dl * act));
-        DSACP_RETURN_IF_ERROR(comms.dcp->all_gather_dim(in.q_nope, full_qn.get(), scratch.get(), T_dec, Hr, c.Dl, act));
-        DSACP_RETURN_IF_ERROR(comms.dcp->all_gather_dim(in.q_rope, full_qr.get(), scratch.get(), T_dec, Hr, c.Dr, act));
-        qn = full_qn.get();
-        qr = full_qr.get();
-      }
-      std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + T_dec);
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_dec * H * c.Dl * sizeof(float)));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_dec * H * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(local_partial_attention(s, T_dec, qn, qr, s.d_row_request.as<const int32_t>(), key_len,
-                                                    out.topk, part_out.as<float>(), part_lse.as<float>()));
-      // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
-      const int64_t block = T_dec * Hr;
-      std::vector<int64_t> index;
-      index.reserve(static_cast<size_t>(Pt * block));
-      for (int32_t k = 0; k < Pt; ++k) {
-        const int64_t h0 = (k % D) * Hr;
-        for (int64_t t = 0; t < T_dec; ++t)
-          for (int64_t h = 0; h < Hr; ++h) index.push_back(t * H + h0 + h);
-      }
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_lse, backend.allocate(Pt * block * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(gather(backend, part_out.get(), DType::kF32, T_dec * H, c.Dl, index, send_out.get(),
-                                   DType::kF32, "pack partial outputs by head"));
-      DSACP_RETURN_IF_ERROR(gather(backend, part_lse.get(), DType::kF32, T_dec * H, 1, index, send_lse.get(),
-                                   DType::kF32, "pack partial LSE by head"));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(Pt * block * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_out.get(), recv_out.get(), block * c.Dl * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_lse.get(), recv_lse.get(), block * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(merge_into(s, Pt, block, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
-                                       out.lse));
-    }
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_lse, backend.allocate(Pt * block * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(gather(backend, part_out.get(), DType::kF32, T_dec * H, c.Dl, index, send_out.get(),
+                                 DType::kF32, "pack partial outputs by head"));
+    DSACP_RETURN_IF_ERROR(gather(backend, part_lse.get(), DType::kF32, T_dec * H, 1, index, send_lse.get(),
+                                 DType::kF32, "pack partial LSE by head"));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(Pt * block * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_out.get(), recv_out.get(), block * c.Dl * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_lse.get(), recv_lse.get(), block * sizeof(float)));
+    DSACP_RETURN_IF_ERROR(merge_into(s, Pt, block, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
+                                     out.lse));
   }
 
-  // 4. Graph-bucket rows past the local rows: topk -1, out 0, lse -inf.
+  // 5. Graph-bucket rows past the local rows: topk -1, out 0, lse -inf.
   const int64_t extra = plan.output_rows - rows;
   if (extra > 0) {
     DSACP_RETURN_IF_ERROR(backend.fill(out.topk + rows * c.K, DType::kI32, extra * c.K, -1.f));
