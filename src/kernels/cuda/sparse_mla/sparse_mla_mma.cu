@@ -8,10 +8,13 @@
 //             [0, key_len)), resolve this split's entries to physical cache rows through the block table
 //             (a bad page is reported and its row treated as absent), load Q [HG, 576] into shared memory.
 //   main loop tiles of kBN = 32 chosen keys: the latent (512) and rope (64) rows are gathered with cp.async
-//             into a 3- to 5-stage ring (deeper for smaller HG) of [32, 576] bf16 tiles (XOR-swizzled 16-byte chunks, conflict-free ldmatrix);
-//             S = Q K^T by mma (one 16x16 block per warp), online softmax in registers (exp2, running max and
-//             sum per row), P (bf16) to shared memory, then O += P V by mma with O [16, 512/CS] held in
-//             registers by each warp (warp = row tile x column slice).
+//             into a 3- to 5-stage ring (deeper for smaller HG) of [32, 576] bf16 tiles (XOR-swizzled 16-byte
+//             chunks, conflict-free ldmatrix); S = Q K^T by mma into shared memory (16x16 blocks per warp for
+//             HG = 64; 16x8 blocks on all 8 warps for HG <= 32, the 576-long reduction split in two for HG = 16),
+//             online softmax (exp2, running max and sum per row), P (bf16) to shared memory, then O += P V by
+//             mma with O [16, 512/CS] held in registers by each warp (warp = row tile x column slice).
+// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma.cu is the
+// faster path for 64-head groups.
 //   epilogue  out = O / l, lse = m + ln l; with split-K, normalized partials and their LSE go to a workspace
 //             and launch_lse_merge combines them (exact, fixed order).
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
