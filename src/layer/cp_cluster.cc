@@ -177,19 +177,7 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;
-  const DType a = c.act_dtype;
-  auto check = [](const char* name, const Tensor* t, std::initializer_list<DType> dtypes,
-                  std::initializer_list<DimSpec> dims) -> Status {
-    if (t == nullptr) return invalid_argument(std::string(name) + ": missing");
-    return check_tensor(name, t->view(), dtypes, dims);
-  };
-  DSACP_RETURN_IF_ERROR(check("q_nope", inputs.q_nope, {a}, {{"T", T}, {"H", c.H}, {"Dl", c.Dl}}));
-  DSACP_RETURN_IF_ERROR(check("q_rope", inputs.q_rope, {a}, {{"T", T}, {"H", c.H}, {"Dr", c.Dr}}));
-  DSACP_RETURN_IF_ERROR(check("kv_latent", inputs.kv_latent, {a}, {{"T", T}, {"Dl", c.Dl}}));
-  DSACP_RETURN_IF_ERROR(check("k_rope", inputs.k_rope, {a}, {{"T", T}, {"Dr", c.Dr}}));
-  DSACP_RETURN_IF_ERROR(check("idx_q", inputs.idx_q, {a}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
-  DSACP_RETURN_IF_ERROR(check("idx_w", inputs.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
-  DSACP_RETURN_IF_ERROR(check("idx_k", inputs.idx_k, {a}, {{"T", T}, {"Di", c.Di}}));
+  DSACP_RETURN_IF_ERROR(check_host_step_inputs(c, T, inputs));
 
   const int32_t P = layout_.P, D = layout_.D, Pt = P * D;
   std::vector<RankWork> work(static_cast<size_t>(Pt));
