@@ -1,4 +1,5 @@
 // Every rank of a CP layout as threads of this process (the embedded default; what tests use).
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -50,6 +51,9 @@ Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend,
   if (layout.D < 1) return invalid_argument("--dcp must be >= 1, got " + std::to_string(layout.D));
   if (layout.interleave < 0) return invalid_argument("--interleave must be >= 1, got " + std::to_string(layout.interleave));
   if (layout.graph_bucket_tokens < 0) return invalid_argument("graph bucket must be >= 0");
+  if (layout.comm_timeout_ms < 1) {
+    return invalid_argument("communicator timeout must be >= 1 ms, got " + std::to_string(layout.comm_timeout_ms));
+  }
   std::unique_ptr<LocalCpCluster> c(new LocalCpCluster());
   c->backend_ = &backend;
   c->layout_ = layout;
@@ -196,10 +200,11 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   }
 
   // Groups: the world, D PCP groups (same d) and P DCP groups (same r).
-  auto world = LocalGroup::create(Pt);
+  const std::chrono::milliseconds timeout(layout_.comm_timeout_ms);
+  auto world = LocalGroup::create(Pt, timeout);
   std::vector<std::shared_ptr<LocalGroup>> pcp_groups, dcp_groups;
-  for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P));
-  for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D));
+  for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P, timeout));
+  for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D, timeout));
   std::vector<std::thread> threads;
   for (int32_t cr = 0; cr < Pt; ++cr) {
     threads.emplace_back([&, cr] {
