@@ -161,6 +161,8 @@ struct CpLayout {
   bool dsa_cp = false;     // DCP ranks split tokens (all heads each) instead of heads; needs P = 1
   DecodeMode decode_mode = DecodeMode::kLocalMerge;
   int64_t graph_bucket_tokens = 0;  // PCP output rows padded to this many (0 = none)
+  // Longest wait in any collective before it fails with a timeout (a peer that died or hung).
+  int64_t comm_timeout_ms = 600000;
   int32_t num_ranks() const { return P * D; }
 };
 

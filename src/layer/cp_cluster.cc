@@ -1,4 +1,5 @@
 // Every rank of a CP layout as threads of this process (the embedded default; what tests use).
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -50,6 +51,9 @@ Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend,
   if (layout.D < 1) return invalid_argument("--dcp must be >= 1, got " + std::to_string(layout.D));
   if (layout.interleave < 0) return invalid_argument("--interleave must be >= 1, got " + std::to_string(layout.interleave));
   if (layout.graph_bucket_tokens < 0) return invalid_argument("graph bucket must be >= 0");
+  if (layout.comm_timeout_ms < 1) {
+    return invalid_argument("communicator timeout must be >= 1 ms, got " + std::to_string(layout.comm_timeout_ms));
+  }
   std::unique_ptr<LocalCpCluster> c(new LocalCpCluster());
   c->backend_ = &backend;
   c->layout_ = layout;
@@ -177,19 +181,7 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;
-  const DType a = c.act_dtype;
-  auto check = [](const char* name, const Tensor* t, std::initializer_list<DType> dtypes,
-                  std::initializer_list<DimSpec> dims) -> Status {
-    if (t == nullptr) return invalid_argument(std::string(name) + ": missing");
-    return check_tensor(name, t->view(), dtypes, dims);
-  };
-  DSACP_RETURN_IF_ERROR(check("q_nope", inputs.q_nope, {a}, {{"T", T}, {"H", c.H}, {"Dl", c.Dl}}));
-  DSACP_RETURN_IF_ERROR(check("q_rope", inputs.q_rope, {a}, {{"T", T}, {"H", c.H}, {"Dr", c.Dr}}));
-  DSACP_RETURN_IF_ERROR(check("kv_latent", inputs.kv_latent, {a}, {{"T", T}, {"Dl", c.Dl}}));
-  DSACP_RETURN_IF_ERROR(check("k_rope", inputs.k_rope, {a}, {{"T", T}, {"Dr", c.Dr}}));
-  DSACP_RETURN_IF_ERROR(check("idx_q", inputs.idx_q, {a}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
-  DSACP_RETURN_IF_ERROR(check("idx_w", inputs.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
-  DSACP_RETURN_IF_ERROR(check("idx_k", inputs.idx_k, {a}, {{"T", T}, {"Di", c.Di}}));
+  DSACP_RETURN_IF_ERROR(check_host_step_inputs(c, T, inputs));
 
   const int32_t P = layout_.P, D = layout_.D, Pt = P * D;
   std::vector<RankWork> work(static_cast<size_t>(Pt));
@@ -208,10 +200,11 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   }
 
   // Groups: the world, D PCP groups (same d) and P DCP groups (same r).
-  auto world = LocalGroup::create(Pt);
+  const std::chrono::milliseconds timeout(layout_.comm_timeout_ms);
+  auto world = LocalGroup::create(Pt, timeout);
   std::vector<std::shared_ptr<LocalGroup>> pcp_groups, dcp_groups;
-  for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P));
-  for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D));
+  for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P, timeout));
+  for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D, timeout));
   std::vector<std::thread> threads;
   for (int32_t cr = 0; cr < Pt; ++cr) {
     threads.emplace_back([&, cr] {

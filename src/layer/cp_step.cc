@@ -381,7 +381,17 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // 1. KV exchange and the owners' cache writes.
   Communicator& ex = layout.dsa_cp ? *comms.dcp : *comms.pcp;
   const int64_t gathered = ex.size() * rows;
-  if (static_cast<int64_t>(plan.gathered_pos.size()) != gathered) return internal_error("CP plan: gathered rows");
+  if (static_cast<int64_t>(plan.gathered_pos.size()) != gathered) {
+    return internal_error("CP plan: " + std::to_string(plan.gathered_pos.size()) + " gathered rows, the exchange group of " +
+                          std::to_string(ex.size()) + " ranks x " + std::to_string(rows) + " rows gathers " +
+                          std::to_string(gathered));
+  }
+  // DSA-CP: the token shards must follow DCP rank order (rank d holds tokens [d * rows, (d + 1) * rows)).
+  if (layout.dsa_cp && rows > 0 && plan.row_token[0] >= 0 && plan.row_token[0] != int64_t{plan.d} * rows) {
+    return invalid_argument("DSA-CP token shards must follow DCP rank order: rank " + std::to_string(plan.d) +
+                            " expects tokens from " + std::to_string(int64_t{plan.d} * rows) + ", the plan starts at " +
+                            std::to_string(plan.row_token[0]));
+  }
   {
     struct Exchange {
       const void* local;

@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <string>
 
-#include "dsacp/step.h"
+#include "layer/step_checks.h"
 
 namespace dsacp {
 namespace {
@@ -21,10 +21,7 @@ Status check(const char* name, const Tensor* t, std::initializer_list<DType> dty
 
 }  // namespace
 
-Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const std::vector<Request>& requests,
-                                 const BlockTable& table, PagedKvCache& cache, const HostStepInputs& in) {
-  DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
-  const int64_t T = layout.num_tokens;
+Status check_host_step_inputs(const StepConfig& c, int64_t T, const HostStepInputs& in) {
   const DType a = c.act_dtype;
   DSACP_RETURN_IF_ERROR(check("q_nope", in.q_nope, {a}, {{"T", T}, {"H", c.H}, {"Dl", c.Dl}}));
   DSACP_RETURN_IF_ERROR(check("q_rope", in.q_rope, {a}, {{"T", T}, {"H", c.H}, {"Dr", c.Dr}}));
@@ -32,7 +29,14 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
   DSACP_RETURN_IF_ERROR(check("k_rope", in.k_rope, {a}, {{"T", T}, {"Dr", c.Dr}}));
   DSACP_RETURN_IF_ERROR(check("idx_q", in.idx_q, {a}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
   DSACP_RETURN_IF_ERROR(check("idx_w", in.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
-  DSACP_RETURN_IF_ERROR(check("idx_k", in.idx_k, {a}, {{"T", T}, {"Di", c.Di}}));
+  return check("idx_k", in.idx_k, {a}, {{"T", T}, {"Di", c.Di}});
+}
+
+Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const std::vector<Request>& requests,
+                                 const BlockTable& table, PagedKvCache& cache, const HostStepInputs& in) {
+  DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
+  const int64_t T = layout.num_tokens;
+  DSACP_RETURN_IF_ERROR(check_host_step_inputs(c, T, in));
 
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_nope, upload_tensor(backend, *in.q_nope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_rope, upload_tensor(backend, *in.q_rope));

@@ -18,6 +18,9 @@ Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache);
 Status check_block_table_pages(const BlockTable& table, const std::vector<int64_t>& pages_per_request,
                                const PagedCacheConfig& cache);
 
+// The host tensors of a step's inputs: names, dtypes and shapes against the config and T.
+Status check_host_step_inputs(const StepConfig& c, int64_t T, const HostStepInputs& in);
+
 // A host vector copied into a new backend buffer (at least one byte, so the pointer is never null).
 template <typename T>
 Result<DeviceBuffer> upload_vector(Backend& backend, const std::vector<T>& v) {

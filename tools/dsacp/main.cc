@@ -17,6 +17,7 @@ std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D) {
       {"--indexer", "sharded|replicated",
        "indexer keys sharded like the KV (exact merge of per-rank top-k) or stored on every rank", "sharded"},
       {"--dsa-cp", "", "DCP ranks split tokens (all heads each) instead of heads (needs --pcp 1)", ""},
+      {"--comm-timeout", "S", "seconds a rank waits in a collective before failing (a dead or hung peer)", "600"},
       {"--pcp-decode", "local|gathered",
        "decodes: local attention + LSE merge, or over the gathered KV (reference design; D = 1 only)", "local"},
   };
@@ -36,6 +37,8 @@ Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t 
   layout.indexer = indexer == "sharded" ? IndexerMode::kSharded : IndexerMode::kReplicated;
   layout.dsa_cp = args.has("--dsa-cp");
   layout.decode_mode = mode == "local" ? DecodeMode::kLocalMerge : DecodeMode::kGathered;
+  DSACP_ASSIGN_OR_RETURN(int64_t timeout_s, args.get_int("--comm-timeout", 600, 1, 86400));
+  layout.comm_timeout_ms = timeout_s * 1000;
   return layout;
 }
 
