@@ -53,7 +53,10 @@ CommandSpec run_spec() {
       {"--json", "", "print the summary as JSON on stdout", ""},
       {"--no-progress", "", "no progress bar", ""},
   };
-  for (const OptionSpec& o : layout_options(2, 2)) s.options.push_back(o);
+  for (OptionSpec o : layout_options(2, 2)) {
+    if (o.name == "--pcp" || o.name == "--dcp") o.fallback = "2; 1 with --device cuda";
+    s.options.push_back(o);
+  }
   return s;
 }
 
@@ -123,7 +126,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   c.samples = static_cast<int32_t>(samples);
   c.seed = static_cast<uint64_t>(seed);
   c.threads = static_cast<int32_t>(threads);
-  DSACP_ASSIGN_OR_RETURN(c.layout, read_layout(a, 2, 2));
+  DSACP_ASSIGN_OR_RETURN(c.layout, read_layout(a, c.cuda ? 1 : 2, c.cuda ? 1 : 2));
   c.json = a.has("--json");
   c.progress = !a.has("--no-progress") && isatty(2);
   return c;
