@@ -51,9 +51,10 @@ class LocalCpCluster {
   // indexer key on every rank under the replicated indexer).
   Status load_context(const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
                       const Tensor& ctx_rope, const Tensor& ctx_index_keys);
-  // Runs one step on every rank; returns the full batch's results in token order.
+  // Runs one step on every rank; returns the full batch's results in token order. With `per_rank`, also
+  // each rank's own output buffers as it returned them (plan.output_rows rows of its heads).
   Result<StepResult> step(const StepConfig& config, const std::vector<Request>& requests, const BlockTable& table,
-                          const HostStepInputs& inputs);
+                          const HostStepInputs& inputs, std::vector<StepResult>* per_rank = nullptr);
 
  private:
   LocalCpCluster() = default;

@@ -176,7 +176,8 @@ Status run_rank(Backend& backend, const CpComms& comms, const StepConfig& c, con
 }  // namespace
 
 Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<Request>& requests,
-                                        const BlockTable& table, const HostStepInputs& inputs) {
+                                        const BlockTable& table, const HostStepInputs& inputs,
+                                        std::vector<StepResult>* per_rank) {
   if (sharding_.Pt == 1) return step_run_host(*backend_, c, requests, table, caches_[0], inputs);
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
@@ -250,6 +251,10 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
       std::memcpy(result.lse.data_as<float>() + t * c.H + h0, w.result.lse.data_as<float>() + i * Hr,
                   static_cast<size_t>(Hr) * sizeof(float));
     }
+  }
+  if (per_rank != nullptr) {
+    per_rank->clear();
+    for (RankWork& w : work) per_rank->push_back(std::move(w.result));
   }
   return result;
 }

@@ -150,23 +150,64 @@ TEST(PcpStep, EachTokenStoredOnItsOwnerOnly) {
   }
 }
 
+// 3.12: each rank's output holds the graph bucket's rows; the rows past its local rows are topk -1, out 0,
+// lse -inf, and the real rows are the same as without the bucket.
 TEST(PcpStep, GraphBucketPadsOutputRows) {
-  std::vector<Request> reqs = {{5, 0}};
-  PcpOptions o;
-  o.P = 2;
-  o.graph_bucket_tokens = 16;
-  KvSharding s{2, 4};
-  BlockTable t;
-  t.num_requests = 1;
-  t.max_pages = 1;
-  t.data = {0};
-  auto plan = pcp_plan(reqs, o, 1, s, 1, t, 4);
-  ASSERT_TRUE(plan.ok());
+  const std::vector<Request> reqs = {{1, 9}, {5, 0}, {3, 4}};
+  CaseGenSpec spec;
+  spec.requests = reqs;
+  spec.dims = CaseDims{2, 8, 4, 2, 8};
+  spec.topk = 6;
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok());
   auto backend = make_cpu_backend(1);
-  auto group = LocalGroup::create(2, std::chrono::seconds(5));
-  // Only the plan's output_rows matter here; the full step is covered by SameResultsAsOneDevice.
-  EXPECT_EQ(plan->output_rows, 16);
-  EXPECT_EQ(plan->num_local_tokens, 4);
+  const int32_t B = 4;
+  StepConfig sc;
+  sc.H = 2;
+  sc.Dl = 8;
+  sc.Dr = 4;
+  sc.Hi = 2;
+  sc.Di = 8;
+  sc.K = 6;
+  sc.scale = 0.5f;
+  sc.act_dtype = DType::kF32;
+  sc.decode_threshold = 2;
+  HostStepInputs in{&c->q_nope, &c->q_rope, &c->kv_latent, &c->k_rope, &c->idx_q, &c->idx_w, &c->idx_k};
+  std::vector<std::vector<StepResult>> runs;
+  for (int64_t bucket : {0, 16}) {
+    CpLayout layout;
+    layout.P = 2;
+    layout.graph_bucket_tokens = bucket;
+    auto cluster = LocalCpCluster::create(*backend, layout, PagedCacheConfig{16, B, 8, 4, 8, DType::kF32});
+    ASSERT_TRUE(cluster.ok());
+    PageAllocator alloc(16);
+    std::vector<SequencePages> seqs(reqs.size());
+    std::vector<const SequencePages*> ptrs;
+    for (size_t b = 0; b < reqs.size(); ++b) {
+      ASSERT_TRUE(seqs[b].reserve(alloc, (*cluster)->sharding().local_len(reqs[b].seq_len(), 0), B).ok());
+      ptrs.push_back(&seqs[b]);
+    }
+    const BlockTable t = BlockTable::from_sequences(ptrs);
+    ASSERT_TRUE((*cluster)->load_context(reqs, t, c->ctx_kv_latent, c->ctx_k_rope, c->ctx_idx_k).ok());
+    std::vector<StepResult> per_rank;
+    ASSERT_TRUE((*cluster)->step(sc, reqs, t, in, &per_rank).ok());
+    runs.push_back(std::move(per_rank));
+  }
+  for (int32_t r = 0; r < 2; ++r) {
+    const StepResult& plain = runs[0][r];
+    const StepResult& padded = runs[1][r];
+    const int64_t local = plain.topk_indices.dim(0);  // this rank's rows without the bucket
+    ASSERT_EQ(padded.topk_indices.dim(0), 16);
+    ASSERT_LT(local, 16);
+    EXPECT_EQ(0, std::memcmp(padded.topk_indices.data(), plain.topk_indices.data(), plain.topk_indices.nbytes()));
+    EXPECT_EQ(0, std::memcmp(padded.out.data(), plain.out.data(), plain.out.nbytes()));
+    EXPECT_EQ(0, std::memcmp(padded.lse.data(), plain.lse.data(), plain.lse.nbytes()));
+    for (int64_t i = local * sc.K; i < 16 * sc.K; ++i) ASSERT_EQ(padded.topk_indices.data_as<int32_t>()[i], -1);
+    for (int64_t i = local * sc.H * sc.Dl; i < 16 * sc.H * sc.Dl; ++i) ASSERT_EQ(padded.out.get_f32(i), 0.f);
+    for (int64_t i = local * sc.H; i < 16 * sc.H; ++i) {
+      ASSERT_TRUE(std::isinf(padded.lse.get_f32(i)) && padded.lse.get_f32(i) < 0);
+    }
+  }
 }
 
 }  // namespace
