@@ -31,6 +31,34 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& con
                    const KvSharding& sharding, const BlockTable& table, PagedKvCache& cache, const StepInputs& inputs,
                    const StepOutputs& outputs);
 
+// The KV sharding of a layout (Pt = P * D ranks, interleave I; I = 0 means the page size).
+KvSharding cp_kv_sharding(const CpLayout& layout, int32_t page_size);
+// One rank's cache configuration: per_rank_cache with index_page_factor = Pt under the replicated indexer.
+PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheConfig& per_rank_cache);
+
+// Writes the context rows (positions [0, context_len) of each request) that CP rank `cr` stores into `cache`:
+// the positions it owns, and every indexer key under the replicated indexer. The cache must have the
+// configuration cp_rank_cache_config gives.
+Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
+                            const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
+                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache);
+
+// The plans of every rank of a layout (index cr = r * D + d).
+Result<std::vector<CpRankPlan>> cp_all_rank_plans(const StepConfig& config, const std::vector<Request>& requests,
+                                                  const CpLayout& layout, const BlockTable& table, int32_t page_size);
+
+// One CP rank's step over the full batch's host inputs (Pt > 1): selects the rank's rows and heads, runs
+// cp_step_run and returns the rank's output buffers (plan.output_rows rows of its heads). Every rank of the
+// layout calls it (as threads or as processes) with the same inputs and its own plan, cache and comms.
+Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, const StepConfig& config,
+                                     const std::vector<Request>& requests, const CpLayout& layout,
+                                     const KvSharding& sharding, const BlockTable& table, const CpRankPlan& plan,
+                                     PagedKvCache& cache, const HostStepInputs& inputs);
+
+// The full batch's result ([T, ...] in token order) from every rank's result and plan (index cr).
+Result<StepResult> cp_assemble_result(const StepConfig& config, const CpLayout& layout, int64_t T,
+                                      const std::vector<CpRankPlan>& plans, const std::vector<StepResult>& rank_results);
+
 // Every rank of a CP layout as threads of this process, each with its own cache pools; one shared block
 // table per request (pages for the request's share on rank 0, the largest). A failing rank aborts the
 // groups, so no rank hangs.

@@ -26,4 +26,13 @@ DType case_compute_dtype(const CaseFile& c);
 
 Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const ReplayOptions& options);
 
+// One CP rank of the replay in a process of its own (`dsacp replay --launcher mpi`). Every process of the
+// layout calls it with the same case and options: comms.world has P*D ranks (world rank cr = r*D + d),
+// comms.pcp is its PCP group (rank r), comms.dcp its DCP group (rank d). Each process builds the same block
+// table (seeded allocator) and loads only its own rank's share of the context; the ranks' results are
+// all-gathered as raw bytes over comms.world. World rank 0 returns the full result (the same as
+// replay_case's), every other rank an empty StepResult.
+Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const ReplayOptions& options,
+                                    const CpComms& comms);
+
 }  // namespace dsacp

@@ -57,9 +57,8 @@ Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend,
   std::unique_ptr<LocalCpCluster> c(new LocalCpCluster());
   c->backend_ = &backend;
   c->layout_ = layout;
-  c->sharding_ = KvSharding{layout.num_ranks(), layout.interleave == 0 ? per_rank_cache.page_size : layout.interleave};
-  c->cache_config_ = per_rank_cache;
-  c->cache_config_.index_page_factor = layout.indexer == IndexerMode::kReplicated ? layout.num_ranks() : 1;
+  c->sharding_ = cp_kv_sharding(layout, per_rank_cache.page_size);
+  c->cache_config_ = cp_rank_cache_config(layout, per_rank_cache);
   for (int32_t r = 0; r < layout.num_ranks(); ++r) {
     DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, c->cache_config_));
     c->caches_.push_back(std::move(cache));
@@ -69,111 +68,182 @@ Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend,
 
 size_t LocalCpCluster::cache_bytes_per_rank() const { return caches_.empty() ? 0 : caches_[0].bytes(); }
 
-Status LocalCpCluster::load_context(const std::vector<Request>& requests, const BlockTable& table,
-                                    const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys) {
-  if (sharding_.Pt == 1) {
-    return cache_load_context(*backend_, caches_[0], requests, table, ctx_latent, ctx_rope, ctx_index_keys);
+KvSharding cp_kv_sharding(const CpLayout& layout, int32_t page_size) {
+  return KvSharding{std::max(layout.num_ranks(), 1), layout.interleave == 0 ? page_size : layout.interleave};
+}
+
+PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheConfig& per_rank_cache) {
+  PagedCacheConfig c = per_rank_cache;
+  c.index_page_factor = layout.indexer == IndexerMode::kReplicated ? layout.num_ranks() : 1;
+  return c;
+}
+
+Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
+                            const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
+                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache) {
+  if (sharding.Pt == 1) return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys);
+  if (cr < 0 || cr >= sharding.Pt) {
+    return out_of_range("context load: rank " + std::to_string(cr) + " outside [0, " + std::to_string(sharding.Pt) + ")");
   }
-  const int32_t B = cache_config_.page_size;
-  const bool replicated = layout_.indexer == IndexerMode::kReplicated;
+  const PagedCacheConfig& cc = cache.config();
+  const int32_t B = cc.page_size;
+  const bool replicated = layout.indexer == IndexerMode::kReplicated;
   std::vector<int64_t> seq_lens;
   for (const Request& r : requests) seq_lens.push_back(r.seq_len());
   BlockTable rep;
   if (replicated) {
-    DSACP_ASSIGN_OR_RETURN(rep, replicated_index_table(table, seq_lens, sharding_.Pt, B));
+    DSACP_ASSIGN_OR_RETURN(rep, replicated_index_table(table, seq_lens, sharding.Pt, B));
   }
   int64_t rows = 0;
   for (const Request& r : requests) rows += r.context_len;
   const auto floats = {DType::kF32, DType::kBF16};
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cache_config_.Dl}}));
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cache_config_.Dr}}));
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cache_config_.Di}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cc.Dl}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cc.Dr}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cc.Di}}));
   if (rows == 0) return Status();
   auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend_->allocate(t.nbytes()));
-    DSACP_RETURN_IF_ERROR(backend_->copy_to_device(b.get(), t.data(), t.nbytes()));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend.allocate(t.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_device(b.get(), t.data(), t.nbytes()));
     return b;
   };
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_latent, up(ctx_latent));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rope, up(ctx_rope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_idx, up(ctx_index_keys));
-  for (int32_t cr = 0; cr < sharding_.Pt; ++cr) {
-    std::vector<int64_t> owned, all;
-    for (size_t b = 0; b < requests.size(); ++b) {
-      for (int64_t p = 0; p < requests[b].context_len; ++p) {
-        DSACP_ASSIGN_OR_RETURN(int64_t s, sharded_slot(sharding_, cr, table, static_cast<int32_t>(b), p, B));
-        owned.push_back(s);
-        if (replicated) all.push_back(int64_t{rep.page(static_cast<int32_t>(b), p / B)} * B + p % B);
-      }
-    }
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(*backend_, owned));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_all, upload_vector(*backend_, all));
-    const struct {
-      const DeviceBuffer* rows;
-      DType dtype;
-      PagedPoolView pool;
-      const DeviceBuffer* slots;
-    } writes[] = {{&d_latent, ctx_latent.dtype(), caches_[cr].latent(), &d_owned},
-                  {&d_rope, ctx_rope.dtype(), caches_[cr].rope(), &d_owned},
-                  {&d_idx, ctx_index_keys.dtype(), caches_[cr].index_keys(), replicated ? &d_all : &d_owned}};
-    for (const auto& w : writes) {
-      CacheWriteParams p;
-      p.rows = w.rows->get();
-      p.rows_dtype = w.dtype;
-      p.num_rows = rows;
-      p.slots = w.slots->as<const int64_t>();
-      p.pool = w.pool;
-      DSACP_RETURN_IF_ERROR(cache_write_run(*backend_, p).with_context("context load on rank " + std::to_string(cr)));
+  std::vector<int64_t> owned, all;
+  for (size_t b = 0; b < requests.size(); ++b) {
+    for (int64_t p = 0; p < requests[b].context_len; ++p) {
+      DSACP_ASSIGN_OR_RETURN(int64_t s, sharded_slot(sharding, cr, table, static_cast<int32_t>(b), p, B));
+      owned.push_back(s);
+      if (replicated) all.push_back(int64_t{rep.page(static_cast<int32_t>(b), p / B)} * B + p % B);
     }
   }
-  return backend_->synchronize();
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(backend, owned));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_all, upload_vector(backend, all));
+  const struct {
+    const DeviceBuffer* rows;
+    DType dtype;
+    PagedPoolView pool;
+    const DeviceBuffer* slots;
+  } writes[] = {{&d_latent, ctx_latent.dtype(), cache.latent(), &d_owned},
+                {&d_rope, ctx_rope.dtype(), cache.rope(), &d_owned},
+                {&d_idx, ctx_index_keys.dtype(), cache.index_keys(), replicated ? &d_all : &d_owned}};
+  for (const auto& w : writes) {
+    CacheWriteParams p;
+    p.rows = w.rows->get();
+    p.rows_dtype = w.dtype;
+    p.num_rows = rows;
+    p.slots = w.slots->as<const int64_t>();
+    p.pool = w.pool;
+    DSACP_RETURN_IF_ERROR(cache_write_run(backend, p).with_context("context load on rank " + std::to_string(cr)));
+  }
+  return backend.synchronize();
 }
 
-namespace {
+Status LocalCpCluster::load_context(const std::vector<Request>& requests, const BlockTable& table,
+                                    const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys) {
+  for (int32_t cr = 0; cr < sharding_.Pt; ++cr) {
+    DSACP_RETURN_IF_ERROR(cp_load_context_rank(*backend_, layout_, sharding_, cr, requests, table, ctx_latent, ctx_rope,
+                                               ctx_index_keys, caches_[cr]));
+  }
+  return Status();
+}
 
-// One rank's inputs, outputs and status for a step.
-struct RankWork {
-  CpRankPlan plan;
-  Tensor q_nope, q_rope, kv_latent, k_rope, idx_q, idx_w, idx_k;
-  StepResult result;
-  Status status;
-};
+Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, const StepConfig& c,
+                                     const std::vector<Request>& requests, const CpLayout& layout,
+                                     const KvSharding& sharding, const BlockTable& table, const CpRankPlan& plan,
+                                     PagedKvCache& cache, const HostStepInputs& inputs) {
+  // The rank's rows (and heads) of the full-batch inputs.
+  const std::vector<int64_t>& token = plan.row_token;
+  DSACP_ASSIGN_OR_RETURN(Tensor h_q_nope, select_rows_heads(*inputs.q_nope, token, plan.head_begin, plan.num_heads));
+  DSACP_ASSIGN_OR_RETURN(Tensor h_q_rope, select_rows_heads(*inputs.q_rope, token, plan.head_begin, plan.num_heads));
+  DSACP_ASSIGN_OR_RETURN(Tensor h_kv_latent, select_rows(*inputs.kv_latent, token));
+  DSACP_ASSIGN_OR_RETURN(Tensor h_k_rope, select_rows(*inputs.k_rope, token));
+  DSACP_ASSIGN_OR_RETURN(Tensor h_idx_q, select_rows(*inputs.idx_q, token));
+  DSACP_ASSIGN_OR_RETURN(Tensor h_idx_w, select_rows(*inputs.idx_w, token));
+  DSACP_ASSIGN_OR_RETURN(Tensor h_idx_k, select_rows(*inputs.idx_k, token));
 
-Status run_rank(Backend& backend, const CpComms& comms, const StepConfig& c, const std::vector<Request>& requests,
-                const CpLayout& layout, const KvSharding& sharding, const BlockTable& table, PagedKvCache& cache,
-                RankWork& w) {
   auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend.allocate(std::max<size_t>(t.nbytes(), 1)));
     if (t.nbytes() > 0) DSACP_RETURN_IF_ERROR(backend.copy_to_device(b.get(), t.data(), t.nbytes()));
     return b;
   };
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_nope, up(w.q_nope));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_rope, up(w.q_rope));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer kv_latent, up(w.kv_latent));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer k_rope, up(w.k_rope));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up(w.idx_q));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up(w.idx_w));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up(w.idx_k));
-  const int64_t rows = w.plan.output_rows, Hr = w.plan.num_heads;
-  DSACP_ASSIGN_OR_RETURN(w.result.topk_indices, Tensor::zeros(DType::kI32, {rows, c.K}));
-  DSACP_ASSIGN_OR_RETURN(w.result.out, Tensor::zeros(c.out_dtype, {rows, Hr, c.Dl}));
-  DSACP_ASSIGN_OR_RETURN(w.result.lse, Tensor::zeros(DType::kF32, {rows, Hr}));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_topk, backend.allocate(std::max<size_t>(w.result.topk_indices.nbytes(), 1)));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_out, backend.allocate(std::max<size_t>(w.result.out.nbytes(), 1)));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(w.result.lse.nbytes(), 1)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_nope, up(h_q_nope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_rope, up(h_q_rope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer kv_latent, up(h_kv_latent));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer k_rope, up(h_k_rope));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up(h_idx_q));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up(h_idx_w));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up(h_idx_k));
+  const int64_t rows = plan.output_rows, Hr = plan.num_heads;
+  StepResult result;
+  DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {rows, c.K}));
+  DSACP_ASSIGN_OR_RETURN(result.out, Tensor::zeros(c.out_dtype, {rows, Hr, c.Dl}));
+  DSACP_ASSIGN_OR_RETURN(result.lse, Tensor::zeros(DType::kF32, {rows, Hr}));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_topk, backend.allocate(std::max<size_t>(result.topk_indices.nbytes(), 1)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_out, backend.allocate(std::max<size_t>(result.out.nbytes(), 1)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(result.lse.nbytes(), 1)));
   StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
                 idx_k.get()};
   StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
-  DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, w.plan, layout, sharding, table, cache, in, out));
+  DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, plan, layout, sharding, table, cache, in, out));
   if (rows > 0) {
-    DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.topk_indices.data(), d_topk.get(), w.result.topk_indices.nbytes()));
-    DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.out.data(), d_out.get(), w.result.out.nbytes()));
-    DSACP_RETURN_IF_ERROR(backend.copy_to_host(w.result.lse.data(), d_lse.get(), w.result.lse.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_host(result.topk_indices.data(), d_topk.get(), result.topk_indices.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_host(result.out.data(), d_out.get(), result.out.nbytes()));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_host(result.lse.data(), d_lse.get(), result.lse.nbytes()));
   }
-  return Status();
+  return result;
 }
 
-}  // namespace
+Result<std::vector<CpRankPlan>> cp_all_rank_plans(const StepConfig& c, const std::vector<Request>& requests,
+                                                  const CpLayout& layout, const BlockTable& table, int32_t page_size) {
+  std::vector<CpRankPlan> plans;
+  for (int32_t cr = 0; cr < layout.num_ranks(); ++cr) {
+    DSACP_ASSIGN_OR_RETURN(CpRankPlan plan, cp_rank_plan(requests, layout, cr / layout.D, cr % layout.D, table,
+                                                         page_size, c.decode_threshold, c.H));
+    plans.push_back(std::move(plan));
+  }
+  return plans;
+}
+
+Result<StepResult> cp_assemble_result(const StepConfig& c, const CpLayout& layout, int64_t T,
+                                      const std::vector<CpRankPlan>& plans, const std::vector<StepResult>& rank_results) {
+  if (plans.size() != rank_results.size() || static_cast<int32_t>(plans.size()) != layout.num_ranks()) {
+    return invalid_argument("assemble: " + std::to_string(rank_results.size()) + " rank results and " +
+                            std::to_string(plans.size()) + " plans for " + std::to_string(layout.num_ranks()) +
+                            " ranks");
+  }
+  // Each (token, head) comes from one rank: a row shared by every PCP rank (a decode) from r = 0, any other row
+  // from the rank that holds it; heads from the rank that computed them.
+  StepResult result;
+  DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {T, c.K}));
+  DSACP_ASSIGN_OR_RETURN(result.out, Tensor::zeros(c.out_dtype, {T, c.H, c.Dl}));
+  DSACP_ASSIGN_OR_RETURN(result.lse, Tensor::zeros(DType::kF32, {T, c.H}));
+  const size_t out_elem = dtype_size(c.out_dtype);
+  for (size_t cr = 0; cr < plans.size(); ++cr) {
+    const CpRankPlan& plan = plans[cr];
+    const StepResult& rank = rank_results[cr];
+    const int64_t Hr = plan.num_heads, h0 = plan.head_begin;
+    if (rank.topk_indices.numel() != plan.output_rows * c.K || rank.out.numel() != plan.output_rows * Hr * c.Dl ||
+        rank.lse.numel() != plan.output_rows * Hr || rank.out.dtype() != c.out_dtype) {
+      return invalid_argument("assemble: rank " + std::to_string(cr) + "'s result does not match its plan");
+    }
+    for (int64_t i = 0; i < plan.num_rows; ++i) {
+      const int64_t t = plan.row_token[i];
+      const bool decode_copy = !layout.dsa_cp && i < plan.pcp.num_local_decode_tokens && plan.r != 0;
+      if (t < 0 || decode_copy) continue;
+      if (t >= T) return out_of_range("assemble: token " + std::to_string(t) + " outside [0, " + std::to_string(T) + ")");
+      if (h0 == 0) {
+        std::memcpy(result.topk_indices.data_as<int32_t>() + t * c.K, rank.topk_indices.data_as<int32_t>() + i * c.K,
+                    static_cast<size_t>(c.K) * sizeof(int32_t));
+      }
+      std::memcpy(static_cast<char*>(result.out.data()) + (t * c.H + h0) * c.Dl * out_elem,
+                  static_cast<const char*>(rank.out.data()) + i * Hr * c.Dl * out_elem, Hr * c.Dl * out_elem);
+      std::memcpy(result.lse.data_as<float>() + t * c.H + h0, rank.lse.data_as<float>() + i * Hr,
+                  static_cast<size_t>(Hr) * sizeof(float));
+    }
+  }
+  return result;
+}
 
 Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<Request>& requests,
                                         const BlockTable& table, const HostStepInputs& inputs,
@@ -185,20 +255,10 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   DSACP_RETURN_IF_ERROR(check_host_step_inputs(c, T, inputs));
 
   const int32_t P = layout_.P, D = layout_.D, Pt = P * D;
-  std::vector<RankWork> work(static_cast<size_t>(Pt));
-  for (int32_t cr = 0; cr < Pt; ++cr) {
-    RankWork& w = work[cr];
-    DSACP_ASSIGN_OR_RETURN(w.plan, cp_rank_plan(requests, layout_, cr / D, cr % D, table, cache_config_.page_size,
-                                                c.decode_threshold, c.H));
-    const std::vector<int64_t>& token = w.plan.row_token;
-    DSACP_ASSIGN_OR_RETURN(w.q_nope, select_rows_heads(*inputs.q_nope, token, w.plan.head_begin, w.plan.num_heads));
-    DSACP_ASSIGN_OR_RETURN(w.q_rope, select_rows_heads(*inputs.q_rope, token, w.plan.head_begin, w.plan.num_heads));
-    DSACP_ASSIGN_OR_RETURN(w.kv_latent, select_rows(*inputs.kv_latent, token));
-    DSACP_ASSIGN_OR_RETURN(w.k_rope, select_rows(*inputs.k_rope, token));
-    DSACP_ASSIGN_OR_RETURN(w.idx_q, select_rows(*inputs.idx_q, token));
-    DSACP_ASSIGN_OR_RETURN(w.idx_w, select_rows(*inputs.idx_w, token));
-    DSACP_ASSIGN_OR_RETURN(w.idx_k, select_rows(*inputs.idx_k, token));
-  }
+  DSACP_ASSIGN_OR_RETURN(std::vector<CpRankPlan> plans,
+                         cp_all_rank_plans(c, requests, layout_, table, cache_config_.page_size));
+  std::vector<StepResult> results(static_cast<size_t>(Pt));
+  std::vector<Status> status(static_cast<size_t>(Pt));
 
   // Groups: the world, D PCP groups (same d) and P DCP groups (same r).
   const std::chrono::milliseconds timeout(layout_.comm_timeout_ms);
@@ -214,48 +274,25 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
       auto p_comm = pcp_groups[d]->make_communicator(r);
       auto d_comm = dcp_groups[r]->make_communicator(d);
       CpComms comms{w_comm.get(), p_comm.get(), d_comm.get()};
-      work[cr].status = run_rank(*backend_, comms, c, requests, layout_, sharding_, table, caches_[cr], work[cr]);
-      if (!work[cr].status.ok()) {
-        for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) comm->abort(work[cr].status.message());
+      auto rank_result =
+          cp_rank_step_host(*backend_, comms, c, requests, layout_, sharding_, table, plans[cr], caches_[cr], inputs);
+      if (rank_result.ok()) {
+        results[cr] = std::move(rank_result).value();
+      } else {
+        status[cr] = rank_result.status();
+        for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) comm->abort(status[cr].message());
       }
     });
   }
   for (auto& t : threads) t.join();
   for (int32_t cr = 0; cr < Pt; ++cr) {
-    if (!work[cr].status.ok()) {
-      return work[cr].status.with_context("CP rank " + std::to_string(cr) + " (r=" + std::to_string(cr / D) +
-                                          ", d=" + std::to_string(cr % D) + ")");
+    if (!status[cr].ok()) {
+      return status[cr].with_context("CP rank " + std::to_string(cr) + " (r=" + std::to_string(cr / D) +
+                                     ", d=" + std::to_string(cr % D) + ")");
     }
   }
-
-  // Assemble the batch in token order. Each (token, head) comes from one rank: a row shared by every PCP rank
-  // (a decode) from r = 0, any other row from the rank that holds it; heads from the rank that computed them.
-  StepResult result;
-  DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {T, c.K}));
-  DSACP_ASSIGN_OR_RETURN(result.out, Tensor::zeros(c.out_dtype, {T, c.H, c.Dl}));
-  DSACP_ASSIGN_OR_RETURN(result.lse, Tensor::zeros(DType::kF32, {T, c.H}));
-  const size_t out_elem = dtype_size(c.out_dtype);
-  for (int32_t cr = 0; cr < Pt; ++cr) {
-    const RankWork& w = work[cr];
-    const int64_t Hr = w.plan.num_heads, h0 = w.plan.head_begin;
-    for (int64_t i = 0; i < w.plan.num_rows; ++i) {
-      const int64_t t = w.plan.row_token[i];
-      const bool decode_copy = !layout_.dsa_cp && i < w.plan.pcp.num_local_decode_tokens && w.plan.r != 0;
-      if (t < 0 || decode_copy) continue;
-      if (h0 == 0) {
-        std::memcpy(result.topk_indices.data_as<int32_t>() + t * c.K, w.result.topk_indices.data_as<int32_t>() + i * c.K,
-                    static_cast<size_t>(c.K) * sizeof(int32_t));
-      }
-      std::memcpy(static_cast<char*>(result.out.data()) + (t * c.H + h0) * c.Dl * out_elem,
-                  static_cast<const char*>(w.result.out.data()) + i * Hr * c.Dl * out_elem, Hr * c.Dl * out_elem);
-      std::memcpy(result.lse.data_as<float>() + t * c.H + h0, w.result.lse.data_as<float>() + i * Hr,
-                  static_cast<size_t>(Hr) * sizeof(float));
-    }
-  }
-  if (per_rank != nullptr) {
-    per_rank->clear();
-    for (RankWork& w : work) per_rank->push_back(std::move(w.result));
-  }
+  DSACP_ASSIGN_OR_RETURN(StepResult result, cp_assemble_result(c, layout_, T, plans, results));
+  if (per_rank != nullptr) *per_rank = std::move(results);
   return result;
 }
 

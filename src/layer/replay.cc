@@ -1,11 +1,13 @@
 #include "dsacp/replay.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "dsacp/paged_cache.h"
 #include "dsacp/step.h"
+#include "layer/step_checks.h"
 
 namespace dsacp {
 
@@ -17,49 +19,63 @@ DType case_compute_dtype(const CaseFile& c) {
   return DType::kBF16;
 }
 
-Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const ReplayOptions& options) {
+namespace {
+
+// Everything a replay needs besides the caches, the same on every rank and every process: the per-rank cache
+// configuration, the shared block table (pages from the seeded allocator: deterministic), the inputs in the
+// compute dtype and the step's configuration.
+struct ReplaySetup {
+  PagedCacheConfig cache_config;
+  KvSharding sharding;
+  BlockTable table;
+  Tensor ctx_latent, ctx_rope, ctx_idx_k;
+  Tensor q_nope, q_rope, kv_latent, k_rope, idx_q, idx_k;
+  StepConfig config;
+  HostStepInputs inputs(const CaseFile& c) const {
+    return HostStepInputs{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k};
+  }
+};
+
+Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options) {
   if (options.page_size < 1) return invalid_argument("page_size must be >= 1, got " + std::to_string(options.page_size));
   if (options.spare_pages < 0) return invalid_argument("spare_pages must be >= 0");
   const DType dtype = case_compute_dtype(c);
   DSACP_RETURN_IF_ERROR(batch_layout(c.requests).status());
 
-  PagedCacheConfig cc;
+  ReplaySetup s;
+  PagedCacheConfig& cc = s.cache_config;
   cc.page_size = options.page_size;
   cc.Dl = c.dims.Dl;
   cc.Dr = c.dims.Dr;
   cc.Di = c.dims.Di;
   cc.dtype = dtype;
-  const KvSharding sharding{std::max(options.layout.num_ranks(), 1),
-                            options.layout.interleave == 0 ? options.page_size : options.layout.interleave};
+  s.sharding = cp_kv_sharding(options.layout, options.page_size);
   cc.num_pages = options.spare_pages;
-  for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), cc.page_size);
-  DSACP_ASSIGN_OR_RETURN(std::unique_ptr<LocalCpCluster> cluster, LocalCpCluster::create(backend, options.layout, cc));
+  for (const Request& r : c.requests) cc.num_pages += s.sharding.pages_needed(r.seq_len(), cc.page_size);
 
   // One block table shared by every rank: pages for the largest share (rank 0's), in a shuffled order.
   PageAllocator allocator(cc.num_pages, options.page_shuffle_seed);
   std::vector<SequencePages> seqs(c.requests.size());
   std::vector<const SequencePages*> seq_ptrs;
   for (size_t b = 0; b < c.requests.size(); ++b) {
-    DSACP_RETURN_IF_ERROR(seqs[b].reserve(allocator, sharding.local_len(c.requests[b].seq_len(), 0), cc.page_size));
+    DSACP_RETURN_IF_ERROR(seqs[b].reserve(allocator, s.sharding.local_len(c.requests[b].seq_len(), 0), cc.page_size));
     seq_ptrs.push_back(&seqs[b]);
   }
-  const BlockTable table = BlockTable::from_sequences(seq_ptrs);
+  s.table = BlockTable::from_sequences(seq_ptrs);
 
   // Inputs converted (losslessly) to the compute dtype.
   auto conv = [&](const Tensor& t) { return t.to_dtype(dtype); };
-  DSACP_ASSIGN_OR_RETURN(Tensor ctx_latent, conv(c.ctx_kv_latent));
-  DSACP_ASSIGN_OR_RETURN(Tensor ctx_rope, conv(c.ctx_k_rope));
-  DSACP_ASSIGN_OR_RETURN(Tensor ctx_idx_k, conv(c.ctx_idx_k));
-  DSACP_RETURN_IF_ERROR(cluster->load_context(c.requests, table, ctx_latent, ctx_rope, ctx_idx_k));
+  DSACP_ASSIGN_OR_RETURN(s.ctx_latent, conv(c.ctx_kv_latent));
+  DSACP_ASSIGN_OR_RETURN(s.ctx_rope, conv(c.ctx_k_rope));
+  DSACP_ASSIGN_OR_RETURN(s.ctx_idx_k, conv(c.ctx_idx_k));
+  DSACP_ASSIGN_OR_RETURN(s.q_nope, conv(c.q_nope));
+  DSACP_ASSIGN_OR_RETURN(s.q_rope, conv(c.q_rope));
+  DSACP_ASSIGN_OR_RETURN(s.kv_latent, conv(c.kv_latent));
+  DSACP_ASSIGN_OR_RETURN(s.k_rope, conv(c.k_rope));
+  DSACP_ASSIGN_OR_RETURN(s.idx_q, conv(c.idx_q));
+  DSACP_ASSIGN_OR_RETURN(s.idx_k, conv(c.idx_k));
 
-  DSACP_ASSIGN_OR_RETURN(Tensor q_nope, conv(c.q_nope));
-  DSACP_ASSIGN_OR_RETURN(Tensor q_rope, conv(c.q_rope));
-  DSACP_ASSIGN_OR_RETURN(Tensor kv_latent, conv(c.kv_latent));
-  DSACP_ASSIGN_OR_RETURN(Tensor k_rope, conv(c.k_rope));
-  DSACP_ASSIGN_OR_RETURN(Tensor idx_q, conv(c.idx_q));
-  DSACP_ASSIGN_OR_RETURN(Tensor idx_k, conv(c.idx_k));
-
-  StepConfig config;
+  StepConfig& config = s.config;
   config.H = c.dims.H;
   config.Dl = c.dims.Dl;
   config.Dr = c.dims.Dr;
@@ -69,8 +85,96 @@ Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const Replay
   config.scale = c.scale;
   config.act_dtype = dtype;
   config.out_dtype = options.out_dtype;
-  HostStepInputs in{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k};
-  return cluster->step(config, c.requests, table, in);
+  return s;
+}
+
+// A rank's result as raw bytes (topk, out, lse), zero-padded to `bytes`, and back.
+std::vector<char> pack_rank_result(const StepResult& r, size_t bytes) {
+  std::vector<char> packed(bytes, 0);
+  size_t at = 0;
+  for (const Tensor* t : {&r.topk_indices, &r.out, &r.lse}) {
+    if (t->nbytes() > 0) std::memcpy(packed.data() + at, t->data(), t->nbytes());
+    at += t->nbytes();
+  }
+  return packed;
+}
+
+Result<StepResult> unpack_rank_result(const char* packed, const StepConfig& c, const CpRankPlan& plan) {
+  StepResult r;
+  DSACP_ASSIGN_OR_RETURN(r.topk_indices, Tensor::zeros(DType::kI32, {plan.output_rows, c.K}));
+  DSACP_ASSIGN_OR_RETURN(r.out, Tensor::zeros(c.out_dtype, {plan.output_rows, plan.num_heads, c.Dl}));
+  DSACP_ASSIGN_OR_RETURN(r.lse, Tensor::zeros(DType::kF32, {plan.output_rows, plan.num_heads}));
+  size_t at = 0;
+  for (Tensor* t : {&r.topk_indices, &r.out, &r.lse}) {
+    if (t->nbytes() > 0) std::memcpy(t->data(), packed + at, t->nbytes());
+    at += t->nbytes();
+  }
+  return r;
+}
+
+size_t rank_result_bytes(const StepConfig& c, const CpRankPlan& plan) {
+  const size_t rows = static_cast<size_t>(plan.output_rows), heads = static_cast<size_t>(plan.num_heads);
+  return rows * c.K * sizeof(int32_t) + rows * heads * c.Dl * dtype_size(c.out_dtype) + rows * heads * sizeof(float);
+}
+
+}  // namespace
+
+Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const ReplayOptions& options) {
+  DSACP_ASSIGN_OR_RETURN(ReplaySetup s, replay_setup(c, options));
+  DSACP_ASSIGN_OR_RETURN(std::unique_ptr<LocalCpCluster> cluster,
+                         LocalCpCluster::create(backend, options.layout, s.cache_config));
+  DSACP_RETURN_IF_ERROR(cluster->load_context(c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k));
+  return cluster->step(s.config, c.requests, s.table, s.inputs(c));
+}
+
+Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const ReplayOptions& options,
+                                    const CpComms& comms) {
+  const CpLayout& layout = options.layout;
+  const int32_t Pt = layout.num_ranks();
+  if (comms.world == nullptr || comms.pcp == nullptr || comms.dcp == nullptr) {
+    return invalid_argument("replay_case_rank: the world, PCP and DCP communicators are all needed");
+  }
+  if (comms.world->size() != Pt || comms.pcp->size() != layout.P || comms.dcp->size() != layout.D) {
+    return invalid_argument("replay_case_rank: communicators of " + std::to_string(comms.world->size()) + " (world), " +
+                            std::to_string(comms.pcp->size()) + " (PCP), " + std::to_string(comms.dcp->size()) +
+                            " (DCP) ranks for a layout of P=" + std::to_string(layout.P) +
+                            " x D=" + std::to_string(layout.D));
+  }
+  const int32_t cr = comms.world->rank();
+  if (comms.pcp->rank() != cr / layout.D || comms.dcp->rank() != cr % layout.D) {
+    return invalid_argument("replay_case_rank: world rank " + std::to_string(cr) + " must be PCP rank " +
+                            std::to_string(cr / layout.D) + " and DCP rank " + std::to_string(cr % layout.D));
+  }
+  DSACP_ASSIGN_OR_RETURN(ReplaySetup s, replay_setup(c, options));
+  DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, cp_rank_cache_config(layout, s.cache_config)));
+  DSACP_RETURN_IF_ERROR(
+      cp_load_context_rank(backend, layout, s.sharding, cr, c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k,
+                           cache));
+  if (Pt == 1) return step_run_host(backend, s.config, c.requests, s.table, cache, s.inputs(c));
+
+  DSACP_RETURN_IF_ERROR(validate_layout(layout, s.config.H));
+  DSACP_ASSIGN_OR_RETURN(BatchLayout batch, batch_layout(c.requests, s.config.decode_threshold));
+  const HostStepInputs inputs = s.inputs(c);
+  DSACP_RETURN_IF_ERROR(check_host_step_inputs(s.config, batch.num_tokens, inputs));
+  // Every process computes every rank's plan (pure host functions of the same inputs): its own to run, all
+  // of them to size the gather and (on rank 0) to assemble the result.
+  DSACP_ASSIGN_OR_RETURN(std::vector<CpRankPlan> plans,
+                         cp_all_rank_plans(s.config, c.requests, layout, s.table, s.cache_config.page_size));
+  DSACP_ASSIGN_OR_RETURN(StepResult mine, cp_rank_step_host(backend, comms, s.config, c.requests, layout, s.sharding,
+                                                            s.table, plans[cr], cache, inputs));
+
+  size_t slot_bytes = 1;
+  for (const CpRankPlan& plan : plans) slot_bytes = std::max(slot_bytes, rank_result_bytes(s.config, plan));
+  const std::vector<char> packed = pack_rank_result(mine, slot_bytes);
+  std::vector<char> gathered(slot_bytes * static_cast<size_t>(Pt));
+  DSACP_RETURN_IF_ERROR(comms.world->all_gather(packed.data(), gathered.data(), slot_bytes).with_context("result gather"));
+  if (cr != 0) return StepResult{};
+  std::vector<StepResult> results;
+  for (int32_t k = 0; k < Pt; ++k) {
+    DSACP_ASSIGN_OR_RETURN(StepResult r, unpack_rank_result(gathered.data() + k * slot_bytes, s.config, plans[k]));
+    results.push_back(std::move(r));
+  }
+  return cp_assemble_result(s.config, layout, batch.num_tokens, plans, results);
 }
 
 }  // namespace dsacp

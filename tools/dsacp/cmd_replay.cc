@@ -1,9 +1,12 @@
 // dsacp replay CASE --out RESULT: one batch step from a case file (contract §4).
+#include <chrono>
 #include <cstdio>
+#include <string>
 
 #include "commands.h"
 #include "dsacp/backend.h"
 #include "dsacp/case_file.h"
+#include "dsacp/mpi_context.h"
 #include "dsacp/replay.h"
 
 namespace dsacp::cli {
@@ -26,9 +29,60 @@ CommandSpec replay_spec() {
       {"--out-dtype", "f32|bf16", "dtype of out in the result file", "f32"},
       {"--page-seed", "N", "seed of the shuffled page order (0 = pages in order)", "24301"},
       {"--device", "cpu|cuda", "backend (cuda: sm_90a GPU 0)", "cpu"},
+      {"--launcher", "threads|mpi",
+       "CP ranks as threads of this process, or one rank per MPI process (run under mpirun -np P*D; CPU only)",
+       "threads"},
   };
   for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   return s;
+}
+
+// --launcher mpi: this process is CP rank cr = MPI world rank (r = cr / D, d = cr % D). Errors every process
+// meets alike (the world size, the case file) are reported by rank 0 and every process returns; an error of
+// one rank after the communicators exist aborts the MPI job, so no peer waits for it.
+int replay_mpi(const std::string& case_path, const std::string& out_path, const ReplayOptions& options,
+               int threads) {
+  auto fail = [](const Status& s) { return report_error("replay", s); };
+  const CpLayout& layout = options.layout;
+  auto mpi = MpiContext::init(std::chrono::milliseconds(layout.comm_timeout_ms));
+  if (!mpi.ok()) return fail(mpi.status().with_context("--launcher mpi"));
+  MpiContext& ctx = **mpi;
+  const bool leader = ctx.rank() == 0;
+  if (ctx.size() != layout.num_ranks()) {
+    const Status s = invalid_argument("--launcher mpi: the MPI world has " + std::to_string(ctx.size()) +
+                                      " processes, the layout P=" + std::to_string(layout.P) + " x D=" +
+                                      std::to_string(layout.D) + " needs " + std::to_string(layout.num_ranks()) +
+                                      " (mpirun -np " + std::to_string(layout.num_ranks()) + ")");
+    return leader ? fail(s) : report_error_code(s);
+  }
+  auto c = case_read(case_path);
+  if (!c.ok()) return leader ? fail(c.status()) : report_error_code(c.status());
+  const int32_t cr = ctx.rank();
+  auto world = ctx.world();
+  if (!world.ok()) return fail(world.status());
+  auto pcp = ctx.split(cr % layout.D, cr / layout.D);  // same d, ranked by r
+  if (!pcp.ok()) return fail(pcp.status());
+  auto dcp = ctx.split(cr / layout.D, cr % layout.D);  // same r, ranked by d
+  if (!dcp.ok()) return fail(dcp.status());
+  const CpComms comms{world->get(), pcp->get(), dcp->get()};
+  auto abort_with = [&](const Status& s) {
+    const int code = fail(s);
+    comms.world->abort("rank " + std::to_string(cr) + ": " + s.to_string());
+    return code;
+  };
+
+  std::unique_ptr<Backend> backend = make_cpu_backend(threads);
+  auto result = replay_case_rank(*backend, *c, options, comms);
+  if (!result.ok()) return abort_with(result.status().with_context(case_path + ", CP rank " + std::to_string(cr)));
+  if (leader) {
+    if (Status s = result_write(out_path, *result); !s.ok()) return abort_with(s);
+    std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d (MPI, %d processes) -> %s\n",
+                 static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout.P, layout.D,
+                 ctx.size(), out_path.c_str());
+  }
+  // Every process leaves together: no rank finalizes MPI while rank 0 is still writing.
+  if (Status s = comms.world->barrier(); !s.ok()) return abort_with(s);
+  return 0;
 }
 
 }  // namespace
@@ -54,9 +108,22 @@ int cmd_replay(const std::vector<std::string>& argv) {
     if (!s.ok()) return fail(s);
   }
 
+  auto launcher = args.get_choice("--launcher", "threads", {"threads", "mpi"});
+  if (!launcher.ok()) return fail(launcher.status());
   auto layout = read_layout(args, 1, 1);
   if (!layout.ok()) return fail(layout.status());
+  ReplayOptions options;
+  options.page_size = static_cast<int32_t>(*page_size);
+  options.out_dtype = *out_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  options.page_shuffle_seed = static_cast<uint64_t>(*page_seed);
+  options.layout = *layout;
   const std::string case_path = args.positionals()[0];
+  const std::string out_path = *args.get("--out");
+  if (*launcher == "mpi") {
+    if (*device != "cpu") return fail(unsupported("--launcher mpi runs CPU ranks only (--device cpu)"));
+    return replay_mpi(case_path, out_path, options, static_cast<int>(*threads));
+  }
+
   auto c = case_read(case_path);
   if (!c.ok()) return fail(c.status());
 
@@ -72,14 +139,8 @@ int cmd_replay(const std::vector<std::string>& argv) {
   } else {
     backend = make_cpu_backend(static_cast<int>(*threads));
   }
-  ReplayOptions options;
-  options.page_size = static_cast<int32_t>(*page_size);
-  options.out_dtype = *out_dtype == "bf16" ? DType::kBF16 : DType::kF32;
-  options.page_shuffle_seed = static_cast<uint64_t>(*page_seed);
-  options.layout = *layout;
   auto result = replay_case(*backend, *c, options);
   if (!result.ok()) return fail(result.status().with_context(case_path));
-  const std::string out_path = *args.get("--out");
   if (Status s = result_write(out_path, *result); !s.ok()) return fail(s);
   std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d -> %s\n",
                static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout->P, layout->D,

@@ -22,5 +22,7 @@ Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t 
 // Prints "dsacp <cmd>: error: <message>" to stderr and returns the exit code for the status
 // (2 for invalid arguments, 1 otherwise).
 int report_error(const std::string& command, const Status& status);
+// The exit code report_error would return, without printing (for MPI ranks other than the one that reports).
+int report_error_code(const Status& status);
 
 }  // namespace dsacp::cli

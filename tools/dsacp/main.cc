@@ -10,7 +10,7 @@ namespace dsacp::cli {
 
 std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D) {
   return {
-      {"--pcp", "N", "prefill context parallel ranks (P; threads of this process)", std::to_string(default_P)},
+      {"--pcp", "N", "prefill context parallel ranks (P; threads of this process, or MPI processes with --launcher mpi)", std::to_string(default_P)},
       {"--dcp", "N", "decode context parallel ranks inside each PCP rank (D); P*D ranks in all",
        std::to_string(default_D)},
       {"--interleave", "N", "KV interleave: consecutive positions per shard unit (0 = the page size)", "0"},
@@ -44,6 +44,10 @@ Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t 
 
 int report_error(const std::string& command, const Status& status) {
   std::fprintf(stderr, "dsacp %s: error: %s\n", command.c_str(), status.to_string().c_str());
+  return report_error_code(status);
+}
+
+int report_error_code(const Status& status) {
   return status.code() == StatusCode::kInvalidArgument || status.code() == StatusCode::kUnsupported ? 2 : 1;
 }
 
