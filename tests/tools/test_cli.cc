@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdio>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "dsacp/case_file.h"
+#include "dsacp/mpi_context.h"
 #include "dsacp/replay.h"
 
 namespace dsacp {
@@ -84,6 +86,23 @@ TEST(Cli, InvalidLayoutsAreRefusedInOneLine) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("unsupported: --device cuda"), std::string::npos) << r.output;
   EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+TEST(Cli, MpiLauncherChecksTheWorldSize) {
+  // Outside mpirun the MPI world is this one process (an MPI singleton): a 2-rank layout is refused in one
+  // line. Built without MPI, the launcher is refused as unsupported. Either way nothing waits.
+  const char* asan = std::getenv("ASAN_OPTIONS");  // OpenMPI keeps memory until exit: no leak report
+  ::setenv("ASAN_OPTIONS", (std::string(asan ? asan : "") + (asan ? ":" : "") + "detect_leaks=0").c_str(), 1);
+  CmdResult r = run_cli("replay no_such_case.safetensors --out x.safetensors --pcp 2 --launcher mpi");
+  EXPECT_EQ(r.code, 2) << r.output;
+  if (mpi_available()) {
+    EXPECT_NE(r.output.find("the MPI world has 1 processes, the layout P=2 x D=1 needs 2"), std::string::npos)
+        << r.output;
+  } else {
+    EXPECT_NE(r.output.find("unsupported: built without MPI"), std::string::npos) << r.output;
+  }
+  EXPECT_EQ(run_cli("replay c.safetensors --out x.safetensors --launcher mpi --device cuda").code, 2);
+  EXPECT_EQ(run_cli("replay c.safetensors --out x.safetensors --launcher slurm").code, 2);
 }
 
 TEST(Cli, BadOptionValuesAreNamed) {

@@ -45,7 +45,7 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
   auto fail = [](const Status& s) { return report_error("replay", s); };
   const CpLayout& layout = options.layout;
   auto mpi = MpiContext::init(std::chrono::milliseconds(layout.comm_timeout_ms));
-  if (!mpi.ok()) return fail(mpi.status().with_context("--launcher mpi"));
+  if (!mpi.ok()) return fail(mpi.status());
   MpiContext& ctx = **mpi;
   const bool leader = ctx.rank() == 0;
   if (ctx.size() != layout.num_ranks()) {
