@@ -1,6 +1,7 @@
 // Collectives between the ranks of a context-parallel group. The executor talks to other ranks only
 // through this interface; implementations: local (ranks as threads in one process — the embedded default
-// and what tests use); NCCL and MPI come later behind the same interface.
+// and what tests use) and MPI (ranks as processes, host memory: dsacp/mpi_context.h); NCCL comes later
+// behind the same interface.
 //
 // Every collective is called by every rank of the group in the same order. Every wait is bounded by the
 // group's timeout and turns into a kTimeout error instead of a hang. A rank that fails calls abort(): every
