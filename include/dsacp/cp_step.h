@@ -57,7 +57,8 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
 
 // The full batch's result ([T, ...] in token order) from every rank's result and plan (index cr).
 Result<StepResult> cp_assemble_result(const StepConfig& config, const CpLayout& layout, int64_t T,
-                                      const std::vector<CpRankPlan>& plans, const std::vector<StepResult>& rank_results);
+                                      const std::vector<CpRankPlan>& plans,
+                                      const std::vector<StepResult>& rank_results);
 
 // Every rank of a CP layout as threads of this process, each with its own cache pools; one shared block
 // table per request (pages for the request's share on rank 0, the largest). A failing rank aborts the

@@ -32,11 +32,12 @@ class MpiContext {
   virtual ~MpiContext() = default;
   virtual int rank() const = 0;  // in MPI_COMM_WORLD
   virtual int size() const = 0;
-  // A communicator over every process (a duplicate of MPI_COMM_WORLD).
-  virtual Result<std::unique_ptr<Communicator>> world() = 0;
-  // Collective over every process: the processes with the same `color` form a group, ranked by `key`
+  // A communicator over every process (a duplicate of MPI_COMM_WORLD). Collective over every process.
+  // `timeout` bounds its waits (0: the context's timeout). Free communicators before the context.
+  virtual Result<std::unique_ptr<Communicator>> world(std::chrono::milliseconds timeout = {}) = 0;
+  // Collective over every process: the processes with the same `color` (>= 0) form a group, ranked by `key`
   // (then by world rank) — MPI_Comm_split.
-  virtual Result<std::unique_ptr<Communicator>> split(int color, int key) = 0;
+  virtual Result<std::unique_ptr<Communicator>> split(int color, int key, std::chrono::milliseconds timeout = {}) = 0;
 };
 
 }  // namespace dsacp

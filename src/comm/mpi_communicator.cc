@@ -174,24 +174,31 @@ class MpiContextImpl final : public MpiContext {
       : session_(std::move(session)), rank_(rank), size_(size), timeout_(timeout) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  Result<std::unique_ptr<Communicator>> world() override {
+  Result<std::unique_ptr<Communicator>> world(std::chrono::milliseconds timeout) override {
+    if (timeout.count() < 0) return invalid_argument("MPI timeout must be >= 0 ms");
     MPI_Comm comm;
     DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup"));
-    return wrap(comm);
+    return wrap(comm, timeout);
   }
-  Result<std::unique_ptr<Communicator>> split(int color, int key) override {
+  Result<std::unique_ptr<Communicator>> split(int color, int key, std::chrono::milliseconds timeout) override {
     if (color < 0) return invalid_argument("MPI split color must be >= 0, got " + std::to_string(color));
+    if (timeout.count() < 0) return invalid_argument("MPI timeout must be >= 0 ms");
     MPI_Comm comm;
     DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm), "MPI_Comm_split"));
-    return wrap(comm);
+    return wrap(comm, timeout);
   }
 
  private:
-  Result<std::unique_ptr<Communicator>> wrap(MPI_Comm comm) {
+  Result<std::unique_ptr<Communicator>> wrap(MPI_Comm comm, std::chrono::milliseconds timeout) {
     int rank = 0, size = 0;
-    DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank"));
-    DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_size(comm, &size), "MPI_Comm_size"));
-    return std::unique_ptr<Communicator>(new MpiCommunicator(session_, comm, rank, size, timeout_));
+    Status s = mpi_check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+    if (s.ok()) s = mpi_check(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+    if (!s.ok()) {
+      MPI_Comm_free(&comm);
+      return s;
+    }
+    return std::unique_ptr<Communicator>(
+        new MpiCommunicator(session_, comm, rank, size, timeout.count() > 0 ? timeout : timeout_));
   }
   std::shared_ptr<MpiSession> session_;
   const int rank_, size_;
@@ -208,13 +215,15 @@ Result<std::unique_ptr<MpiContext>> MpiContext::init(std::chrono::milliseconds t
   DSACP_RETURN_IF_ERROR(mpi_check(MPI_Initialized(&initialized), "MPI_Initialized"));
   if (initialized) return invalid_argument("MPI is already initialized in this process (one MpiContext per process)");
   int provided = 0;
-  DSACP_RETURN_IF_ERROR(mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread"));
+  DSACP_RETURN_IF_ERROR(
+      mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread"));
   auto session = std::make_shared<MpiSession>();
   if (provided < MPI_THREAD_FUNNELED) {
     return unsupported("MPI_Init_thread: the MPI library provides no MPI_THREAD_FUNNELED support");
   }
   // Errors come back as codes (checked at every call) instead of MPI's default of ending the job.
-  DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler"));
+  DSACP_RETURN_IF_ERROR(
+      mpi_check(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler"));
   int rank = 0, size = 0;
   DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank"));
   DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size"));

@@ -81,9 +81,12 @@ PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheCo
 Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
                             const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
                             const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache) {
-  if (sharding.Pt == 1) return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys);
+  if (sharding.Pt == 1) {
+    return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys);
+  }
   if (cr < 0 || cr >= sharding.Pt) {
-    return out_of_range("context load: rank " + std::to_string(cr) + " outside [0, " + std::to_string(sharding.Pt) + ")");
+    return out_of_range("context load: rank " + std::to_string(cr) + " outside [0, " + std::to_string(sharding.Pt) +
+                        ")");
   }
   const PagedCacheConfig& cc = cache.config();
   const int32_t B = cc.page_size;
@@ -206,7 +209,8 @@ Result<std::vector<CpRankPlan>> cp_all_rank_plans(const StepConfig& c, const std
 }
 
 Result<StepResult> cp_assemble_result(const StepConfig& c, const CpLayout& layout, int64_t T,
-                                      const std::vector<CpRankPlan>& plans, const std::vector<StepResult>& rank_results) {
+                                      const std::vector<CpRankPlan>& plans,
+                                      const std::vector<StepResult>& rank_results) {
   if (plans.size() != rank_results.size() || static_cast<int32_t>(plans.size()) != layout.num_ranks()) {
     return invalid_argument("assemble: " + std::to_string(rank_results.size()) + " rank results and " +
                             std::to_string(plans.size()) + " plans for " + std::to_string(layout.num_ranks()) +
@@ -231,7 +235,9 @@ Result<StepResult> cp_assemble_result(const StepConfig& c, const CpLayout& layou
       const int64_t t = plan.row_token[i];
       const bool decode_copy = !layout.dsa_cp && i < plan.pcp.num_local_decode_tokens && plan.r != 0;
       if (t < 0 || decode_copy) continue;
-      if (t >= T) return out_of_range("assemble: token " + std::to_string(t) + " outside [0, " + std::to_string(T) + ")");
+      if (t >= T) {
+        return out_of_range("assemble: token " + std::to_string(t) + " outside [0, " + std::to_string(T) + ")");
+      }
       if (h0 == 0) {
         std::memcpy(result.topk_indices.data_as<int32_t>() + t * c.K, rank.topk_indices.data_as<int32_t>() + i * c.K,
                     static_cast<size_t>(c.K) * sizeof(int32_t));

@@ -146,10 +146,10 @@ Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const R
                             std::to_string(cr / layout.D) + " and DCP rank " + std::to_string(cr % layout.D));
   }
   DSACP_ASSIGN_OR_RETURN(ReplaySetup s, replay_setup(c, options));
-  DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, cp_rank_cache_config(layout, s.cache_config)));
-  DSACP_RETURN_IF_ERROR(
-      cp_load_context_rank(backend, layout, s.sharding, cr, c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k,
-                           cache));
+  DSACP_ASSIGN_OR_RETURN(PagedKvCache cache,
+                         PagedKvCache::create(backend, cp_rank_cache_config(layout, s.cache_config)));
+  DSACP_RETURN_IF_ERROR(cp_load_context_rank(backend, layout, s.sharding, cr, c.requests, s.table, s.ctx_latent,
+                                             s.ctx_rope, s.ctx_idx_k, cache));
   if (Pt == 1) return step_run_host(backend, s.config, c.requests, s.table, cache, s.inputs(c));
 
   DSACP_RETURN_IF_ERROR(validate_layout(layout, s.config.H));
@@ -167,7 +167,8 @@ Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const R
   for (const CpRankPlan& plan : plans) slot_bytes = std::max(slot_bytes, rank_result_bytes(s.config, plan));
   const std::vector<char> packed = pack_rank_result(mine, slot_bytes);
   std::vector<char> gathered(slot_bytes * static_cast<size_t>(Pt));
-  DSACP_RETURN_IF_ERROR(comms.world->all_gather(packed.data(), gathered.data(), slot_bytes).with_context("result gather"));
+  DSACP_RETURN_IF_ERROR(
+      comms.world->all_gather(packed.data(), gathered.data(), slot_bytes).with_context("result gather"));
   if (cr != 0) return StepResult{};
   std::vector<StepResult> results;
   for (int32_t k = 0; k < Pt; ++k) {

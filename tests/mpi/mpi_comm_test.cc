@@ -122,8 +122,10 @@ TEST(MpiCommunicator, AsyncWaitsInAnyOrder) {
   ASSERT_TRUE(g.ok() && a.ok() && b.ok());
   // Each rank waits in its own order: the last posted first on odd ranks, the middle one first on even ones.
   std::vector<CollectiveHandle*> order = {g->get(), a->get(), b->get()};
-  if (me % 2 == 1) std::reverse(order.begin(), order.end());
-  else std::swap(order[0], order[1]);
+  if (me % 2 == 1)
+    std::reverse(order.begin(), order.end());
+  else
+    std::swap(order[0], order[1]);
   for (CollectiveHandle* h : order) ASSERT_TRUE(h->wait().ok());
   for (int k = 0; k < n; ++k) {
     for (size_t i = 0; i < bytes; ++i) {

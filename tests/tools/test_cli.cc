@@ -1,16 +1,16 @@
 // The dsacp CLI end to end: help, refused flags, make-case -> replay, malformed cases refused in one line.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
-#include <cstdio>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <unistd.h>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 
 #include "dsacp/case_file.h"

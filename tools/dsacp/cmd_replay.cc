@@ -40,8 +40,7 @@ CommandSpec replay_spec() {
 // --launcher mpi: this process is CP rank cr = MPI world rank (r = cr / D, d = cr % D). Errors every process
 // meets alike (the world size, the case file) are reported by rank 0 and every process returns; an error of
 // one rank after the communicators exist aborts the MPI job, so no peer waits for it.
-int replay_mpi(const std::string& case_path, const std::string& out_path, const ReplayOptions& options,
-               int threads) {
+int replay_mpi(const std::string& case_path, const std::string& out_path, const ReplayOptions& options, int threads) {
   auto fail = [](const Status& s) { return report_error("replay", s); };
   const CpLayout& layout = options.layout;
   auto mpi = MpiContext::init(std::chrono::milliseconds(layout.comm_timeout_ms));
@@ -49,10 +48,10 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
   MpiContext& ctx = **mpi;
   const bool leader = ctx.rank() == 0;
   if (ctx.size() != layout.num_ranks()) {
-    const Status s = invalid_argument("--launcher mpi: the MPI world has " + std::to_string(ctx.size()) +
-                                      " processes, the layout P=" + std::to_string(layout.P) + " x D=" +
-                                      std::to_string(layout.D) + " needs " + std::to_string(layout.num_ranks()) +
-                                      " (mpirun -np " + std::to_string(layout.num_ranks()) + ")");
+    const Status s = invalid_argument(
+        "--launcher mpi: the MPI world has " + std::to_string(ctx.size()) +
+        " processes, the layout P=" + std::to_string(layout.P) + " x D=" + std::to_string(layout.D) + " needs " +
+        std::to_string(layout.num_ranks()) + " (mpirun -np " + std::to_string(layout.num_ranks()) + ")");
     return leader ? fail(s) : report_error_code(s);
   }
   auto c = case_read(case_path);
@@ -77,8 +76,8 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
   if (leader) {
     if (Status s = result_write(out_path, *result); !s.ok()) return abort_with(s);
     std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d (MPI, %d processes) -> %s\n",
-                 static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout.P, layout.D,
-                 ctx.size(), out_path.c_str());
+                 static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout.P, layout.D, ctx.size(),
+                 out_path.c_str());
   }
   // Every process leaves together: no rank finalizes MPI while rank 0 is still writing.
   if (Status s = comms.world->barrier(); !s.ok()) return abort_with(s);

@@ -10,7 +10,9 @@ namespace dsacp::cli {
 
 std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D) {
   return {
-      {"--pcp", "N", "prefill context parallel ranks (P; threads of this process, or MPI processes with --launcher mpi)", std::to_string(default_P)},
+      {"--pcp", "N",
+       "prefill context parallel ranks (P; threads of this process, or MPI processes with --launcher mpi)",
+       std::to_string(default_P)},
       {"--dcp", "N", "decode context parallel ranks inside each PCP rank (D); P*D ranks in all",
        std::to_string(default_D)},
       {"--interleave", "N", "KV interleave: consecutive positions per shard unit (0 = the page size)", "0"},
