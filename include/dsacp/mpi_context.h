@@ -1,5 +1,5 @@
 // MPI for CP ranks that are separate processes (CPU backend, host memory). Host-only header: no mpi.h here,
-// so code that includes it builds with or without MPI; without MPI (DSACP_ENABLE_MPI=OFF) every function
+// so code that includes it builds with or without MPI; without MPI (DSACP_ENABLE_MPI=OFF) MpiContext::init
 // answers `unsupported: built without MPI`.
 //
 // The MPI Communicator moves host bytes with nonblocking MPI collectives (MPI_Iallgather, MPI_Ialltoall,
@@ -9,6 +9,9 @@
 // reason and calls MPI_Abort: every process of the job then exits with an error instead of hanging — the
 // one place where dsacp library code ends the process, since a rank of a multi-process job has no other
 // way to release its peers.
+//
+// Lifetimes: a communicator's handles must be waited on or destroyed before the communicator. MPI is finalized
+// when the context and every communicator made from it are gone.
 #pragma once
 
 #include <chrono>
@@ -33,7 +36,7 @@ class MpiContext {
   virtual int rank() const = 0;  // in MPI_COMM_WORLD
   virtual int size() const = 0;
   // A communicator over every process (a duplicate of MPI_COMM_WORLD). Collective over every process.
-  // `timeout` bounds its waits (0: the context's timeout). Free communicators before the context.
+  // `timeout` bounds its waits (0: the context's timeout).
   virtual Result<std::unique_ptr<Communicator>> world(std::chrono::milliseconds timeout = {}) = 0;
   // Collective over every process: the processes with the same `color` (>= 0) form a group, ranked by `key`
   // (then by world rank) — MPI_Comm_split.
