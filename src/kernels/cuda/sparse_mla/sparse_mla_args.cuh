@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/common/device_error.h"
 #include "kernels/cuda/cuda_kernels.h"
 
@@ -33,5 +34,40 @@ struct MlaArgs {
 
 // The Hopper warpgroup-MMA kernel for 64-head groups (H = 64, 128): one CTA per (token, head group, split).
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx);
+
+// The prologue both sparse MLA kernels share, for token t and key split `split`: checks the token's request
+// row and key length (a bad one is reported through a.err and the token uses no key), finds how many leading
+// top-k entries are used (the first entry outside [0, key_len) ends the list) and returns this split's
+// entries. Every thread of the block must call it; smem_word is one int32 of shared memory.
+struct MlaSplitKeys {
+  int32_t request;         // the token's block-table row
+  const int32_t* entries;  // this split's first used top-k entry
+  int nkeys;               // used entries in this split
+};
+
+template <int kThreads>
+__device__ __forceinline__ MlaSplitKeys mla_split_keys(const MlaArgs& a, int64_t t, int split, int32_t* smem_word) {
+  const int tid = threadIdx.x;
+  const int32_t b = a.request[t];
+  const int32_t len = a.key_len[t];
+  const bool row_ok = b >= 0 && b < a.num_requests && len >= 0;
+  if (tid == 0) {
+    *smem_word = a.K;
+    if (!row_ok) report_device_error(a.err, b < 0 || b >= a.num_requests ? kDevBadRequest : kDevBadKeyLen, t);
+  }
+  __syncthreads();
+  const int32_t* trow = a.topk + t * a.K;
+  if (row_ok) {
+    for (int i = tid; i < a.K; i += kThreads) {
+      const int32_t e = trow[i];
+      if (e < 0 || e >= len) atomicMin(smem_word, i);
+    }
+  }
+  __syncthreads();
+  const int n_used = row_ok ? *smem_word : 0;
+  const int kb = split * a.split_len;
+  const int ke = min(n_used, kb + a.split_len);
+  return MlaSplitKeys{b, trow + kb, max(0, ke - kb)};
+}
 
 }  // namespace dsacp::cuda

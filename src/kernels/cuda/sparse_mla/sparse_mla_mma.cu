@@ -106,28 +106,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
   const int split = blockIdx.z;
 
   // ---- prologue: used entries, this split's rows ----
-  const int32_t b = a.request[t];
-  const int32_t len = a.key_len[t];
-  const bool row_ok = b >= 0 && b < a.num_requests && len >= 0;
-  if (tid == 0) {
-    sMisc[0] = a.K;
-    if (!row_ok) report_device_error(a.err, b < 0 || b >= a.num_requests ? kDevBadRequest : kDevBadKeyLen, t);
-  }
-  __syncthreads();
-  const int32_t* trow = a.topk + t * a.K;
-  if (row_ok) {
-    for (int i = tid; i < a.K; i += kThreads) {
-      const int32_t e = trow[i];
-      if (e < 0 || e >= len) atomicMin(&sMisc[0], i);
-    }
-  }
-  __syncthreads();
-  const int n_used = row_ok ? sMisc[0] : 0;
-  const int kb = split * a.split_len;
-  const int ke = min(n_used, kb + a.split_len);
-  const int nkeys = max(0, ke - kb);
+  const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
+  const int32_t b = keys.request;
+  const int nkeys = keys.nkeys;
   for (int i = tid; i < nkeys; i += kThreads) {
-    const int32_t e = trow[kb + i];
+    const int32_t e = keys.entries[i];
     const int32_t c = e / a.page_size;
     int32_t page = -1;
     if (c < a.max_pages) page = a.block_table[static_cast<int64_t>(b) * a.max_pages + c];
