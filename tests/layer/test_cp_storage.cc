@@ -8,6 +8,7 @@
 #include "dsacp/case_file.h"
 #include "dsacp/cp_step.h"
 #include "dsacp/replay.h"
+#include "support/layout_check.h"
 
 namespace dsacp {
 namespace {
@@ -52,16 +53,8 @@ Built run_step(const CpLayout& layout, const std::vector<Request>& reqs, int32_t
   }
   b.table = BlockTable::from_sequences(ptrs);
   EXPECT_TRUE(b.cluster->load_context(reqs, b.table, b.c.ctx_kv_latent, b.c.ctx_k_rope, b.c.ctx_idx_k).ok());
-  StepConfig sc;
-  sc.H = 4;
-  sc.Dl = 8;
-  sc.Dr = 4;
-  sc.Hi = 2;
-  sc.Di = 8;
-  sc.K = 6;
-  sc.scale = 0.5f;
-  sc.act_dtype = DType::kF32;
-  HostStepInputs in{&b.c.q_nope, &b.c.q_rope, &b.c.kv_latent, &b.c.k_rope, &b.c.idx_q, &b.c.idx_w, &b.c.idx_k};
+  const StepConfig sc = testing::f32_step_config(b.c);
+  const HostStepInputs in = testing::case_inputs(b.c);
   auto r = b.cluster->step(sc, reqs, b.table, in);
   EXPECT_TRUE(r.ok()) << r.status().to_string();
   if (r.ok()) b.result = std::move(*r);

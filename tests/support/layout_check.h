@@ -7,6 +7,7 @@
 #include "dsacp/batch.h"
 #include "dsacp/case_file.h"
 #include "dsacp/replay.h"
+#include "dsacp/step.h"
 
 namespace dsacp::testing {
 
@@ -17,5 +18,9 @@ std::vector<Request> random_cp_batch(uint64_t seed, int32_t P, int32_t K, bool d
 // Replays `c` with `one` and with `cp`: top-k rows bit-identical, out within 1e-5 relative (norm), lse
 // within 1e-5 (relative for |lse| > 1). Failures are reported through GoogleTest.
 void expect_same_as_one_device(const CaseFile& c, const ReplayOptions& one, const ReplayOptions& cp);
+
+// A step config for an F32 case (its dims, topk and scale), and the case's new-token tensors as step inputs.
+StepConfig f32_step_config(const CaseFile& c, int32_t decode_threshold = kMaxDecodeThreshold);
+HostStepInputs case_inputs(const CaseFile& c);
 
 }  // namespace dsacp::testing
