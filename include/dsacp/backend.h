@@ -1,5 +1,5 @@
 // The backend interface: memory and the step's kernels. The executor calls kernels only through it.
-// Implementations: cpu (the oracle, multithreaded loops) and, later, cuda.
+// Implementations: cpu (the oracle, multithreaded loops) and cuda (sm_90a).
 #pragma once
 
 #include <cstddef>
@@ -54,6 +54,8 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // The CUDA device whose memory this backend allocates, or -1 for host memory.
+  virtual int cuda_device() const { return -1; }
 
   virtual Result<DeviceBuffer> allocate(size_t bytes) = 0;
   virtual Status copy_to_device(void* dst, const void* src, size_t bytes) = 0;
@@ -80,6 +82,8 @@ std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
 // The CUDA backend on `device` (kernels built for sm_90a: H100/H200). Without a usable device, or in a build
 // without CUDA (DSACP_ENABLE_CUDA=OFF), an "unsupported" status says why.
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device = 0);
+// The number of CUDA devices (0 when the driver finds none); "unsupported" in a build without CUDA.
+Result<int> cuda_device_count();
 
 // Validated entry points (one validation for all backends).
 Status cache_write_run(Backend& backend, const CacheWriteParams& p);

@@ -1,17 +1,19 @@
 // Collectives between the ranks of a context-parallel group. The executor talks to other ranks only
 // through this interface; implementations: local (ranks as threads in one process — the embedded default
-// and what tests use) and MPI (ranks as processes, host memory: dsacp/mpi_context.h); NCCL comes later
-// behind the same interface.
+// and what tests use; host memory, or device memory through a copy function), MPI (ranks as processes, host
+// memory: dsacp/mpi_context.h) and NCCL (one rank per GPU, device memory: dsacp/nccl_communicator.h).
 //
 // Every collective is called by every rank of the group in the same order. Every wait is bounded by the
 // group's timeout and turns into a kTimeout error instead of a hang. A rank that fails calls abort(): every
 // rank waiting in (or later entering) a collective of that group gets an error naming the failed rank.
-// Buffers are in the backend's memory (host memory for the CPU backend).
+// Buffers are in the backend's memory (host memory for the CPU backend) and must hold their data when the
+// collective is called (the backends finish every call before returning).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +28,17 @@ class CollectiveHandle {
  public:
   virtual ~CollectiveHandle() = default;
   virtual Status wait() = 0;
+};
+
+// What a communicator has done since it was made (or since reset_stats): collectives, bytes this rank sent,
+// the time its collectives kept the network busy (device time on a GPU communicator, 0 where it cannot be
+// measured) and the time the calling thread spent blocked in wait(). 1 - wait_ms / busy_ms is the share of
+// the communication that overlapped other work.
+struct CommStats {
+  int64_t collectives = 0;
+  int64_t bytes = 0;
+  double busy_ms = 0;
+  double wait_ms = 0;
 };
 
 class Communicator {
@@ -43,6 +56,8 @@ class Communicator {
   virtual Status barrier() = 0;
   // Marks this rank failed with a reason; every collective of the group then fails on every rank.
   virtual void abort(const std::string& reason) = 0;
+  virtual CommStats stats() const { return {}; }
+  virtual void reset_stats() {}
 
   // Blocking forms.
   Status all_gather(const void* send, void* recv, size_t bytes);
@@ -58,11 +73,16 @@ class Communicator {
                                 int64_t inner, size_t elem_size);
 };
 
+// Copies `bytes` from src to dst in the ranks' memory (a backend's copy_on_device for device buffers).
+using CopyFn = std::function<Status(void* dst, const void* src, size_t bytes)>;
+
 // A group of `size` ranks that live as threads of this process. make_communicator(r) gives rank r's
-// endpoint; each rank's thread uses only its own endpoint.
+// endpoint; each rank's thread uses only its own endpoint. Buffers are host memory (copied with memcpy), or
+// any memory `copy` can move (e.g. every rank's buffers on one GPU).
 class LocalGroup {
  public:
-  static std::shared_ptr<LocalGroup> create(int size, std::chrono::milliseconds timeout = std::chrono::seconds(120));
+  static std::shared_ptr<LocalGroup> create(int size, std::chrono::milliseconds timeout = std::chrono::seconds(120),
+                                            CopyFn copy = nullptr);
   virtual ~LocalGroup() = default;
   virtual std::unique_ptr<Communicator> make_communicator(int rank) = 0;
 };

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -62,15 +63,25 @@ Result<StepResult> cp_assemble_result(const StepConfig& config, const CpLayout& 
 
 // Every rank of a CP layout as threads of this process, each with its own cache pools; one shared block
 // table per request (pages for the request's share on rank 0, the largest). A failing rank aborts the
-// groups, so no rank hangs.
+// groups, so no rank hangs. Transports:
+//   * one backend for every rank: the thread communicator (memcpy on the CPU; the backend's device copies
+//     when the backend is a GPU: all ranks on one GPU, for tests);
+//   * one backend per rank: CPU backends use the thread communicator; CUDA backends, each on a different
+//     device, talk through NCCL (one thread per GPU; the communicators are made once, by create).
 class LocalCpCluster {
  public:
   // per_rank_cache.index_page_factor is set from the layout (Pt under the replicated indexer).
   static Result<std::unique_ptr<LocalCpCluster>> create(Backend& backend, const CpLayout& layout,
                                                         const PagedCacheConfig& per_rank_cache);
+  // rank_backends[cr] runs CP rank cr (P * D backends).
+  static Result<std::unique_ptr<LocalCpCluster>> create(const std::vector<Backend*>& rank_backends,
+                                                        const CpLayout& layout, const PagedCacheConfig& per_rank_cache);
+  ~LocalCpCluster();
   const KvSharding& sharding() const { return sharding_; }
   const CpLayout& layout() const { return layout_; }
   int32_t num_ranks() const { return sharding_.Pt; }
+  // "threads", "threads (device copies)" or "nccl".
+  std::string transport() const;
   // Pages a request of S tokens needs in the shared block table.
   int64_t pages_needed(int64_t S) const { return sharding_.pages_needed(S, cache_config_.page_size); }
   size_t cache_bytes_per_rank() const;
@@ -84,14 +95,23 @@ class LocalCpCluster {
   // each rank's own output buffers as it returned them (plan.output_rows rows of its heads).
   Result<StepResult> step(const StepConfig& config, const std::vector<Request>& requests, const BlockTable& table,
                           const HostStepInputs& inputs, std::vector<StepResult>* per_rank = nullptr);
+  // Each rank's world-communicator statistics over the last step (zeros on the thread transport).
+  const std::vector<CommStats>& last_step_comm_stats() const { return comm_stats_; }
 
  private:
+  struct RankComms {
+    std::unique_ptr<Communicator> world, pcp, dcp;
+  };
   LocalCpCluster() = default;
-  Backend* backend_ = nullptr;
+  Status make_nccl_comms();
+  std::vector<Backend*> backends_;  // one per CP rank cr
+  bool nccl_ = false;
   CpLayout layout_;
   KvSharding sharding_;
   PagedCacheConfig cache_config_;
   std::vector<PagedKvCache> caches_;  // one per CP rank cr
+  std::vector<RankComms> comms_;      // NCCL: one per CP rank, made once (again after a failed step)
+  std::vector<CommStats> comm_stats_;
 };
 
 // Host rows of `full` selected by `rows` (-1 = a zero row): [rows.size(), ...].

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "dsacp/backend.h"
 #include "dsacp/case_file.h"
@@ -25,12 +26,15 @@ struct ReplayOptions {
 DType case_compute_dtype(const CaseFile& c);
 
 Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const ReplayOptions& options);
+// The same with CP rank cr on rank_backends[cr] (P * D backends; GPUs on different devices talk through NCCL).
+Result<StepResult> replay_case(const std::vector<Backend*>& rank_backends, const CaseFile& c,
+                               const ReplayOptions& options);
 
 // One CP rank of the replay in a process of its own (`dsacp replay --launcher mpi`). Every process of the
 // layout calls it with the same case and options: comms.world has P*D ranks (world rank cr = r*D + d),
 // comms.pcp is its PCP group (rank r), comms.dcp its DCP group (rank d). Each process builds the same block
 // table (seeded allocator) and loads only its own rank's share of the context; the ranks' results are
-// all-gathered as raw bytes over comms.world. World rank 0 returns the full result (the same as
+// all-gathered as raw bytes over comms.world (through the backend's memory: host or, under NCCL, device). World rank 0 returns the full result (the same as
 // replay_case's), every other rank an empty StepResult.
 Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const ReplayOptions& options,
                                     const CpComms& comms);

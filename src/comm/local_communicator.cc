@@ -58,10 +58,20 @@ class LocalHandle final : public CollectiveHandle {
 
 class LocalGroupImpl final : public LocalGroup, public std::enable_shared_from_this<LocalGroupImpl> {
  public:
-  LocalGroupImpl(int size, std::chrono::milliseconds timeout) : size_(size), timeout_(timeout), next_seq_(size, 0) {}
+  LocalGroupImpl(int size, std::chrono::milliseconds timeout, CopyFn copy)
+      : size_(size), timeout_(timeout), copy_(std::move(copy)), next_seq_(size, 0) {}
 
   std::unique_ptr<Communicator> make_communicator(int rank) override;
   int size() const { return size_; }
+  bool device_copies() const { return static_cast<bool>(copy_); }
+
+  Status copy(void* dst, const void* src, size_t n) {
+    if (n == 0 || dst == src) return Status();
+    if (copy_) return copy_(dst, src, n);
+    std::memmove(dst, src, n);
+    return Status();
+  }
+
 
   Result<std::unique_ptr<CollectiveHandle>> post(int rank, OpKind kind, const void* send, void* recv, size_t bytes,
                                                  int root) {
@@ -88,8 +98,12 @@ class LocalGroupImpl final : public LocalGroup, public std::enable_shared_from_t
       // The last rank to post performs every rank's copy, outside the lock: no rank can return from wait()
       // (and reuse its buffers) before `complete` is set.
       lock.unlock();
-      execute(op);
+      const Status copied = execute(op);
       lock.lock();
+      if (!copied.ok()) {
+        fail_locked("copy of " + std::string(op_name(kind)) + " failed: " + copied.message());
+        return failure_status();
+      }
       op.complete = true;
       cv_.notify_all();
     }
@@ -134,32 +148,32 @@ class LocalGroupImpl final : public LocalGroup, public std::enable_shared_from_t
   }
   Status failure_status() const { return Status(StatusCode::kBackendError, "communicator aborted: " + failure_); }
 
-  void execute(const Op& op) {
+  Status execute(const Op& op) {
     const size_t n = op.bytes;
     for (int r = 0; r < size_; ++r) {
       auto* recv = static_cast<char*>(op.recv[r]);
       switch (op.kind) {
         case OpKind::kAllGather:
-          for (int k = 0; k < size_; ++k) {
-            if (n) std::memmove(recv + k * n, op.send[k], n);
-          }
+          for (int k = 0; k < size_; ++k) DSACP_RETURN_IF_ERROR(copy(recv + k * n, op.send[k], n));
           break;
         case OpKind::kAllToAll:
           for (int k = 0; k < size_; ++k) {
-            if (n) std::memcpy(recv + k * n, static_cast<const char*>(op.send[k]) + r * n, n);
+            DSACP_RETURN_IF_ERROR(copy(recv + k * n, static_cast<const char*>(op.send[k]) + r * n, n));
           }
           break;
         case OpKind::kBroadcast:
-          if (r != op.root && n) std::memcpy(op.recv[r], op.recv[op.root], n);
+          if (r != op.root) DSACP_RETURN_IF_ERROR(copy(op.recv[r], op.recv[op.root], n));
           break;
         case OpKind::kBarrier:
           break;
       }
     }
+    return Status();
   }
 
   const int size_;
   const std::chrono::milliseconds timeout_;
+  const CopyFn copy_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint64_t> next_seq_;  // per rank
@@ -199,6 +213,27 @@ class LocalCommunicator final : public Communicator {
   }
   void abort(const std::string& reason) override { group_->abort(rank_, reason); }
 
+  Status all_gather_dim(const void* send, void* recv, void* scratch, int64_t outer, int64_t local_dim, int64_t inner,
+                        size_t elem_size) override {
+    if (!group_->device_copies()) {
+      return Communicator::all_gather_dim(send, recv, scratch, outer, local_dim, inner, elem_size);
+    }
+    if (outer < 0 || local_dim < 0 || inner < 0) return invalid_argument("all_gather_dim: negative extent");
+    const size_t row = static_cast<size_t>(local_dim * inner) * elem_size;
+    const size_t block = static_cast<size_t>(outer) * row;
+    if (outer == 1) return all_gather(send, recv, block);
+    DSACP_RETURN_IF_ERROR(all_gather(send, scratch, block));
+    const int P = size();
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int k = 0; k < P; ++k) {
+        DSACP_RETURN_IF_ERROR(group_->copy(static_cast<char*>(recv) + (static_cast<size_t>(o) * P + k) * row,
+                                           static_cast<const char*>(scratch) + k * block + static_cast<size_t>(o) * row,
+                                           row));
+      }
+    }
+    return Status();
+  }
+
  private:
   std::shared_ptr<LocalGroupImpl> group_;
   int rank_;
@@ -211,9 +246,9 @@ std::unique_ptr<Communicator> LocalGroupImpl::make_communicator(int rank) {
 
 }  // namespace
 
-std::shared_ptr<LocalGroup> LocalGroup::create(int size, std::chrono::milliseconds timeout) {
+std::shared_ptr<LocalGroup> LocalGroup::create(int size, std::chrono::milliseconds timeout, CopyFn copy) {
   if (size < 1) return nullptr;
-  return std::make_shared<LocalGroupImpl>(size, timeout);
+  return std::make_shared<LocalGroupImpl>(size, timeout, std::move(copy));
 }
 
 }  // namespace dsacp

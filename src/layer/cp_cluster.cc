@@ -1,10 +1,14 @@
-// Every rank of a CP layout as threads of this process (the embedded default; what tests use).
+// Every rank of a CP layout as threads of this process (the embedded default; what tests use), on one backend
+// or one per rank (GPUs: NCCL).
 #include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
 
+#include <algorithm>
+
 #include "dsacp/cp_step.h"
+#include "dsacp/nccl_communicator.h"
 #include "layer/step_checks.h"
 
 namespace dsacp {
@@ -47,6 +51,13 @@ Result<Tensor> select_rows_heads(const Tensor& full, const std::vector<int64_t>&
 
 Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend, const CpLayout& layout,
                                                                const PagedCacheConfig& per_rank_cache) {
+  return create(std::vector<Backend*>(static_cast<size_t>(std::max(layout.num_ranks(), 1)), &backend), layout,
+                per_rank_cache);
+}
+
+Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(const std::vector<Backend*>& rank_backends,
+                                                               const CpLayout& layout,
+                                                               const PagedCacheConfig& per_rank_cache) {
   if (layout.P < 1) return invalid_argument("--pcp must be >= 1, got " + std::to_string(layout.P));
   if (layout.D < 1) return invalid_argument("--dcp must be >= 1, got " + std::to_string(layout.D));
   if (layout.interleave < 0) return invalid_argument("--interleave must be >= 1, got " + std::to_string(layout.interleave));
@@ -54,16 +65,110 @@ Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend,
   if (layout.comm_timeout_ms < 1) {
     return invalid_argument("communicator timeout must be >= 1 ms, got " + std::to_string(layout.comm_timeout_ms));
   }
+  const int32_t Pt = layout.num_ranks();
+  if (static_cast<int32_t>(rank_backends.size()) != Pt) {
+    return invalid_argument("CP cluster: " + std::to_string(rank_backends.size()) + " backends for P=" +
+                            std::to_string(layout.P) + " x D=" + std::to_string(layout.D) + " = " +
+                            std::to_string(Pt) + " ranks (one per rank, or one for all)");
+  }
+  for (size_t i = 0; i < rank_backends.size(); ++i) {
+    if (rank_backends[i] == nullptr) return invalid_argument("CP cluster: no backend for rank " + std::to_string(i));
+  }
+  // One backend for every rank, or a different one per rank; GPU ranks on different devices use NCCL.
+  const bool shared = std::all_of(rank_backends.begin(), rank_backends.end(),
+                                  [&](Backend* b) { return b == rank_backends[0]; });
+  bool nccl = false;
+  if (!shared) {
+    std::vector<int> device_rank;
+    for (int32_t cr = 0; cr < Pt; ++cr) {
+      const int dev = rank_backends[cr]->cuda_device();
+      if ((dev >= 0) != (rank_backends[0]->cuda_device() >= 0)) {
+        return invalid_argument("CP cluster: ranks 0 and " + std::to_string(cr) +
+                                " mix host-memory and GPU backends; use one kind for every rank");
+      }
+      if (dev < 0) continue;
+      if (dev >= static_cast<int>(device_rank.size())) device_rank.resize(dev + 1, -1);
+      if (device_rank[dev] >= 0) {
+        return invalid_argument("CP cluster: ranks " + std::to_string(device_rank[dev]) + " and " +
+                                std::to_string(cr) + " are both on CUDA device " + std::to_string(dev) +
+                                ": NCCL needs one rank per GPU (one backend for every rank runs them all on one GPU)");
+      }
+      device_rank[dev] = cr;
+      nccl = true;
+    }
+    if (nccl && !nccl_available()) {
+      return unsupported("CP cluster: ranks on several GPUs need NCCL: " + nccl_version());
+    }
+  }
   std::unique_ptr<LocalCpCluster> c(new LocalCpCluster());
-  c->backend_ = &backend;
+  c->backends_ = rank_backends;
+  c->nccl_ = nccl;
   c->layout_ = layout;
   c->sharding_ = cp_kv_sharding(layout, per_rank_cache.page_size);
   c->cache_config_ = cp_rank_cache_config(layout, per_rank_cache);
-  for (int32_t r = 0; r < layout.num_ranks(); ++r) {
-    DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(backend, c->cache_config_));
+  for (int32_t r = 0; r < Pt; ++r) {
+    DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(*rank_backends[r], c->cache_config_));
     c->caches_.push_back(std::move(cache));
   }
+  if (nccl) DSACP_RETURN_IF_ERROR(c->make_nccl_comms());
   return c;
+}
+
+LocalCpCluster::~LocalCpCluster() {
+  // NCCL communicators are released by their own rank's thread, all at once (finalization may wait for peers).
+  if (comms_.empty()) return;
+  std::vector<std::thread> threads;
+  for (auto& rc : comms_) {
+    threads.emplace_back([&rc] {
+      rc.dcp.reset();
+      rc.pcp.reset();
+      rc.world.reset();
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+std::string LocalCpCluster::transport() const {
+  if (nccl_) return "nccl";
+  return backends_.empty() || backends_[0]->cuda_device() < 0 ? "threads" : "threads (device copies)";
+}
+
+// The world communicator over every rank (one id), then the PCP groups (same d, ranked by r) and the DCP
+// groups (same r, ranked by d) split from it; every rank in its own thread, since creation is collective.
+Status LocalCpCluster::make_nccl_comms() {
+  const int32_t Pt = sharding_.Pt, D = layout_.D;
+  comms_.clear();
+  comms_.resize(static_cast<size_t>(Pt));
+  DSACP_ASSIGN_OR_RETURN(NcclId id, nccl_make_id());
+  auto signal = std::make_shared<AbortSignal>();
+  std::vector<Status> status(static_cast<size_t>(Pt));
+  std::vector<std::thread> threads;
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    threads.emplace_back([&, cr] {
+      auto run = [&]() -> Status {
+        NcclOptions o;
+        o.device = backends_[cr]->cuda_device();
+        o.timeout = std::chrono::milliseconds(layout_.comm_timeout_ms);
+        o.abort_signal = signal;
+        DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> world, NcclCommunicator::create(id, Pt, cr, o));
+        DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> pcp, world->split(cr % D, cr / D));
+        DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> dcp, world->split(cr / D, cr % D));
+        comms_[cr] = RankComms{std::move(world), std::move(pcp), std::move(dcp)};
+        return Status();
+      };
+      status[cr] = run();
+      if (!status[cr].ok()) signal->raise("rank " + std::to_string(cr) + ": " + status[cr].message());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    if (!status[cr].ok()) {
+      const Status s = status[cr].with_context("NCCL communicators of CP rank " + std::to_string(cr));
+      comms_.clear();
+      return s;
+    }
+  }
+  return Status();
 }
 
 size_t LocalCpCluster::cache_bytes_per_rank() const { return caches_.empty() ? 0 : caches_[0].bytes(); }
@@ -144,10 +249,19 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
 
 Status LocalCpCluster::load_context(const std::vector<Request>& requests, const BlockTable& table,
                                     const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys) {
-  for (int32_t cr = 0; cr < sharding_.Pt; ++cr) {
-    DSACP_RETURN_IF_ERROR(cp_load_context_rank(*backend_, layout_, sharding_, cr, requests, table, ctx_latent, ctx_rope,
-                                               ctx_index_keys, caches_[cr]));
+  auto load = [&](int32_t cr) {
+    return cp_load_context_rank(*backends_[cr], layout_, sharding_, cr, requests, table, ctx_latent, ctx_rope,
+                                ctx_index_keys, caches_[cr]);
+  };
+  if (!nccl_) {
+    for (int32_t cr = 0; cr < sharding_.Pt; ++cr) DSACP_RETURN_IF_ERROR(load(cr));
+    return Status();
   }
+  std::vector<Status> status(static_cast<size_t>(sharding_.Pt));
+  std::vector<std::thread> threads;
+  for (int32_t cr = 0; cr < sharding_.Pt; ++cr) threads.emplace_back([&, cr] { status[cr] = load(cr); });
+  for (auto& t : threads) t.join();
+  for (const Status& st : status) DSACP_RETURN_IF_ERROR(st);
   return Status();
 }
 
@@ -254,7 +368,7 @@ Result<StepResult> cp_assemble_result(const StepConfig& c, const CpLayout& layou
 Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<Request>& requests,
                                         const BlockTable& table, const HostStepInputs& inputs,
                                         std::vector<StepResult>* per_rank) {
-  if (sharding_.Pt == 1) return step_run_host(*backend_, c, requests, table, caches_[0], inputs);
+  if (sharding_.Pt == 1) return step_run_host(*backends_[0], c, requests, table, caches_[0], inputs);
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;
@@ -266,22 +380,40 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   std::vector<StepResult> results(static_cast<size_t>(Pt));
   std::vector<Status> status(static_cast<size_t>(Pt));
 
-  // Groups: the world, D PCP groups (same d) and P DCP groups (same r).
+  // Thread transport: the world, D PCP groups (same d) and P DCP groups (same r), made for this step.
+  // NCCL: the communicators made once (again if an earlier step failed and aborted them).
   const std::chrono::milliseconds timeout(layout_.comm_timeout_ms);
-  auto world = LocalGroup::create(Pt, timeout);
+  std::shared_ptr<LocalGroup> world;
   std::vector<std::shared_ptr<LocalGroup>> pcp_groups, dcp_groups;
-  for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P, timeout));
-  for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D, timeout));
+  if (nccl_) {
+    if (comms_.empty()) DSACP_RETURN_IF_ERROR(make_nccl_comms());
+    for (auto& rc : comms_) rc.world->reset_stats();
+  } else {
+    CopyFn copy;
+    if (backends_[0]->cuda_device() >= 0) {
+      Backend* b = backends_[0];
+      copy = [b](void* dst, const void* src, size_t n) { return b->copy_on_device(dst, src, n); };
+    }
+    world = LocalGroup::create(Pt, timeout, copy);
+    for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P, timeout, copy));
+    for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D, timeout, copy));
+  }
   std::vector<std::thread> threads;
   for (int32_t cr = 0; cr < Pt; ++cr) {
     threads.emplace_back([&, cr] {
       const int32_t r = cr / D, d = cr % D;
-      auto w_comm = world->make_communicator(cr);
-      auto p_comm = pcp_groups[d]->make_communicator(r);
-      auto d_comm = dcp_groups[r]->make_communicator(d);
-      CpComms comms{w_comm.get(), p_comm.get(), d_comm.get()};
-      auto rank_result =
-          cp_rank_step_host(*backend_, comms, c, requests, layout_, sharding_, table, plans[cr], caches_[cr], inputs);
+      std::unique_ptr<Communicator> w_comm, p_comm, d_comm;
+      CpComms comms;
+      if (nccl_) {
+        comms = CpComms{comms_[cr].world.get(), comms_[cr].pcp.get(), comms_[cr].dcp.get()};
+      } else {
+        w_comm = world->make_communicator(cr);
+        p_comm = pcp_groups[d]->make_communicator(r);
+        d_comm = dcp_groups[r]->make_communicator(d);
+        comms = CpComms{w_comm.get(), p_comm.get(), d_comm.get()};
+      }
+      auto rank_result = cp_rank_step_host(*backends_[cr], comms, c, requests, layout_, sharding_, table, plans[cr],
+                                           caches_[cr], inputs);
       if (rank_result.ok()) {
         results[cr] = std::move(rank_result).value();
       } else {
@@ -291,8 +423,20 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
     });
   }
   for (auto& t : threads) t.join();
+  comm_stats_.assign(static_cast<size_t>(Pt), CommStats{});
+  if (nccl_) {
+    for (int32_t cr = 0; cr < Pt; ++cr) comm_stats_[cr] = comms_[cr].world->stats();
+  }
   for (int32_t cr = 0; cr < Pt; ++cr) {
     if (!status[cr].ok()) {
+      if (nccl_) {
+        // The failure aborted the NCCL communicators: release them (each by its own rank's thread) and make new
+        // ones at the next step.
+        std::vector<std::thread> release;
+        for (auto& rc : comms_) release.emplace_back([&rc] { rc = RankComms{}; });
+        for (auto& t : release) t.join();
+        comms_.clear();
+      }
       return status[cr].with_context("CP rank " + std::to_string(cr) + " (r=" + std::to_string(cr / D) +
                                      ", d=" + std::to_string(cr % D) + ")");
     }

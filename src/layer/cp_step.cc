@@ -15,6 +15,7 @@
 
 #include "dsacp/cp_step.h"
 #include "layer/step_checks.h"
+#include "layer/step_timing_internal.h"
 
 namespace dsacp {
 namespace {
@@ -340,6 +341,7 @@ Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
 Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, const std::vector<Request>& requests,
                    const CpRankPlan& plan, const CpLayout& layout, const KvSharding& sharding, const BlockTable& table,
                    PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
+  PhaseClock clock;
   const PagedCacheConfig& cc = cache.config();
   DSACP_RETURN_IF_ERROR(check_comms(comms, plan));
   DSACP_RETURN_IF_ERROR(check_step_config(c, cc));
@@ -426,6 +428,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("CP cache write"));
     }
   }
+
+  clock.mark(&StepPhaseTimes::kv_ms);
 
   // 2. Collectives that depend only on the cache write start now and overlap the indexer (reference-design
   //    4.6): the gathered KV views, the decode queries along heads (or tokens under DSA-CP).
@@ -542,6 +546,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
   }
 
+  clock.mark(&StepPhaseTimes::topk_ms);
+
   // 4. Attention: rows over the gathered KV with this rank's heads (no merge) ...
   if (kv_view) DSACP_RETURN_IF_ERROR(gathered_attention(s, first_gathered, rows - first_gathered, *kv_view));
   // ... and decode rows over each rank's own keys, merged by LSE.
@@ -608,7 +614,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                        c.out_dtype, extra * Hr * c.Dl, 0.f));
     DSACP_RETURN_IF_ERROR(backend.fill(out.lse + rows * Hr, DType::kF32, extra * Hr, -std::numeric_limits<float>::infinity()));
   }
-  return backend.synchronize();
+  DSACP_RETURN_IF_ERROR(backend.synchronize());
+  clock.mark(&StepPhaseTimes::attention_ms);
+  clock.finish();
+  return Status();
 }
 
 }  // namespace dsacp

@@ -120,9 +120,15 @@ size_t rank_result_bytes(const StepConfig& c, const CpRankPlan& plan) {
 }  // namespace
 
 Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const ReplayOptions& options) {
+  return replay_case(std::vector<Backend*>(static_cast<size_t>(std::max(options.layout.num_ranks(), 1)), &backend), c,
+                     options);
+}
+
+Result<StepResult> replay_case(const std::vector<Backend*>& rank_backends, const CaseFile& c,
+                               const ReplayOptions& options) {
   DSACP_ASSIGN_OR_RETURN(ReplaySetup s, replay_setup(c, options));
   DSACP_ASSIGN_OR_RETURN(std::unique_ptr<LocalCpCluster> cluster,
-                         LocalCpCluster::create(backend, options.layout, s.cache_config));
+                         LocalCpCluster::create(rank_backends, options.layout, s.cache_config));
   DSACP_RETURN_IF_ERROR(cluster->load_context(c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k));
   return cluster->step(s.config, c.requests, s.table, s.inputs(c));
 }
@@ -167,8 +173,15 @@ Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const R
   for (const CpRankPlan& plan : plans) slot_bytes = std::max(slot_bytes, rank_result_bytes(s.config, plan));
   const std::vector<char> packed = pack_rank_result(mine, slot_bytes);
   std::vector<char> gathered(slot_bytes * static_cast<size_t>(Pt));
-  DSACP_RETURN_IF_ERROR(
-      comms.world->all_gather(packed.data(), gathered.data(), slot_bytes).with_context("result gather"));
+  {
+    // Collective buffers live in the backend's memory (device memory under NCCL).
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_packed, backend.allocate(slot_bytes));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_gathered, backend.allocate(gathered.size()));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_device(d_packed.get(), packed.data(), slot_bytes));
+    DSACP_RETURN_IF_ERROR(
+        comms.world->all_gather(d_packed.get(), d_gathered.get(), slot_bytes).with_context("result gather"));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_host(gathered.data(), d_gathered.get(), gathered.size()));
+  }
   if (cr != 0) return StepResult{};
   std::vector<StepResult> results;
   for (int32_t k = 0; k < Pt; ++k) {

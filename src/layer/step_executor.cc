@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "layer/step_checks.h"
+#include "layer/step_timing_internal.h"
 
 namespace dsacp {
 Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache) {
@@ -50,6 +51,7 @@ Status check_block_table_pages(const BlockTable& table, const std::vector<int64_
 
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
+  PhaseClock clock;
   const PagedCacheConfig& cc = cache.config();
   DSACP_RETURN_IF_ERROR(check_step_config(config, cc));
   DSACP_ASSIGN_OR_RETURN(SingleDevicePlan plan,
@@ -78,6 +80,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   w.rows = in.idx_k;
   w.pool = cache.index_keys();
   DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (indexer keys)"));
+  clock.mark(&StepPhaseTimes::kv_ms);
 
   QueryRowsView rows;
   rows.num_tokens = T;
@@ -98,6 +101,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ip.block_table = bt;
   ip.topk = out.topk;
   DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
+  clock.mark(&StepPhaseTimes::topk_ms);
 
   // 3. Sparse MLA attention over the chosen keys.
   SparseMlaParams ap;
@@ -118,7 +122,10 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ap.out_dtype = config.out_dtype;
   ap.lse = out.lse;
   DSACP_RETURN_IF_ERROR(sparse_mla_run(backend, ap).with_context("sparse MLA"));
-  return backend.synchronize();
+  DSACP_RETURN_IF_ERROR(backend.synchronize());
+  clock.mark(&StepPhaseTimes::attention_ms);
+  clock.finish();
+  return Status();
 }
 
 }  // namespace dsacp

@@ -101,7 +101,17 @@ TEST(Cli, MpiLauncherChecksTheWorldSize) {
   } else {
     EXPECT_NE(r.output.find("unsupported: built without MPI"), std::string::npos) << r.output;
   }
-  EXPECT_EQ(run_cli("replay c.safetensors --out x.safetensors --launcher mpi --device cuda").code, 2);
+  // --launcher env: GPU ranks only, and the torchrun-style variables must be set.
+  r = run_cli("replay c.safetensors --out x.safetensors --launcher env");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--launcher env runs GPU ranks"), std::string::npos) << r.output;
+  ::unsetenv("RANK");
+  r = run_cli("replay c.safetensors --out x.safetensors --launcher env --device cuda");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("RANK is not set"), std::string::npos) << r.output;
+  r = run_cli("replay c.safetensors --out x.safetensors --nccl-id-file /tmp/id");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--nccl-id-file applies to --launcher env"), std::string::npos) << r.output;
   EXPECT_EQ(run_cli("replay c.safetensors --out x.safetensors --launcher slurm").code, 2);
 }
 

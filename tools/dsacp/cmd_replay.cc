@@ -1,12 +1,14 @@
 // dsacp replay CASE --out RESULT: one batch step from a case file (contract §4).
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "commands.h"
 #include "dsacp/backend.h"
 #include "dsacp/case_file.h"
 #include "dsacp/mpi_context.h"
+#include "dsacp/nccl_communicator.h"
 #include "dsacp/replay.h"
 
 namespace dsacp::cli {
@@ -28,19 +30,65 @@ CommandSpec replay_spec() {
       {"--threads", "N", "CPU threads (0 = all cores)", "0"},
       {"--out-dtype", "f32|bf16", "dtype of out in the result file", "f32"},
       {"--page-seed", "N", "seed of the shuffled page order (0 = pages in order)", "24301"},
-      {"--device", "cpu|cuda", "backend (cuda: sm_90a GPU 0)", "cpu"},
-      {"--launcher", "threads|mpi",
-       "CP ranks as threads of this process, or one rank per MPI process (run under mpirun -np P*D; CPU only)",
+      {"--device", "cpu|cuda", "backend (cuda: sm_90a GPUs)", "cpu"},
+      gpus_option(),
+      {"--launcher", "threads|mpi|env",
+       "CP ranks as threads of this process; one rank per MPI process (mpirun -np P*D; CPU ranks talk through "
+       "MPI, GPU ranks through NCCL on GPU LOCAL_RANK); or one rank per process started by another launcher "
+       "(torchrun style: RANK, WORLD_SIZE, LOCAL_RANK in the environment; --device cuda, NCCL)",
        "threads"},
+      {"--nccl-id-file", "PATH", "--launcher env: rank 0 writes the NCCL id there, the others wait for it", ""},
   };
   for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   return s;
 }
 
+// The part of a process-per-rank replay after its communicators exist: the rank's step, the result gathered
+// to rank 0, which writes it. An error of this rank aborts the communicators, so no peer waits for it (MPI:
+// the job ends; NCCL in other processes: their waits time out).
+int replay_as_rank(const std::string& case_path, const std::string& out_path, const ReplayOptions& options,
+                   const CaseFile& c, Backend& backend, const CpComms& comms, const std::string& how) {
+  const int32_t cr = comms.world->rank();
+  auto abort_with = [&](const Status& s) {
+    const int code = report_error("replay", s);
+    comms.world->abort("rank " + std::to_string(cr) + ": " + s.to_string());
+    return code;
+  };
+  auto result = replay_case_rank(backend, c, options, comms);
+  if (!result.ok()) return abort_with(result.status().with_context(case_path + ", CP rank " + std::to_string(cr)));
+  if (cr == 0) {
+    if (Status s = result_write(out_path, *result); !s.ok()) return abort_with(s);
+    std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d (%s, %d processes) -> %s\n",
+                 static_cast<long long>(c.num_tokens()), c.requests.size(), c.topk, options.layout.P,
+                 options.layout.D, how.c_str(), comms.world->size(), out_path.c_str());
+  }
+  // Every process leaves together: no rank tears down its communicators while rank 0 is still writing.
+  if (Status s = comms.world->barrier(); !s.ok()) return abort_with(s);
+  return 0;
+}
+
+// NCCL communicators of world rank `rank` (world, PCP group: same d ranked by r, DCP group: same r ranked by d).
+struct NcclRankComms {
+  std::unique_ptr<NcclCommunicator> world, pcp, dcp;
+  CpComms comms() const { return CpComms{world.get(), pcp.get(), dcp.get()}; }
+};
+Result<NcclRankComms> nccl_rank_comms(const NcclId& id, const CpLayout& layout, int rank, int device) {
+  NcclOptions o;
+  o.device = device;
+  o.timeout = std::chrono::milliseconds(layout.comm_timeout_ms);
+  NcclRankComms n;
+  DSACP_ASSIGN_OR_RETURN(n.world, NcclCommunicator::create(id, layout.num_ranks(), rank, o));
+  DSACP_ASSIGN_OR_RETURN(n.pcp, n.world->split(rank % layout.D, rank / layout.D));
+  DSACP_ASSIGN_OR_RETURN(n.dcp, n.world->split(rank / layout.D, rank % layout.D));
+  return n;
+}
+
 // --launcher mpi: this process is CP rank cr = MPI world rank (r = cr / D, d = cr % D). Errors every process
-// meets alike (the world size, the case file) are reported by rank 0 and every process returns; an error of
-// one rank after the communicators exist aborts the MPI job, so no peer waits for it.
-int replay_mpi(const std::string& case_path, const std::string& out_path, const ReplayOptions& options, int threads) {
+// meets alike (the world size, the case file) are reported by rank 0 and every process returns. CPU ranks talk
+// through MPI; GPU ranks through NCCL on GPU LOCAL_RANK (OMPI_COMM_WORLD_LOCAL_RANK), the NCCL id broadcast
+// over MPI.
+int replay_mpi(const std::string& case_path, const std::string& out_path, const ReplayOptions& options, int threads,
+               bool cuda) {
   auto fail = [](const Status& s) { return report_error("replay", s); };
   const CpLayout& layout = options.layout;
   auto mpi = MpiContext::init(std::chrono::milliseconds(layout.comm_timeout_ms));
@@ -59,29 +107,93 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
   const int32_t cr = ctx.rank();
   auto world = ctx.world();
   if (!world.ok()) return fail(world.status());
+  if (cuda) {
+    // Rank 0 makes the NCCL id; MPI carries it to the others.
+    NcclId id;
+    Status made;
+    if (leader) {
+      auto made_id = nccl_make_id();
+      if (made_id.ok()) id = *made_id;
+      made = made_id.status();
+    }
+    if (!made.ok()) {
+      (*world)->abort("rank 0: " + made.to_string());
+      return fail(made);
+    }
+    if (Status s = (*world)->broadcast(id.bytes.data(), id.bytes.size(), 0); !s.ok()) return fail(s);
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    const int device = local != nullptr ? std::atoi(local) : cr;
+    auto backend = make_cuda_backend(device);
+    if (!backend.ok()) {
+      (*world)->abort("rank " + std::to_string(cr) + ": " + backend.status().to_string());
+      return fail(backend.status().with_context("CP rank " + std::to_string(cr)));
+    }
+    auto nccl = nccl_rank_comms(id, layout, cr, device);
+    if (!nccl.ok()) {
+      (*world)->abort("rank " + std::to_string(cr) + ": " + nccl.status().to_string());
+      return fail(nccl.status().with_context("CP rank " + std::to_string(cr)));
+    }
+    return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->comms(), "MPI + NCCL");
+  }
   auto pcp = ctx.split(cr % layout.D, cr / layout.D);  // same d, ranked by r
   if (!pcp.ok()) return fail(pcp.status());
   auto dcp = ctx.split(cr / layout.D, cr % layout.D);  // same r, ranked by d
   if (!dcp.ok()) return fail(dcp.status());
-  const CpComms comms{world->get(), pcp->get(), dcp->get()};
-  auto abort_with = [&](const Status& s) {
-    const int code = fail(s);
-    comms.world->abort("rank " + std::to_string(cr) + ": " + s.to_string());
-    return code;
-  };
-
   std::unique_ptr<Backend> backend = make_cpu_backend(threads);
-  auto result = replay_case_rank(*backend, *c, options, comms);
-  if (!result.ok()) return abort_with(result.status().with_context(case_path + ", CP rank " + std::to_string(cr)));
-  if (leader) {
-    if (Status s = result_write(out_path, *result); !s.ok()) return abort_with(s);
-    std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d (MPI, %d processes) -> %s\n",
-                 static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout.P, layout.D, ctx.size(),
-                 out_path.c_str());
+  return replay_as_rank(case_path, out_path, options, *c, *backend, CpComms{world->get(), pcp->get(), dcp->get()},
+                        "MPI");
+}
+
+Result<int64_t> env_int(const char* name, int64_t lo, int64_t hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return invalid_argument(std::string("--launcher env: ") + name + " is not set");
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (*v == '\0' || *end != '\0' || x < lo || x > hi) {
+    return invalid_argument(std::string("--launcher env: ") + name + "=\"" + v + "\", expected an integer in [" +
+                            std::to_string(lo) + ", " + std::to_string(hi) + "]");
   }
-  // Every process leaves together: no rank finalizes MPI while rank 0 is still writing.
-  if (Status s = comms.world->barrier(); !s.ok()) return abort_with(s);
-  return 0;
+  return x;
+}
+
+// --launcher env: one GPU rank per process, started by another launcher (RANK, WORLD_SIZE, LOCAL_RANK); NCCL
+// id through --nccl-id-file. Every process reports its own errors (prefixed with its rank).
+int replay_env(const std::string& case_path, const std::string& out_path, const ReplayOptions& options,
+               const std::string& id_path) {
+  const CpLayout& layout = options.layout;
+  auto rank = env_int("RANK", 0, 1 << 20);
+  auto size = env_int("WORLD_SIZE", 1, 1 << 20);
+  auto local = env_int("LOCAL_RANK", 0, 1 << 20);
+  for (const Status& s : {rank.status(), size.status(), local.status()}) {
+    if (!s.ok()) return report_error("replay", s);
+  }
+  const std::string who = "rank " + std::to_string(*rank);
+  auto fail = [&](const Status& s) { return report_error("replay", s.with_context(who)); };
+  if (*size != layout.num_ranks()) {
+    return fail(invalid_argument("WORLD_SIZE=" + std::to_string(*size) + ", the layout P=" + std::to_string(layout.P) +
+                                 " x D=" + std::to_string(layout.D) + " needs " + std::to_string(layout.num_ranks()) +
+                                 " processes"));
+  }
+  if (*rank >= *size) return fail(invalid_argument("RANK must be < WORLD_SIZE"));
+  if (id_path.empty()) return fail(invalid_argument("--launcher env needs --nccl-id-file PATH (shared by every rank)"));
+  auto c = case_read(case_path);
+  if (!c.ok()) return fail(c.status());
+  auto backend = make_cuda_backend(static_cast<int>(*local));
+  if (!backend.ok()) return fail(backend.status().with_context("LOCAL_RANK " + std::to_string(*local)));
+  NcclId id;
+  if (*rank == 0) {
+    auto made = nccl_make_id();
+    if (!made.ok()) return fail(made.status());
+    id = *made;
+    if (Status s = nccl_id_write(id_path, id); !s.ok()) return fail(s);
+  } else {
+    auto read = nccl_id_read(id_path, std::chrono::milliseconds(layout.comm_timeout_ms));
+    if (!read.ok()) return fail(read.status());
+    id = *read;
+  }
+  auto nccl = nccl_rank_comms(id, layout, static_cast<int>(*rank), static_cast<int>(*local));
+  if (!nccl.ok()) return fail(nccl.status());
+  return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->comms(), "NCCL");
 }
 
 }  // namespace
@@ -107,7 +219,9 @@ int cmd_replay(const std::vector<std::string>& argv) {
     if (!s.ok()) return fail(s);
   }
 
-  auto launcher = args.get_choice("--launcher", "threads", {"threads", "mpi"});
+  auto launcher = args.get_choice("--launcher", "threads", {"threads", "mpi", "env"});
+  auto gpus = args.get_int("--gpus", 0, 1, 1024);
+  if (!gpus.ok()) return fail(gpus.status());
   if (!launcher.ok()) return fail(launcher.status());
   auto layout = read_layout(args, 1, 1);
   if (!layout.ok()) return fail(layout.status());
@@ -118,32 +232,28 @@ int cmd_replay(const std::vector<std::string>& argv) {
   options.layout = *layout;
   const std::string case_path = args.positionals()[0];
   const std::string out_path = *args.get("--out");
-  if (*launcher == "mpi") {
-    if (*device != "cpu") return fail(unsupported("--launcher mpi runs CPU ranks only (--device cpu)"));
-    return replay_mpi(case_path, out_path, options, static_cast<int>(*threads));
+  if (*launcher != "threads" && *gpus != 0) return fail(invalid_argument("--gpus applies to --launcher threads"));
+  if (*launcher != "env" && args.has("--nccl-id-file")) {
+    return fail(invalid_argument("--nccl-id-file applies to --launcher env"));
+  }
+  if (*launcher == "mpi") return replay_mpi(case_path, out_path, options, static_cast<int>(*threads), *device == "cuda");
+  if (*launcher == "env") {
+    if (*device != "cuda") {
+      return fail(unsupported("--launcher env runs GPU ranks (--device cuda); CPU ranks as processes: --launcher mpi"));
+    }
+    return replay_env(case_path, out_path, options, args.get("--nccl-id-file").value_or(""));
   }
 
   auto c = case_read(case_path);
   if (!c.ok()) return fail(c.status());
-
-  std::unique_ptr<Backend> backend;
-  if (*device == "cuda" && layout->num_ranks() > 1) {
-    return fail(unsupported("--device cuda replays the single-device layout only (--pcp 1 --dcp 1) for now: "
-                            "the in-process CP communicator copies rank buffers with host memcpy"));
-  }
-  if (*device == "cuda") {
-    auto cuda = make_cuda_backend(0);
-    if (!cuda.ok()) return fail(cuda.status().with_context("--device cuda"));
-    backend = std::move(cuda).value();
-  } else {
-    backend = make_cpu_backend(static_cast<int>(*threads));
-  }
-  auto result = replay_case(*backend, *c, options);
+  auto backends = make_rank_backends(*device, *gpus, *layout, static_cast<int>(*threads));
+  if (!backends.ok()) return fail(backends.status());
+  auto result = replay_case(backends->ranks, *c, options);
   if (!result.ok()) return fail(result.status().with_context(case_path));
   if (Status s = result_write(out_path, *result); !s.ok()) return fail(s);
-  std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d -> %s\n",
+  std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d on %s -> %s\n",
                static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout->P, layout->D,
-               out_path.c_str());
+               backends->description.c_str(), out_path.c_str());
   return 0;
 }
 

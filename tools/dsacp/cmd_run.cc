@@ -49,7 +49,8 @@ CommandSpec run_spec() {
       {"--samples", "N", "tokens checked against fp64 per step", "4"},
       {"--seed", "N", "workload seed", "1"},
       {"--threads", "N", "CPU threads (0 = all cores)", "0"},
-      {"--device", "cpu|cuda", "backend (cuda: sm_90a GPU 0)", "cpu"},
+      {"--device", "cpu|cuda", "backend (cuda: sm_90a GPUs)", "cpu"},
+      gpus_option(),
       {"--json", "", "print the summary as JSON on stdout", ""},
       {"--no-progress", "", "no progress bar", ""},
   };
@@ -71,6 +72,7 @@ struct RunConfig {
   bool json, progress;
   CpLayout layout;
   bool cuda = false;  // --device cuda
+  int64_t gpus = 0;   // --gpus (0 = default)
 };
 
 struct RequestState {
@@ -105,6 +107,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   DSACP_ASSIGN_OR_RETURN(int64_t Dr, geti("--rope-dim", 64, 1, 8192));
   DSACP_ASSIGN_OR_RETURN(std::string device, a.get_choice("--device", "cpu", {"cpu", "cuda"}));
   c.cuda = device == "cuda";
+  DSACP_ASSIGN_OR_RETURN(c.gpus, a.get_int("--gpus", 0, 1, 1024));
   // The CUDA indexer runs DeepSeek-V3.2's 64 indexer heads; the CPU default keeps the main job quick.
   DSACP_ASSIGN_OR_RETURN(int64_t Hi, geti("--index-heads", c.cuda ? 64 : 16, 1, 1024));
   DSACP_ASSIGN_OR_RETURN(int64_t Di, geti("--index-dim", 128, 1, 8192));
@@ -179,22 +182,10 @@ int cmd_run(const std::vector<std::string>& argv) {
     pages_needed += sharding.pages_needed(max_len, cfg.page_size);
     total_tokens += reqs[b].prompt_len + cfg.decode_steps;  // decode progress counts steps
   }
-  std::unique_ptr<Backend> backend;
-  if (cfg.cuda && cfg.layout.num_ranks() > 1) {
-    // The in-process communicator and the CP cluster move rank buffers with host memcpy; on device memory that
-    // would crash. Refuse until they are device-aware (cudaMemcpy / NCCL).
-    return fail(unsupported("--device cuda runs the single-device layout only (--pcp 1 --dcp 1) for now: "
-                            "the in-process CP communicator copies rank buffers with host memcpy"));
-  }
-  if (cfg.cuda) {
-    auto cuda = make_cuda_backend(0);
-    if (!cuda.ok()) return fail(cuda.status().with_context("--device cuda"));
-    backend = std::move(cuda).value();
-  } else {
-    backend = make_cpu_backend(cfg.threads);
-  }
+  auto backends = make_rank_backends(cfg.cuda ? "cuda" : "cpu", cfg.gpus, cfg.layout, cfg.threads);
+  if (!backends.ok()) return fail(backends.status());
   PagedCacheConfig cc{pages_needed, cfg.page_size, d.Dl, d.Dr, d.Di, cfg.dtype};
-  auto cluster = LocalCpCluster::create(*backend, cfg.layout, cc);
+  auto cluster = LocalCpCluster::create(backends->ranks, cfg.layout, cc);
   if (!cluster.ok()) return fail(cluster.status());
   PageAllocator allocator(cc.num_pages, cfg.seed);
 
@@ -348,7 +339,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   }
   if (cfg.json) {
     std::printf(
-        "{\"command\":\"run\",\"device\":\"%s\",\"threads\":%d,\"requests\":%d,\"prompt_len\":[%lld,%lld],"
+        "{\"command\":\"run\",\"device\":\"%s\",\"backend\":\"%s\",\"transport\":\"%s\",\"threads\":%d,\"requests\":%d,\"prompt_len\":[%lld,%lld],"
         "\"chunk\":%d,\"decode_steps\":%d,\"mtp\":%d,\"dims\":{\"H\":%d,\"Dl\":%d,\"Dr\":%d,\"Hi\":%d,\"Di\":%d,"
         "\"K\":%d},\"page_size\":%d,\"dtype\":\"%s\",\"seed\":%llu,"
         "\"prefill\":{\"steps\":%lld,\"tokens\":%lld,\"seconds\":%.6f,\"tokens_per_s\":%.3f},"
@@ -357,7 +348,8 @@ int cmd_run(const std::vector<std::string>& argv) {
         "\"interleave\":%d,\"indexer\":\"%s\",\"dsa_cp\":%s,\"pcp_decode\":\"%s\",\"kv_bytes_per_rank\":[%s],"
         "\"check\":{\"tokens\":%lld,\"topk_exact\":%lld,\"near_tie_swaps\":%lld,\"failures\":%lld,"
         "\"max_out_rel_err\":%.3e,\"max_lse_abs_err\":%.3e,\"pass\":%s},\"wall_seconds\":%.3f}\n",
-        cfg.cuda ? "cuda" : "cpu", cfg.threads, cfg.requests,
+        cfg.cuda ? "cuda" : "cpu", backends->description.c_str(), (*cluster)->transport().c_str(), cfg.threads,
+        cfg.requests,
         static_cast<long long>(cfg.prompt.first), static_cast<long long>(cfg.prompt.second), cfg.chunk,
         cfg.decode_steps, cfg.mtp, d.H, d.Dl, d.Dr, d.Hi, d.Di, d.K, cfg.page_size, dtype_name(cfg.dtype),
         static_cast<unsigned long long>(cfg.seed), static_cast<long long>(prefill_stats.steps),
@@ -375,12 +367,13 @@ int cmd_run(const std::vector<std::string>& argv) {
                 cfg.requests, static_cast<long long>(cfg.prompt.first), static_cast<long long>(cfg.prompt.second),
                 cfg.chunk, cfg.decode_steps, cfg.mtp);
     std::printf("  H=%d Dl=%d Dr=%d Hi=%d Di=%d K=%d, page size %d, %s, %s backend\n", d.H, d.Dl, d.Dr, d.Hi,
-                d.Di, d.K, cfg.page_size, dtype_name(cfg.dtype), cfg.cuda ? "cuda" : "cpu");
+                d.Di, d.K, cfg.page_size, dtype_name(cfg.dtype), backends->description.c_str());
     if (sharding.Pt == 1) {
       std::printf("  layout: single device\n\n");
     } else {
-      std::printf("  layout: P=%d x D=%d (%d ranks%s), interleave %d, %s indexer, decodes by %s\n\n", cfg.layout.P,
-                  cfg.layout.D, sharding.Pt, cfg.layout.dsa_cp ? ", DSA-CP" : "", sharding.I,
+      std::printf("  layout: P=%d x D=%d (%d ranks%s, %s), interleave %d, %s indexer, decodes by %s\n\n",
+                  cfg.layout.P, cfg.layout.D, sharding.Pt, cfg.layout.dsa_cp ? ", DSA-CP" : "",
+                  (*cluster)->transport().c_str(), sharding.I,
                   cfg.layout.indexer == IndexerMode::kSharded ? "sharded" : "replicated",
                   cfg.layout.decode_mode == DecodeMode::kLocalMerge ? "local attention + LSE merge" : "gathered KV");
     }

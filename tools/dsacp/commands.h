@@ -2,10 +2,12 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "args.h"
+#include "dsacp/backend.h"
 #include "dsacp/cp_step.h"
 
 namespace dsacp::cli {
@@ -18,6 +20,17 @@ int cmd_make_case(const std::vector<std::string>& args);
 // their reading, with the command's default P and D.
 std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D);
 Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t default_D);
+
+// The backends of a layout's ranks: ranks[cr] runs CP rank cr. --device cpu: one CPU backend for every rank;
+// --device cuda: one GPU per rank (rank cr on GPU cr; NCCL between them) or, with --gpus 1, every rank on GPU 0.
+struct RankBackends {
+  std::vector<std::unique_ptr<Backend>> owned;
+  std::vector<Backend*> ranks;
+  std::string description;
+};
+OptionSpec gpus_option();
+// gpus = 0: the default (one per rank when the machine has enough GPUs).
+Result<RankBackends> make_rank_backends(const std::string& device, int64_t gpus, const CpLayout& layout, int threads);
 
 // Prints "dsacp <cmd>: error: <message>" to stderr and returns the exit code for the status
 // (2 for invalid arguments, 1 otherwise).

@@ -1,4 +1,7 @@
 // The CUDA backend (sm_90a): device memory, copies, and the step's kernels on one stream.
+// Memory comes from the device's stream-ordered pool (cudaMallocAsync, kept cached): cudaMalloc/cudaFree would
+// synchronize the device (and, with peer access on, its peers), which stalls behind NCCL kernels in flight and
+// can deadlock ranks that are threads of one process (NCCL's "concurrency with CUDA calls" rule).
 // Thread-safe (calls are serialized). Each kernel call validates what the backend supports, launches, then reads the launch's device error word
 // (one small device-to-host copy and a stream synchronization) so that a bad page id, request row or slot comes
 // back as a Status from the same call. Every CUDA call is checked; nothing aborts.
@@ -24,14 +27,16 @@ using cuda::LaunchContext;
 struct Scratch {
   void* ptr = nullptr;
   size_t bytes = 0;
+  cudaStream_t stream = nullptr;
   Status reserve(size_t want) {
     if (want <= bytes) return Status::ok_status();
     if (ptr != nullptr) {
-      DSACP_CUDA_RETURN_IF_ERROR(cudaFree(ptr));
+      DSACP_CUDA_RETURN_IF_ERROR(cudaFreeAsync(ptr, stream));
       ptr = nullptr;
       bytes = 0;
     }
-    const cudaError_t err = cudaMalloc(&ptr, want);
+    cudaError_t err = cudaMallocAsync(&ptr, want, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) {
       ptr = nullptr;
       (void)cudaGetLastError();
@@ -42,7 +47,7 @@ struct Scratch {
     return Status::ok_status();
   }
   void release() {
-    if (ptr != nullptr) (void)cudaFree(ptr);
+    if (ptr != nullptr) (void)cudaFreeAsync(ptr, stream);
     ptr = nullptr;
     bytes = 0;
   }
@@ -51,31 +56,40 @@ struct Scratch {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, int num_sms, cudaStream_t stream, int32_t* err_dev, int32_t* err_host)
-      : device_(device), num_sms_(num_sms), stream_(stream), err_dev_(err_dev), err_host_(err_host) {}
+      : device_(device), num_sms_(num_sms), stream_(stream), err_dev_(err_dev), err_host_(err_host) {
+    for (Scratch* s : {&plan_items_, &plan_offsets_, &scores_, &mla_ws_}) s->stream = stream_;
+  }
   ~CudaBackend() override {
     (void)cudaSetDevice(device_);
     (void)cudaStreamSynchronize(stream_);
     for (Scratch* s : {&plan_items_, &plan_offsets_, &scores_, &mla_ws_}) s->release();
+    (void)cudaStreamSynchronize(stream_);
     (void)cudaFree(err_dev_);
     (void)cudaFreeHost(err_host_);
     (void)cudaStreamDestroy(stream_);
   }
 
   std::string name() const override { return "cuda:" + std::to_string(device_); }
+  int cuda_device() const override { return device_; }
 
+  // From the device's default memory pool, ready for any stream when it returns (the allocating stream is
+  // synchronized). Freed in stream order on the legacy stream of the freeing thread: every user of a buffer has
+  // finished by then (kernel calls synchronize, collectives are waited on before their buffers go).
   Result<DeviceBuffer> allocate(size_t bytes) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+    cudaError_t err = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream_);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      return resource_exhausted("CUDA backend: cudaMalloc of " + std::to_string(bytes) + " bytes failed: " +
-                                cudaGetErrorName(err));
+      return resource_exhausted("CUDA backend: allocation of " + std::to_string(bytes) + " bytes on device " +
+                                std::to_string(device_) + " failed: " + cudaGetErrorName(err));
     }
     const int device = device_;
     return DeviceBuffer(p, bytes, [device](void* q) {
       (void)cudaSetDevice(device);
-      (void)cudaFree(q);
+      (void)cudaFreeAsync(q, cudaStreamPerThread);
     });
   }
 
@@ -251,6 +265,16 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
+Result<int> cuda_device_count() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return unsupported(std::string("no usable CUDA device (") + cudaGetErrorName(err) + ")");
+  }
+  return count;
+}
+
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
@@ -270,6 +294,11 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
     return unsupported("CUDA backend: built for sm_90a (H100/H200); device " + std::to_string(device) + " (" +
                        prop.name + ") is sm_" + std::to_string(prop.major) + std::to_string(prop.minor));
   }
+  // Keep freed memory in the device's pool (the default threshold 0 returns it at every synchronization).
+  cudaMemPool_t pool = nullptr;
+  DSACP_CUDA_RETURN_IF_ERROR(cudaDeviceGetDefaultMemPool(&pool, device));
+  uint64_t keep = UINT64_MAX;
+  DSACP_CUDA_RETURN_IF_ERROR(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   cudaStream_t stream = nullptr;
   DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int32_t* err_dev = nullptr;

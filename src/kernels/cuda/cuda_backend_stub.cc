@@ -8,4 +8,8 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
   return unsupported("this dsacp was built without CUDA (configure with -DDSACP_ENABLE_CUDA=ON and nvcc on PATH)");
 }
 
+Result<int> cuda_device_count() {
+  return unsupported("this dsacp was built without CUDA (configure with -DDSACP_ENABLE_CUDA=ON and nvcc on PATH)");
+}
+
 }  // namespace dsacp

@@ -1,0 +1,417 @@
+// Context-parallel scaling on the GPUs of one machine (NCCL, one thread per GPU), against one GPU in the same
+// run: PCP prefill of one long request (32K, 128K tokens), DCP decode at batch 64 with 32K and 128K contexts
+// (sharded and replicated indexer), and NCCL all-gather / all-to-all bus bandwidth in the style of
+// nccl-tests. Whole steps through the executors (step_run on one GPU, cp_step_run per rank) with device-resident
+// inputs: host planning, uploads, kernels, collectives. Each rank's phases (StepPhaseRecorder) and its
+// communicators' statistics (device time of the collectives, time blocked in wait) give compute vs
+// communication and the overlap. Median of the timed reps after one warm-up; a step's time is the slowest
+// rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
+// Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--quick]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/cp_step.h"
+#include "dsacp/dtype.h"
+#include "dsacp/nccl_communicator.h"
+#include "dsacp/random.h"
+#include "dsacp/step.h"
+#include "dsacp/step_timing.h"
+
+using namespace dsacp;
+
+namespace {
+
+void die_if(const Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s failed: %s\n", what, s.to_string().c_str());
+    std::exit(2);
+  }
+}
+template <typename T>
+T take(Result<T> r, const char* what) {
+  die_if(r.status(), what);
+  return std::move(r).value();
+}
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+template <typename F>
+void on_ranks(int n, F f) {
+  std::vector<std::thread> t;
+  for (int r = 0; r < n; ++r) t.emplace_back([&f, r] { f(r); });
+  for (auto& x : t) x.join();
+}
+
+// 64 MiB of random bf16 in [-1, 1), tiled over a buffer (no two indexer keys of a 128K context repeat).
+const std::vector<uint16_t>& random_block() {
+  static std::vector<uint16_t> block = [] {
+    std::vector<uint16_t> b(32u << 20);
+    for (size_t i = 0; i < b.size(); ++i) {
+      b[i] = f32_to_bf16(static_cast<float>((counter_hash(7, 1, i) >> 40) * (2.0 / 16777216.0) - 1.0)).bits;
+    }
+    return b;
+  }();
+  return block;
+}
+
+void fill_random(Backend& be, void* p, size_t bytes) {
+  const auto& b = random_block();
+  const size_t chunk = std::min(bytes, b.size() * 2);
+  die_if(be.copy_to_device(p, b.data(), chunk), "upload random block");
+  for (size_t at = chunk; at < bytes; at += chunk) {
+    die_if(be.copy_on_device(static_cast<char*>(p) + at, p, std::min(chunk, bytes - at)), "tile random block");
+  }
+}
+
+DeviceBuffer random_buffer(Backend& be, size_t bytes) {
+  DeviceBuffer b = take(be.allocate(std::max<size_t>(bytes, 2)), "allocate");
+  fill_random(be, b.get(), bytes);
+  return b;
+}
+
+StepConfig config() {
+  StepConfig c;
+  c.H = 128;
+  c.Dl = 512;
+  c.Dr = 64;
+  c.Hi = 64;
+  c.Di = 128;
+  c.K = 2048;
+  c.scale = 0.0723f;
+  c.act_dtype = DType::kBF16;
+  c.out_dtype = DType::kBF16;
+  return c;
+}
+
+// A rank's (or the one GPU's) step buffers: rows of `heads` heads, out_rows output rows.
+struct StepBuffers {
+  DeviceBuffer q_nope, q_rope, kv, kr, iq, iw, ik, topk, out, lse;
+  StepInputs in() const {
+    return {q_nope.get(), q_rope.get(), kv.get(), kr.get(), iq.get(), iw.as<const float>(), ik.get()};
+  }
+  StepOutputs outs() const { return {topk.as<int32_t>(), out.get(), lse.as<float>()}; }
+};
+
+StepBuffers step_buffers(Backend& be, const StepConfig& c, int64_t rows, int64_t heads, int64_t out_rows) {
+  StepBuffers b;
+  const size_t bf = 2;
+  b.q_nope = random_buffer(be, rows * heads * c.Dl * bf);
+  b.q_rope = random_buffer(be, rows * heads * c.Dr * bf);
+  b.kv = random_buffer(be, rows * c.Dl * bf);
+  b.kr = random_buffer(be, rows * c.Dr * bf);
+  b.iq = random_buffer(be, rows * c.Hi * c.Di * bf);
+  std::vector<float> w(static_cast<size_t>(std::max<int64_t>(rows * c.Hi, 1)));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((counter_hash(9, 2, i) >> 40) / 16777216.0);
+  b.iw = take(be.allocate(w.size() * sizeof(float)), "allocate");
+  die_if(be.copy_to_device(b.iw.get(), w.data(), w.size() * sizeof(float)), "upload weights");
+  b.ik = random_buffer(be, rows * c.Di * bf);
+  b.topk = take(be.allocate(std::max<int64_t>(out_rows, 1) * c.K * 4), "allocate");
+  b.out = take(be.allocate(std::max<int64_t>(out_rows, 1) * heads * c.Dl * bf), "allocate");
+  b.lse = take(be.allocate(std::max<int64_t>(out_rows, 1) * heads * 4), "allocate");
+  return b;
+}
+
+// Every request's pages in order: request b owns pages [b * pages, (b + 1) * pages).
+BlockTable ordered_table(int32_t R, int32_t pages) {
+  BlockTable t;
+  t.num_requests = R;
+  t.max_pages = pages;
+  t.data.resize(static_cast<size_t>(R) * pages);
+  std::iota(t.data.begin(), t.data.end(), 0);
+  return t;
+}
+
+void fill_cache(Backend& be, const PagedKvCache& cache) {
+  for (const PagedPoolView& v : {cache.latent(), cache.rope(), cache.index_keys()}) {
+    fill_random(be, v.data, static_cast<size_t>(v.num_pages) * v.page_size * v.dim * 2);
+  }
+}
+
+struct Measure {
+  double step_ms = 0;
+  StepPhaseTimes phases;  // rank 0, per step (averaged over the timed reps)
+  double comm_busy_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
+  size_t kv_bytes_per_gpu = 0;
+};
+
+std::string measure_json(const Measure& m) {
+  char buf[512];
+  const double overlap = m.comm_busy_ms > 0 ? std::max(0.0, 1.0 - m.comm_wait_ms / m.comm_busy_ms) : 0.0;
+  std::snprintf(buf, sizeof buf,
+                "{\"step_ms\":%.4f,\"kv_ms\":%.4f,\"topk_ms\":%.4f,\"attention_ms\":%.4f,\"comm_busy_ms\":%.4f,"
+                "\"comm_wait_ms\":%.4f,\"comm_bytes\":%.0f,\"overlap\":%.3f,\"kv_bytes_per_gpu\":%zu}",
+                m.step_ms, m.phases.kv_ms, m.phases.topk_ms, m.phases.attention_ms, m.comm_busy_ms, m.comm_wait_ms,
+                m.comm_bytes, overlap, m.kv_bytes_per_gpu);
+  return buf;
+}
+
+void scale_phases(StepPhaseTimes& p, int n) {
+  if (n <= 0) return;
+  p.kv_ms /= n;
+  p.topk_ms /= n;
+  p.attention_ms /= n;
+  p.total_ms /= n;
+}
+
+// One GPU: step_run over `requests` (cache filled with random context first when `fill`).
+Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& requests, int reps, bool fill) {
+  int64_t T = 0;
+  int32_t max_pages = 0;
+  for (const Request& r : requests) {
+    T += r.query_len;
+    max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>((r.seq_len() + 63) / 64));
+  }
+  const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
+  PagedCacheConfig cc{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
+  PagedKvCache cache = take(PagedKvCache::create(be, cc, false), "cache");
+  if (fill) fill_cache(be, cache);
+  StepBuffers b = step_buffers(be, c, T, c.H, T);
+  Measure m;
+  m.kv_bytes_per_gpu = cache.bytes();
+  std::vector<double> times;
+  for (int i = 0; i <= reps; ++i) {
+    StepPhaseTimes phases;
+    const auto t0 = Clock::now();
+    {
+      StepPhaseRecorder rec(&phases);
+      die_if(step_run(be, c, requests, table, cache, b.in(), b.outs()), "step_run");
+    }
+    const double ms = ms_since(t0);
+    if (i == 0) continue;  // warm-up
+    times.push_back(ms);
+    m.phases.kv_ms += phases.kv_ms;
+    m.phases.topk_ms += phases.topk_ms;
+    m.phases.attention_ms += phases.attention_ms;
+  }
+  scale_phases(m.phases, reps);
+  m.step_ms = median(times);
+  return m;
+}
+
+// The ranks' NCCL communicators for a P x D layout (world, PCP group, DCP group), one thread per GPU.
+struct RankComms {
+  std::unique_ptr<NcclCommunicator> world, pcp, dcp;
+};
+std::vector<RankComms> make_comms(const CpLayout& layout) {
+  const int Pt = layout.num_ranks();
+  std::vector<RankComms> comms(static_cast<size_t>(Pt));
+  const NcclId id = take(nccl_make_id(), "nccl id");
+  on_ranks(Pt, [&](int cr) {
+    NcclOptions o;
+    o.device = cr;
+    o.timeout = std::chrono::seconds(300);
+    comms[cr].world = take(NcclCommunicator::create(id, Pt, cr, o), "nccl create");
+    comms[cr].pcp = take(comms[cr].world->split(cr % layout.D, cr / layout.D), "nccl split");
+    comms[cr].dcp = take(comms[cr].world->split(cr / layout.D, cr % layout.D), "nccl split");
+  });
+  return comms;
+}
+
+// P x D ranks, rank cr on GPU cr: cp_step_run over `requests`.
+Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c, const std::vector<Request>& requests,
+                const CpLayout& layout, int reps, bool fill) {
+  const int Pt = layout.num_ranks();
+  const KvSharding sharding = cp_kv_sharding(layout, 64);
+  int32_t max_pages = 0;
+  for (const Request& r : requests) {
+    max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), 64)));
+  }
+  const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
+  PagedCacheConfig per_rank{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
+  const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
+  std::vector<RankComms> comms = make_comms(layout);
+  std::vector<CpRankPlan> plans;
+  for (int cr = 0; cr < Pt; ++cr) {
+    plans.push_back(take(cp_rank_plan(requests, layout, cr / layout.D, cr % layout.D, table, 64, c.decode_threshold, c.H),
+                         "cp_rank_plan"));
+  }
+  std::vector<PagedKvCache> caches;
+  std::vector<StepBuffers> bufs(static_cast<size_t>(Pt));
+  for (int cr = 0; cr < Pt; ++cr) caches.push_back(take(PagedKvCache::create(*gpus[cr], cc, false), "cache"));
+  on_ranks(Pt, [&](int cr) {
+    if (fill) fill_cache(*gpus[cr], caches[cr]);
+    bufs[cr] = step_buffers(*gpus[cr], c, plans[cr].num_rows, plans[cr].num_heads, plans[cr].output_rows);
+  });
+  Measure m;
+  m.kv_bytes_per_gpu = caches[0].bytes();
+  std::vector<double> times;
+  std::vector<double> rank_ms(static_cast<size_t>(Pt));
+  std::vector<StepPhaseTimes> phases(static_cast<size_t>(Pt));
+  for (int i = 0; i <= reps; ++i) {
+    on_ranks(Pt, [&](int cr) {
+      RankComms& rc = comms[cr];
+      die_if(rc.world->barrier(), "barrier");
+      for (auto* comm : {rc.world.get(), rc.pcp.get(), rc.dcp.get()}) comm->reset_stats();
+      StepPhaseTimes p;
+      const auto t0 = Clock::now();
+      {
+        StepPhaseRecorder rec(&p);
+        const CpComms cp{rc.world.get(), rc.pcp.get(), rc.dcp.get()};
+        die_if(cp_step_run(*gpus[cr], cp, c, requests, plans[cr], layout, sharding, table, caches[cr], bufs[cr].in(),
+                           bufs[cr].outs()),
+               "cp_step_run");
+      }
+      rank_ms[cr] = ms_since(t0);
+      phases[cr] = p;
+    });
+    if (i == 0) continue;
+    times.push_back(*std::max_element(rank_ms.begin(), rank_ms.end()));
+    m.phases.kv_ms += phases[0].kv_ms;
+    m.phases.topk_ms += phases[0].topk_ms;
+    m.phases.attention_ms += phases[0].attention_ms;
+    for (auto* comm : {comms[0].world.get(), comms[0].pcp.get(), comms[0].dcp.get()}) {
+      const CommStats s = comm->stats();
+      m.comm_busy_ms += s.busy_ms;
+      m.comm_wait_ms += s.wait_ms;
+      m.comm_bytes += static_cast<double>(s.bytes);
+    }
+  }
+  scale_phases(m.phases, reps);
+  m.comm_busy_ms /= reps;
+  m.comm_wait_ms /= reps;
+  m.comm_bytes /= reps;
+  m.step_ms = median(times);
+  on_ranks(Pt, [&](int cr) { comms[cr] = RankComms{}; });
+  return m;
+}
+
+CpLayout layout_of(int P, int D, IndexerMode indexer) {
+  CpLayout l;
+  l.P = P;
+  l.D = D;
+  l.indexer = indexer;
+  return l;
+}
+
+// nccl-tests style: size = the gathered (all-gather) or exchanged (all-to-all) bytes per rank; algbw = size /
+// time; busbw = algbw * (n - 1) / n.
+std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n, bool quick) {
+  std::vector<std::string> rows;
+  CpLayout l = layout_of(n, 1, IndexerMode::kSharded);
+  std::vector<RankComms> comms = make_comms(l);
+  std::printf("\n%-10s %12s %10s %10s %10s\n", "op", "size", "time us", "algbw GB/s", "busbw GB/s");
+  for (const char* op : {"all_gather", "all_to_all"}) {
+    for (size_t size = size_t{1} << 20; size <= (size_t{1} << 30); size <<= (quick ? 4 : 1)) {
+      const size_t per_rank = size / n;
+      std::vector<double> us(static_cast<size_t>(n));
+      on_ranks(n, [&](int r) {
+        DeviceBuffer send = take(be[r]->allocate(size), "allocate"), recv = take(be[r]->allocate(size), "allocate");
+        Communicator& c = *comms[r].world;
+        const int warm = 5, iters = size >= (size_t{256} << 20) ? 10 : 40;
+        for (int i = 0; i < warm + iters; ++i) {
+          if (i == warm) {
+            die_if(c.barrier(), "barrier");
+            c.reset_stats();
+          }
+          const bool ag = std::strcmp(op, "all_gather") == 0;
+          die_if(ag ? c.all_gather(send.get(), recv.get(), per_rank) : c.all_to_all(send.get(), recv.get(), per_rank),
+                 op);
+        }
+        us[r] = c.stats().busy_ms * 1000.0 / iters;
+      });
+      const double t = *std::max_element(us.begin(), us.end());
+      const double algbw = static_cast<double>(size) / (t * 1e-6) / 1e9;
+      const double bus = algbw * (n - 1) / n;
+      std::printf("%-10s %12zu %10.1f %10.1f %10.1f\n", op, size, t, algbw, bus);
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "{\"op\":\"%s\",\"ranks\":%d,\"bytes\":%zu,\"us\":%.2f,\"algbw\":%.2f,\"busbw\":%.2f}",
+                    op, n, size, t, algbw, bus);
+      rows.push_back(buf);
+    }
+  }
+  on_ranks(n, [&](int r) { comms[r] = RankComms{}; });
+  return rows;
+}
+
+void print_case(const char* name, const Measure& one, const Measure& cp) {
+  const double overlap = cp.comm_busy_ms > 0 ? std::max(0.0, 1.0 - cp.comm_wait_ms / cp.comm_busy_ms) : 0.0;
+  std::printf("%-34s 1 GPU %9.3f ms | CP %9.3f ms  speedup %5.2fx (ratio %.2f)  kv %.2f/%.2f/%.2f ms"
+              "  comm busy %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB\n",
+              name, one.step_ms, cp.step_ms, one.step_ms / cp.step_ms, cp.step_ms / one.step_ms, cp.phases.kv_ms,
+              cp.phases.topk_ms, cp.phases.attention_ms, cp.comm_busy_ms, cp.comm_wait_ms, 100 * overlap,
+              one.kv_bytes_per_gpu / 1073741824.0, cp.kv_bytes_per_gpu / 1073741824.0);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json, only;
+  int reps = 3;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--quick") quick = true;
+  }
+  auto count = cuda_device_count();
+  if (!count.ok() || *count < 2 || !nccl_available()) {
+    std::printf("needs 2 GPUs and NCCL (%s, %s)\n", count.ok() ? std::to_string(*count).c_str() : "no CUDA",
+                nccl_version().c_str());
+    return 77;
+  }
+  const int n = 2;  // the 2-GPU machine; wider layouts: issue #7
+  std::vector<std::unique_ptr<Backend>> gpus;
+  for (int g = 0; g < n; ++g) gpus.push_back(take(make_cuda_backend(g), "backend"));
+  const StepConfig c = config();
+  std::vector<std::string> cases, bus;
+  std::printf("dsacp CP scaling: %d GPUs, %s, H=%d K=%d, %d timed reps\n", n, nccl_version().c_str(), c.H, c.K, reps);
+  auto add = [&](const std::string& name, int64_t S, const char* layout, const Measure& one, const Measure& cp) {
+    print_case(name.c_str(), one, cp);
+    cases.push_back("{\"case\":\"" + name + "\",\"tokens\":" + std::to_string(S) + ",\"layout\":\"" + layout +
+                    "\",\"gpus\":" + std::to_string(n) + ",\"one_gpu\":" + measure_json(one) +
+                    ",\"cp\":" + measure_json(cp) + ",\"speedup\":" + std::to_string(one.step_ms / cp.step_ms) + "}");
+  };
+  if (only.empty() || only == "busbw") bus = busbw(gpus, n, quick);
+  if (only.empty() || only == "pcp") {
+    for (int64_t S : {int64_t{32768}, int64_t{131072}}) {
+      if (quick && S > 32768) continue;
+      const std::vector<Request> req{{static_cast<int32_t>(S), 0}};
+      const Measure one = one_gpu(*gpus[0], c, req, reps, false);
+      const Measure cp = cp_gpus(gpus, c, req, layout_of(2, 1, IndexerMode::kSharded), reps, false);
+      add("pcp prefill " + std::to_string(S / 1024) + "K", S, "P2", one, cp);
+    }
+  }
+  if (only.empty() || only == "dcp") {
+    for (int64_t S : {int64_t{32768}, int64_t{131072}}) {
+      if (quick && S > 32768) continue;
+      const std::vector<Request> req(64, Request{1, static_cast<int32_t>(S - 1)});
+      const Measure one = one_gpu(*gpus[0], c, req, reps, true);
+      for (IndexerMode mode : {IndexerMode::kSharded, IndexerMode::kReplicated}) {
+        const Measure cp = cp_gpus(gpus, c, req, layout_of(1, 2, mode), reps, true);
+        const std::string m = mode == IndexerMode::kSharded ? "sharded" : "replicated";
+        add("dcp decode b64 " + std::to_string(S / 1024) + "K " + m, S, ("D2 " + m).c_str(), one, cp);
+      }
+    }
+  }
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f == nullptr) return 2;
+    std::fprintf(f, "{\"gpus\":%d,\"nccl\":\"%s\",\"reps\":%d,\"cases\":[", n, nccl_version().c_str(), reps);
+    for (size_t i = 0; i < cases.size(); ++i) std::fprintf(f, "%s\n%s", i ? "," : "", cases[i].c_str());
+    std::fprintf(f, "],\"busbw\":[");
+    for (size_t i = 0; i < bus.size(); ++i) std::fprintf(f, "%s\n%s", i ? "," : "", bus[i].c_str());
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  return 0;
+}

@@ -1,0 +1,28 @@
+// Phase times of the steps a thread runs (for benchmarks and `dsacp run`): while a StepPhaseRecorder is alive,
+// every step_run / cp_step_run on its thread adds the host wall-clock time of its phases. The backends finish
+// each call before returning, so a phase's time is its device time plus launch gaps; under CP, time blocked in
+// collectives is counted in the phase that waits.
+#pragma once
+
+namespace dsacp {
+
+struct StepPhaseTimes {
+  int steps = 0;
+  double kv_ms = 0;         // planning, uploads, KV exchange and cache write
+  double topk_ms = 0;       // indexer + exact top-k (with the candidate exchange and merge under CP)
+  double attention_ms = 0;  // sparse MLA (with the query gathers, partial all-to-all and LSE merge under CP)
+  double total_ms = 0;
+};
+
+class StepPhaseRecorder {
+ public:
+  explicit StepPhaseRecorder(StepPhaseTimes* times);
+  ~StepPhaseRecorder();
+  StepPhaseRecorder(const StepPhaseRecorder&) = delete;
+  StepPhaseRecorder& operator=(const StepPhaseRecorder&) = delete;
+
+ private:
+  StepPhaseTimes* previous_;
+};
+
+}  // namespace dsacp

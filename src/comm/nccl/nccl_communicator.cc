@@ -1,0 +1,426 @@
+// NCCL communicator (dsacp/nccl_communicator.h): non-blocking NCCL communicators, one stream each, bounded
+// waits by polling CUDA events and ncclCommGetAsyncError.
+#include "dsacp/nccl_communicator.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdio>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+namespace dsacp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status nccl_error(ncclResult_t r, const std::string& what, ncclComm_t comm = nullptr) {
+  std::string msg = what + ": NCCL " + ncclGetErrorString(r);
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last != '\0') msg += " (" + std::string(last) + ")";
+  }
+  return Status(StatusCode::kBackendError, msg);
+}
+
+Status cuda_error(cudaError_t e, const std::string& what) {
+  return Status(StatusCode::kBackendError,
+                what + ": CUDA " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+// Short spins first (collectives of a decode step take tens of microseconds), then sleeps.
+void backoff(int iteration) {
+  if (iteration < 2000) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+// Polls a communicator until its asynchronous state leaves ncclInProgress (non-blocking creation, split and
+// enqueue), bounded by `timeout`. On failure or timeout the communicator is aborted and *comm set to null.
+Status settle(ncclComm_t* comm, const std::string& what, std::chrono::milliseconds timeout,
+              const std::shared_ptr<AbortSignal>& signal) {
+  const auto deadline = Clock::now() + timeout;
+  for (int i = 0;; ++i) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(*comm, &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess) return Status();
+    Status failure;
+    if (state != ncclInProgress) {
+      failure = nccl_error(state, what, *comm);
+    } else if (signal && signal->raised()) {
+      failure = Status(StatusCode::kBackendError, what + ": communicator aborted: " + signal->reason());
+    } else if (Clock::now() > deadline) {
+      failure = Status(StatusCode::kTimeout, what + " timed out after " + std::to_string(timeout.count()) +
+                                                 " ms (a peer did not arrive)");
+    }
+    if (!failure.ok()) {
+      (void)ncclCommAbort(*comm);
+      *comm = nullptr;
+      return failure;
+    }
+    backoff(i);
+  }
+}
+
+class NcclComm;
+
+class NcclHandle final : public CollectiveHandle {
+ public:
+  NcclHandle(NcclComm* comm, cudaEvent_t start, cudaEvent_t end, std::string what)
+      : comm_(comm), start_(start), end_(end), what_(std::move(what)) {}
+  ~NcclHandle() override;
+  Status wait() override;
+
+ private:
+  NcclComm* comm_;
+  cudaEvent_t start_, end_;
+  std::string what_;
+  bool waited_ = false;
+  Status result_;
+};
+
+class NcclComm final : public NcclCommunicator {
+ public:
+  NcclComm(ncclComm_t comm, int rank, int size, const NcclOptions& options, cudaStream_t stream, float* flag)
+      : comm_(comm), rank_(rank), size_(size), options_(options), stream_(stream), flag_(flag) {}
+
+  ~NcclComm() override {
+    (void)cudaSetDevice(options_.device);
+    if (comm_ != nullptr) {
+      // Flush and release; a peer that is gone must not hang the destructor.
+      ncclResult_t r = ncclCommFinalize(comm_);
+      if (r == ncclSuccess || r == ncclInProgress) {
+        const Status s = settle(&comm_, "NCCL finalize", options_.timeout, nullptr);
+        (void)s;
+      }
+      if (comm_ != nullptr) (void)ncclCommDestroy(comm_);
+    }
+    (void)cudaFree(flag_);
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int device() const override { return options_.device; }
+  CommStats stats() const override { return stats_; }
+  void reset_stats() override { stats_ = CommStats{}; }
+
+  Result<std::unique_ptr<CollectiveHandle>> all_gather_async(const void* send, void* recv, size_t bytes) override {
+    return launch("all_gather", bytes * (size_ - 1),
+                  [&] { return ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream_); }, bytes == 0);
+  }
+
+  Result<std::unique_ptr<CollectiveHandle>> all_to_all_async(const void* send, void* recv, size_t bytes) override {
+    return launch("all_to_all", bytes * (size_ - 1), [&] {
+      ncclResult_t r = ncclGroupStart();
+      for (int k = 0; k < size_ && r == ncclSuccess; ++k) {
+        r = ncclSend(static_cast<const char*>(send) + k * bytes, bytes, ncclUint8, k, comm_, stream_);
+        if (r == ncclSuccess) r = ncclRecv(static_cast<char*>(recv) + k * bytes, bytes, ncclUint8, k, comm_, stream_);
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    }, bytes == 0);
+  }
+
+  Result<std::unique_ptr<CollectiveHandle>> broadcast_async(void* buf, size_t bytes, int root) override {
+    if (root < 0 || root >= size_) {
+      return invalid_argument("broadcast root " + std::to_string(root) + " outside [0, " + std::to_string(size_) + ")");
+    }
+    return launch("broadcast", rank_ == root ? bytes * (size_ - 1) : 0,
+                  [&] { return ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_); }, bytes == 0);
+  }
+
+  Status barrier() override {
+    DSACP_ASSIGN_OR_RETURN(auto h, launch("barrier", 0, [&] {
+      return ncclAllReduce(flag_, flag_, 1, ncclFloat32, ncclSum, comm_, stream_);
+    }, false));
+    return h->wait();
+  }
+
+  void abort(const std::string& reason) override {
+    if (options_.abort_signal) options_.abort_signal->raise("rank " + std::to_string(rank_) + " failed: " + reason);
+    fail("rank " + std::to_string(rank_) + " aborted: " + reason);
+  }
+
+  Status all_gather_dim(const void* send, void* recv, void* scratch, int64_t outer, int64_t local_dim, int64_t inner,
+                        size_t elem_size) override {
+    if (outer < 0 || local_dim < 0 || inner < 0) return invalid_argument("all_gather_dim: negative extent");
+    const size_t row = static_cast<size_t>(local_dim * inner) * elem_size;
+    const size_t block = static_cast<size_t>(outer) * row;
+    if (outer == 1) return all_gather(send, recv, block);
+    DSACP_RETURN_IF_ERROR(all_gather(send, scratch, block));
+    if (row == 0) return Status();
+    for (int k = 0; k < size_; ++k) {
+      const cudaError_t e = cudaMemcpy2DAsync(static_cast<char*>(recv) + k * row, size_ * row,
+                                              static_cast<const char*>(scratch) + k * block, row, row,
+                                              static_cast<size_t>(outer), cudaMemcpyDeviceToDevice, stream_);
+      if (e != cudaSuccess) return cuda_error(e, "all_gather_dim rearrangement");
+    }
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    return e == cudaSuccess ? Status() : cuda_error(e, "all_gather_dim rearrangement");
+  }
+
+  Result<std::unique_ptr<NcclCommunicator>> split(int color, int key) override {
+    if (color < 0) return invalid_argument("NCCL split: color must be >= 0, got " + std::to_string(color));
+    DSACP_RETURN_IF_ERROR(usable());
+    const cudaError_t e = cudaSetDevice(options_.device);
+    if (e != cudaSuccess) return cuda_error(e, "NCCL split");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t child = nullptr;
+    const ncclResult_t r = ncclCommSplit(comm_, color, key, &child, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      const Status s = nccl_error(r, "NCCL split", comm_);
+      fail(s.message());
+      return s;
+    }
+    if (Status s = settle(&comm_, "NCCL split (parent)", options_.timeout, options_.abort_signal); !s.ok()) {
+      fail(s.message());
+      if (child != nullptr) (void)ncclCommAbort(child);
+      return s;
+    }
+    if (child == nullptr) return internal_error("NCCL split gave no communicator for color " + std::to_string(color));
+    DSACP_RETURN_IF_ERROR(settle(&child, "NCCL split", options_.timeout, options_.abort_signal));
+    return wrap(child, options_);
+  }
+
+  // A new communicator's resources around an initialized NCCL communicator (aborted on failure).
+  static Result<std::unique_ptr<NcclCommunicator>> wrap(ncclComm_t comm, const NcclOptions& options) {
+    int rank = 0, size = 0;
+    ncclResult_t r = ncclCommUserRank(comm, &rank);
+    if (r == ncclSuccess) r = ncclCommCount(comm, &size);
+    if (r != ncclSuccess) {
+      (void)ncclCommAbort(comm);
+      return nccl_error(r, "NCCL communicator rank/size");
+    }
+    cudaStream_t stream = nullptr;
+    float* flag = nullptr;
+    cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaMalloc(&flag, sizeof(float));
+    if (e != cudaSuccess) {
+      (void)ncclCommAbort(comm);
+      if (stream != nullptr) (void)cudaStreamDestroy(stream);
+      return cuda_error(e, "NCCL communicator stream");
+    }
+    return std::unique_ptr<NcclCommunicator>(new NcclComm(comm, rank, size, options, stream, flag));
+  }
+
+  // Called by NcclHandle::wait: polls the end event; fails on an async NCCL error, the shared abort signal or
+  // the timeout (then aborts the communicator).
+  Status wait_for(cudaEvent_t start, cudaEvent_t end, const std::string& what) {
+    const auto t0 = Clock::now();
+    const auto deadline = t0 + options_.timeout;
+    Status result;
+    for (int i = 0;; ++i) {
+      const cudaError_t q = cudaEventQuery(end);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) {
+        result = cuda_error(q, "rank " + std::to_string(rank_) + ": " + what);
+        break;
+      }
+      if (comm_ == nullptr) {
+        result = failure_status();
+        break;
+      }
+      ncclResult_t state = ncclSuccess;
+      (void)ncclCommGetAsyncError(comm_, &state);
+      if (state != ncclSuccess && state != ncclInProgress) {
+        result = nccl_error(state, "rank " + std::to_string(rank_) + ": " + what, comm_);
+        break;
+      }
+      if (options_.abort_signal && options_.abort_signal->raised()) {
+        result = Status(StatusCode::kBackendError, "communicator aborted: " + options_.abort_signal->reason());
+        break;
+      }
+      if (Clock::now() > deadline) {
+        result = Status(StatusCode::kTimeout, "rank " + std::to_string(rank_) + ": " + what + " timed out after " +
+                                                  std::to_string(options_.timeout.count()) + " ms (a peer did not arrive)");
+        break;
+      }
+      backoff(i);
+    }
+    stats_.wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (!result.ok()) {
+      fail(result.message());
+      return result;
+    }
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, start, end) == cudaSuccess) stats_.busy_ms += ms;
+    return Status();
+  }
+
+ private:
+  Status failure_status() const { return Status(StatusCode::kBackendError, "communicator aborted: " + failure_); }
+
+  Status usable() const {
+    if (comm_ == nullptr) return failure_status();
+    if (options_.abort_signal && options_.abort_signal->raised()) {
+      return Status(StatusCode::kBackendError, "communicator aborted: " + options_.abort_signal->reason());
+    }
+    return Status();
+  }
+
+  void fail(const std::string& reason) {
+    if (failure_.empty()) failure_ = reason;
+    if (comm_ != nullptr) {
+      (void)cudaSetDevice(options_.device);
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+  }
+
+  template <typename Enqueue>
+  Result<std::unique_ptr<CollectiveHandle>> launch(const char* what, size_t sent_bytes, Enqueue enqueue,
+                                                   bool empty = false) {
+    DSACP_RETURN_IF_ERROR(usable());
+    cudaError_t e = cudaSetDevice(options_.device);
+    cudaEvent_t start = nullptr, end = nullptr;
+    if (e == cudaSuccess) e = cudaEventCreate(&start);
+    if (e == cudaSuccess) e = cudaEventCreate(&end);
+    if (e == cudaSuccess) e = cudaEventRecord(start, stream_);
+    if (e != cudaSuccess) {
+      if (start != nullptr) (void)cudaEventDestroy(start);
+      if (end != nullptr) (void)cudaEventDestroy(end);
+      return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+    }
+    const std::string name = std::string("rank ") + std::to_string(rank_) + ": " + what;
+    Status s;
+    if (!empty) {
+      const ncclResult_t r = enqueue();
+      if (r == ncclInProgress) {
+        s = settle(&comm_, name, options_.timeout, options_.abort_signal);
+      } else if (r != ncclSuccess) {
+        s = nccl_error(r, name, comm_);
+      }
+    }
+    if (s.ok()) {
+      e = cudaEventRecord(end, stream_);
+      if (e != cudaSuccess) s = cuda_error(e, name);
+    }
+    if (!s.ok()) {
+      fail(s.message());
+      (void)cudaEventDestroy(start);
+      (void)cudaEventDestroy(end);
+      return s;
+    }
+    ++stats_.collectives;
+    stats_.bytes += static_cast<int64_t>(sent_bytes);
+    return std::unique_ptr<CollectiveHandle>(new NcclHandle(this, start, end, what));
+  }
+
+  ncclComm_t comm_;
+  int rank_, size_;
+  NcclOptions options_;
+  cudaStream_t stream_;
+  float* flag_;
+  std::string failure_;
+  CommStats stats_;
+};
+
+NcclHandle::~NcclHandle() {
+  if (!waited_) (void)wait();
+  (void)cudaEventDestroy(start_);
+  (void)cudaEventDestroy(end_);
+}
+
+Status NcclHandle::wait() {
+  if (!waited_) {
+    waited_ = true;
+    result_ = comm_->wait_for(start_, end_, what_);
+  }
+  return result_;
+}
+
+}  // namespace
+
+bool nccl_available() { return true; }
+
+std::string nccl_version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "NCCL (version unknown)";
+  return "NCCL " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+Result<NcclId> nccl_make_id() {
+  ncclUniqueId raw;
+  const ncclResult_t r = ncclGetUniqueId(&raw);
+  if (r != ncclSuccess) return nccl_error(r, "ncclGetUniqueId");
+  static_assert(sizeof(raw.internal) == sizeof(NcclId::bytes), "NCCL id size");
+  NcclId id;
+  std::copy(std::begin(raw.internal), std::end(raw.internal), id.bytes.begin());
+  return id;
+}
+
+Status nccl_id_write(const std::string& path, const NcclId& id) {
+  const std::string tmp = path + ".tmp." + std::to_string(static_cast<long long>(Clock::now().time_since_epoch().count()));
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return invalid_argument("cannot write the NCCL id file " + tmp);
+    f.write(id.bytes.data(), static_cast<std::streamsize>(id.bytes.size()));
+    if (!f) return invalid_argument("cannot write the NCCL id file " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return invalid_argument("cannot rename " + tmp + " to " + path);
+  }
+  return Status();
+}
+
+Result<NcclId> nccl_id_read(const std::string& path, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    std::ifstream f(path, std::ios::binary);
+    if (f) {
+      NcclId id;
+      f.read(id.bytes.data(), static_cast<std::streamsize>(id.bytes.size()));
+      if (f.gcount() == static_cast<std::streamsize>(id.bytes.size())) return id;
+      return invalid_argument("NCCL id file " + path + " holds " + std::to_string(f.gcount()) +
+                              " bytes, expected " + std::to_string(id.bytes.size()));
+    }
+    if (Clock::now() > deadline) {
+      return Status(StatusCode::kTimeout, "the NCCL id file " + path + " did not appear within " +
+                                              std::to_string(timeout.count()) + " ms (is rank 0 running?)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(const NcclId& id, int size, int rank,
+                                                                   const NcclOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return invalid_argument("NCCL communicator: rank " + std::to_string(rank) + " of " + std::to_string(size));
+  }
+  if (options.timeout.count() < 1) return invalid_argument("NCCL communicator: timeout must be >= 1 ms");
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return unsupported(std::string("NCCL communicator: no usable CUDA device (") + cudaGetErrorName(e) + ")");
+  }
+  if (options.device < 0 || options.device >= count) {
+    return invalid_argument("NCCL communicator: device " + std::to_string(options.device) + " outside [0, " +
+                            std::to_string(count) + ")");
+  }
+  e = cudaSetDevice(options.device);
+  if (e != cudaSuccess) return cuda_error(e, "NCCL communicator");
+  ncclUniqueId raw;
+  std::copy(id.bytes.begin(), id.bytes.end(), raw.internal);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, size, raw, rank, &config);
+  const std::string what = "NCCL init of rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                           " on device " + std::to_string(options.device);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    return nccl_error(r, what);
+  }
+  DSACP_RETURN_IF_ERROR(settle(&comm, what, options.timeout, options.abort_signal));
+  return NcclComm::wrap(comm, options);
+}
+
+}  // namespace dsacp

@@ -1,0 +1,16 @@
+#include "dsacp/step_timing.h"
+
+#include "layer/step_timing_internal.h"
+
+namespace dsacp {
+
+namespace {
+thread_local StepPhaseTimes* g_times = nullptr;
+}  // namespace
+
+StepPhaseRecorder::StepPhaseRecorder(StepPhaseTimes* times) : previous_(g_times) { g_times = times; }
+StepPhaseRecorder::~StepPhaseRecorder() { g_times = previous_; }
+
+StepPhaseTimes* current_step_phase_times() { return g_times; }
+
+}  // namespace dsacp

@@ -1,0 +1,35 @@
+// The executor's side of dsacp/step_timing.h: a clock that adds phase times to the thread's recorder, if any.
+#pragma once
+
+#include <chrono>
+
+#include "dsacp/step_timing.h"
+
+namespace dsacp {
+
+StepPhaseTimes* current_step_phase_times();
+
+class PhaseClock {
+ public:
+  PhaseClock() : times_(current_step_phase_times()), start_(Clock::now()), last_(start_) {}
+  // Adds the time since the previous mark to `phase` (a member of StepPhaseTimes).
+  void mark(double StepPhaseTimes::*phase) {
+    if (times_ == nullptr) return;
+    const auto now = Clock::now();
+    times_->*phase += std::chrono::duration<double, std::milli>(now - last_).count();
+    last_ = now;
+  }
+  // Call once, at the end of a successful step.
+  void finish() {
+    if (times_ == nullptr) return;
+    times_->total_ms += std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+    ++times_->steps;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  StepPhaseTimes* times_;
+  Clock::time_point start_, last_;
+};
+
+}  // namespace dsacp

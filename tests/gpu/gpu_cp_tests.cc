@@ -1,0 +1,446 @@
+// GPU context-parallel tests: the NCCL communicator (every collective against host math, split, a peer that
+// never arrives -> kTimeout, a peer that aborts -> an error naming it, both bounded), and every CP layout on
+// GPUs against one GPU on random batches (fresh seeds): ranks on 2 GPUs through NCCL, and wider layouts with
+// every rank on GPU 0 (device copies between threads). Top-k rows must be identical to one GPU's, out and lse
+// within tolerance; the single GPU is also compared with the CPU oracle.
+// Self-contained (no GoogleTest). Exit 0 = all passed, 1 = a failure, 77 = no usable GPU.
+// Usage: dsacp_gpu_cp_tests [--seed N] [--json FILE]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/case_file.h"
+#include "dsacp/nccl_communicator.h"
+#include "dsacp/random.h"
+#include "dsacp/replay.h"
+
+using namespace dsacp;
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+std::vector<std::string> g_log;
+
+void report(bool ok, const std::string& name, const std::string& detail = "") {
+  ++g_checks;
+  if (!ok) ++g_failures;
+  std::string line = std::string(ok ? "[  OK  ] " : "[ FAIL ] ") + name + (detail.empty() ? "" : "  " + detail);
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  g_log.push_back(line);
+}
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Runs f(rank) on `n` threads and joins them.
+template <typename F>
+void on_ranks(int n, F f) {
+  std::vector<std::thread> t;
+  for (int r = 0; r < n; ++r) t.emplace_back([&f, r] { f(r); });
+  for (auto& x : t) x.join();
+}
+
+std::vector<uint8_t> random_bytes(uint64_t seed, size_t n) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(counter_hash(seed, 0xb17e, i));
+  return v;
+}
+
+// ---- NCCL communicator ------------------------------------------------------------------------------------------
+
+struct RankSetup {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<NcclCommunicator> comm;
+  Status status;
+};
+
+// Two ranks (GPU 0 and 1) as threads, one NCCL communicator each.
+std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::shared_ptr<AbortSignal> signal) {
+  std::vector<RankSetup> ranks(2);
+  auto id = nccl_make_id();
+  if (!id.ok()) {
+    ranks[0].status = ranks[1].status = id.status();
+    return ranks;
+  }
+  on_ranks(2, [&](int r) {
+    auto b = make_cuda_backend(r);
+    if (!b.ok()) {
+      ranks[r].status = b.status();
+      return;
+    }
+    ranks[r].backend = std::move(b).value();
+    NcclOptions o;
+    o.device = r;
+    o.timeout = timeout;
+    o.abort_signal = signal;
+    auto c = NcclCommunicator::create(*id, 2, r, o);
+    if (!c.ok()) {
+      ranks[r].status = c.status();
+      return;
+    }
+    ranks[r].comm = std::move(c).value();
+  });
+  return ranks;
+}
+
+void test_nccl_collectives(uint64_t seed) {
+  auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr);
+  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
+    report(false, "nccl: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
+    return;
+  }
+  const int n = 2;
+  const size_t bytes = 3 * 1000 * 1000 + 17;  // not a multiple of anything
+  std::vector<std::string> errors(n);
+  std::vector<std::vector<uint8_t>> sent(n), got_ag(n), got_a2a(n), got_bc(n), got_dim(n);
+  for (int r = 0; r < n; ++r) sent[r] = random_bytes(seed + r, n * bytes);
+  const int64_t outer = 3, local = 2, inner = 5;  // all_gather_dim of int32 [3, 2, 5] blocks
+  on_ranks(n, [&](int r) {
+    Backend& be = *ranks[r].backend;
+    Communicator& c = *ranks[r].comm;
+    auto check = [&](const Status& s, const char* what) {
+      if (!s.ok() && errors[r].empty()) errors[r] = std::string(what) + ": " + s.to_string();
+      return s.ok();
+    };
+    auto send = be.allocate(n * bytes);
+    auto recv = be.allocate(n * bytes);
+    if (!send.ok() || !recv.ok()) return (void)check(Status(StatusCode::kBackendError, "alloc"), "allocate");
+    if (!check(be.copy_to_device(send->get(), sent[r].data(), n * bytes), "upload")) return;
+    got_ag[r].resize(n * bytes);
+    if (!check(c.all_gather(send->get(), recv->get(), bytes), "all_gather")) return;
+    if (!check(be.copy_to_host(got_ag[r].data(), recv->get(), n * bytes), "download")) return;
+    got_a2a[r].resize(n * bytes);
+    if (!check(c.all_to_all(send->get(), recv->get(), bytes), "all_to_all")) return;
+    if (!check(be.copy_to_host(got_a2a[r].data(), recv->get(), n * bytes), "download")) return;
+    got_bc[r].resize(bytes);
+    if (!check(c.broadcast(send->get(), bytes, 1), "broadcast")) return;
+    if (!check(be.copy_to_host(got_bc[r].data(), send->get(), bytes), "download")) return;
+    if (!check(c.barrier(), "barrier")) return;
+    const size_t dim_bytes = outer * local * inner * 4;
+    auto scratch = be.allocate(n * dim_bytes);
+    if (!scratch.ok()) return;
+    if (!check(be.copy_to_device(send->get(), sent[r].data(), dim_bytes), "upload")) return;
+    if (!check(c.all_gather_dim(send->get(), recv->get(), scratch->get(), outer, local, inner, 4), "all_gather_dim")) {
+      return;
+    }
+    got_dim[r].resize(n * dim_bytes);
+    check(be.copy_to_host(got_dim[r].data(), recv->get(), n * dim_bytes), "download");
+  });
+  for (int r = 0; r < n; ++r) {
+    if (!errors[r].empty()) {
+      report(false, "nccl: collectives rank " + std::to_string(r), errors[r]);
+      return;
+    }
+  }
+  bool ag = true, a2a = true, bc = true, dim = true;
+  for (int r = 0; r < n; ++r) {
+    for (int k = 0; k < n; ++k) {
+      ag &= std::memcmp(got_ag[r].data() + k * bytes, sent[k].data(), bytes) == 0;
+      a2a &= std::memcmp(got_a2a[r].data() + k * bytes, sent[k].data() + r * bytes, bytes) == 0;
+    }
+    bc &= std::memcmp(got_bc[r].data(), sent[1].data(), bytes) == 0;
+    const size_t row = local * inner * 4;
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int k = 0; k < n; ++k) {
+        dim &= std::memcmp(got_dim[r].data() + (o * n + k) * row, sent[k].data() + o * row, row) == 0;
+      }
+    }
+  }
+  report(ag, "nccl: all_gather 2 x 3 MB matches host");
+  report(a2a, "nccl: all_to_all matches host");
+  report(bc, "nccl: broadcast from rank 1");
+  report(dim, "nccl: all_gather_dim [3, 2x2, 5] int32");
+  const CommStats st = ranks[0].comm->stats();
+  report(st.collectives >= 5 && st.busy_ms > 0, "nccl: stats count collectives and device time",
+         std::to_string(st.collectives) + " collectives, busy " + std::to_string(st.busy_ms) + " ms, wait " +
+             std::to_string(st.wait_ms) + " ms");
+
+  // split into singletons: a collective on a 1-rank communicator is a copy.
+  std::vector<std::string> split_err(n);
+  on_ranks(n, [&](int r) {
+    auto child = ranks[r].comm->split(r, 0);
+    if (!child.ok()) {
+      split_err[r] = child.status().to_string();
+      return;
+    }
+    if ((*child)->size() != 1 || (*child)->rank() != 0) split_err[r] = "wrong size/rank";
+    Backend& be = *ranks[r].backend;
+    auto a = be.allocate(64), b = be.allocate(64);
+    std::vector<uint8_t> x = random_bytes(seed * 7 + r, 64), y(64);
+    if (!be.copy_to_device(a->get(), x.data(), 64).ok()) split_err[r] = "upload";
+    Status s = (*child)->all_gather(a->get(), b->get(), 64);
+    if (!s.ok()) split_err[r] = s.to_string();
+    if (!be.copy_to_host(y.data(), b->get(), 64).ok() || x != y) split_err[r] = "data";
+  });
+  report(split_err[0].empty() && split_err[1].empty(), "nccl: split into 1-rank communicators",
+         split_err[0] + split_err[1]);
+  on_ranks(2, [&](int r) { ranks[r].comm.reset(); });  // released by each rank's own thread
+}
+
+void test_nccl_timeout() {
+  auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr);
+  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
+    report(false, "nccl timeout: create", ranks[0].status.to_string());
+    return;
+  }
+  Status got;
+  double waited = 0;
+  on_ranks(2, [&](int r) {
+    if (r == 1) return;  // never posts the collective
+    Backend& be = *ranks[0].backend;
+    auto a = be.allocate(1 << 20), b = be.allocate(2 << 20);
+    const auto t0 = Clock::now();
+    got = ranks[0].comm->all_gather(a->get(), b->get(), 1 << 20);
+    waited = seconds_since(t0);
+  });
+  report(got.code() == StatusCode::kTimeout && waited >= 1.9 && waited < 15,
+         "nccl: a peer that never arrives -> kTimeout, bounded",
+         got.to_string() + ", after " + std::to_string(waited) + " s");
+  Status later = ranks[0].comm->barrier();
+  report(!later.ok(), "nccl: the timed-out communicator fails later calls at once", later.to_string());
+  const auto t0 = Clock::now();
+  on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
+  report(seconds_since(t0) < 20, "nccl: communicators of a failed group are released, bounded",
+         std::to_string(seconds_since(t0)) + " s");
+}
+
+void test_nccl_abort() {
+  auto signal = std::make_shared<AbortSignal>();
+  auto ranks = make_rank_pair(std::chrono::seconds(120), signal);
+  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
+    report(false, "nccl abort: create", ranks[0].status.to_string());
+    return;
+  }
+  Status got;
+  double waited = 0;
+  on_ranks(2, [&](int r) {
+    if (r == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ranks[1].comm->abort("injected failure");
+      return;
+    }
+    Backend& be = *ranks[0].backend;
+    auto a = be.allocate(1 << 20), b = be.allocate(2 << 20);
+    const auto t0 = Clock::now();
+    got = ranks[0].comm->all_gather(a->get(), b->get(), 1 << 20);
+    waited = seconds_since(t0);
+  });
+  report(!got.ok() && got.message().find("rank 1 failed: injected failure") != std::string::npos && waited < 10,
+         "nccl: a peer's abort fails the waiting rank at once, naming it",
+         got.to_string() + ", after " + std::to_string(waited) + " s");
+  on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
+}
+
+// ---- CP layouts on GPUs -------------------------------------------------------------------------------------------
+
+struct Compare {
+  bool topk_same = false;
+  double out_rel = 0, lse_abs = 0;
+  int64_t rows_differ = 0;
+};
+
+Compare compare(const StepResult& got, const StepResult& want) {
+  Compare c;
+  const int64_t T = want.topk_indices.dim(0), K = want.topk_indices.dim(1);
+  c.topk_same = got.topk_indices.nbytes() == want.topk_indices.nbytes();
+  if (c.topk_same) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (std::memcmp(got.topk_indices.data_as<int32_t>() + t * K, want.topk_indices.data_as<int32_t>() + t * K,
+                      K * sizeof(int32_t)) != 0) {
+        ++c.rows_differ;
+      }
+    }
+    c.topk_same = c.rows_differ == 0;
+  }
+  double e2 = 0, r2 = 0;
+  for (int64_t i = 0; i < want.out.numel(); ++i) {
+    const double a = got.out.get_f32(i), b = want.out.get_f32(i);
+    e2 += (a - b) * (a - b);
+    r2 += b * b;
+  }
+  c.out_rel = r2 > 0 ? std::sqrt(e2 / r2) : std::sqrt(e2);
+  for (int64_t i = 0; i < want.lse.numel(); ++i) {
+    const double a = got.lse.get_f32(i), b = want.lse.get_f32(i);
+    if (std::isinf(a) && std::isinf(b) && (a > 0) == (b > 0)) continue;
+    c.lse_abs = std::max(c.lse_abs, std::fabs(a - b));
+  }
+  return c;
+}
+
+std::string describe(const Compare& c) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "top-k %s (%lld rows differ), out rel err %.2e, lse max err %.2e",
+                c.topk_same ? "identical" : "DIFFER", static_cast<long long>(c.rows_differ), c.out_rel, c.lse_abs);
+  return buf;
+}
+
+struct Layout {
+  const char* name;
+  CpLayout layout;
+  bool one_gpu;  // every rank on GPU 0
+};
+
+CpLayout make_layout(int P, int D, IndexerMode indexer = IndexerMode::kSharded, int interleave = 0,
+                     bool dsa_cp = false, DecodeMode decode = DecodeMode::kLocalMerge) {
+  CpLayout l;
+  l.P = P;
+  l.D = D;
+  l.indexer = indexer;
+  l.interleave = interleave;
+  l.dsa_cp = dsa_cp;
+  l.decode_mode = decode;
+  l.comm_timeout_ms = 120000;
+  return l;
+}
+
+CaseFile make_case(uint64_t seed, int32_t H, bool decode_only) {
+  CaseGenSpec spec;
+  spec.dims = CaseDims{H, 512, 64, 64, 128};
+  spec.topk = 512;
+  spec.scale = 0.0723f;
+  spec.dtype = DType::kBF16;
+  spec.seed = seed;
+  const int nd = 3 + static_cast<int>(counter_hash(seed, 1, 0) % 3);
+  for (int i = 0; i < nd; ++i) {
+    spec.requests.push_back({1 + static_cast<int32_t>(counter_hash(seed, 2, i) % 3),
+                             200 + static_cast<int32_t>(counter_hash(seed, 3, i) % 6000)});
+  }
+  if (!decode_only) {
+    spec.requests.push_back({257, 0});
+    spec.requests.push_back({61, 1500 + static_cast<int32_t>(counter_hash(seed, 4, 0) % 1000)});
+    spec.requests.push_back({7, 0});
+  }
+  auto c = case_generate(spec);
+  if (!c.ok()) {
+    std::printf("case_generate: %s\n", c.status().to_string().c_str());
+    std::exit(1);
+  }
+  return std::move(c).value();
+}
+
+void test_layouts(uint64_t seed, int num_gpus) {
+  auto cpu = make_cpu_backend(0);
+  std::vector<std::unique_ptr<Backend>> gpus;
+  for (int g = 0; g < std::min(num_gpus, 8); ++g) gpus.push_back(std::move(make_cuda_backend(g)).value());
+
+  const Layout wide[] = {
+      {"P2 (NCCL)", make_layout(2, 1), false},
+      {"D2 sharded (NCCL)", make_layout(2 / 2, 2), false},
+      {"D2 replicated (NCCL)", make_layout(1, 2, IndexerMode::kReplicated), false},
+      {"P2 interleave 1 (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 1), false},
+      {"P2 gathered decodes (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 0, false, DecodeMode::kGathered), false},
+      {"D2 DSA-CP (NCCL)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false},
+      {"P2xD2 on one GPU", make_layout(2, 2), true},
+      {"P4 on one GPU", make_layout(4, 1), true},
+      {"D4 replicated on one GPU", make_layout(1, 4, IndexerMode::kReplicated), true},
+      {"D4 DSA-CP on one GPU", make_layout(1, 4, IndexerMode::kSharded, 3, true), true},
+      {"P2xD4 on one GPU", make_layout(2, 4), true},
+  };
+  for (int variant = 0; variant < 2; ++variant) {
+    const bool decode_only = variant == 1;
+    const int32_t H = decode_only ? 128 : 64;
+    const uint64_t s = seed * 31 + variant;
+    const CaseFile c = make_case(s, H, decode_only);
+    const std::string tag = std::string(decode_only ? "decode-only" : "mixed") + " H=" + std::to_string(H) +
+                            " seed " + std::to_string(s) + ": ";
+    ReplayOptions one;
+    one.page_size = 64;
+    one.out_dtype = DType::kF32;
+    auto want = replay_case(*gpus[0], c, one);
+    if (!want.ok()) {
+      report(false, tag + "one GPU", want.status().to_string());
+      continue;
+    }
+    auto oracle = replay_case(*cpu, c, one);
+    if (oracle.ok()) {
+      const Compare cc = compare(*want, *oracle);
+      report(cc.topk_same && cc.out_rel < 1e-2, tag + "one GPU vs CPU oracle", describe(cc));
+    } else {
+      report(false, tag + "CPU oracle", oracle.status().to_string());
+    }
+    for (const Layout& l : wide) {
+      if (decode_only != l.layout.dsa_cp && l.layout.dsa_cp) continue;  // DSA-CP: the decode-only batch
+      if (l.layout.dsa_cp && !decode_only) continue;
+      if (!l.one_gpu && num_gpus < l.layout.num_ranks()) continue;
+      ReplayOptions o = one;
+      o.layout = l.layout;
+      std::vector<Backend*> ranks;
+      for (int32_t cr = 0; cr < l.layout.num_ranks(); ++cr) ranks.push_back(gpus[l.one_gpu ? 0 : cr].get());
+      const auto t0 = Clock::now();
+      auto got = replay_case(ranks, c, o);
+      if (!got.ok()) {
+        report(false, tag + l.name, got.status().to_string());
+        continue;
+      }
+      const Compare cc = compare(*got, *want);
+      report(cc.topk_same && cc.out_rel < 5e-3 && cc.lse_abs < 2e-2, tag + l.name + " vs one GPU",
+             describe(cc) + " (" + std::to_string(seconds_since(t0)) + " s)");
+    }
+  }
+  // Two different backends on one GPU cannot be NCCL ranks: refused with the reason, not hung.
+  {
+    CaseFile c = make_case(seed + 5, 64, false);
+    ReplayOptions o;
+    o.layout = make_layout(2, 1);
+    auto second = make_cuda_backend(0);
+    auto got = replay_case(std::vector<Backend*>{gpus[0].get(), second->get()}, c, o);
+    report(!got.ok() && got.status().message().find("both on CUDA device 0") != std::string::npos,
+           "two backends on one GPU are refused", got.ok() ? "ran" : got.status().to_string());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  uint64_t seed = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) % 1000003;
+  std::string json;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
+    if (a == "--json" && i + 1 < argc) json = argv[++i];
+  }
+  auto count = cuda_device_count();
+  if (!count.ok() || *count < 1) {
+    std::printf("no usable GPU: %s\n", count.ok() ? "0 devices" : count.status().to_string().c_str());
+    return 77;
+  }
+  std::printf("dsacp GPU CP tests: %d GPU(s), %s, seed %llu\n", *count, nccl_version().c_str(),
+              static_cast<unsigned long long>(seed));
+  if (*count >= 2 && nccl_available()) {
+    test_nccl_collectives(seed);
+    test_nccl_timeout();
+    test_nccl_abort();
+  } else {
+    std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
+  }
+  test_layouts(seed, *count);
+  std::printf("%d checks, %d failed\n", g_checks, g_failures);
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f != nullptr) {
+      std::fprintf(f, "{\"gpus\":%d,\"seed\":%llu,\"checks\":%d,\"failures\":%d,\"log\":[", *count,
+                   static_cast<unsigned long long>(seed), g_checks, g_failures);
+      for (size_t i = 0; i < g_log.size(); ++i) {
+        std::string e;
+        for (char ch : g_log[i]) {
+          if (ch == '"' || ch == '\\') e += '\\';
+          e += ch;
+        }
+        std::fprintf(f, "%s\"%s\"", i ? "," : "", e.c_str());
+      }
+      std::fprintf(f, "]}\n");
+      std::fclose(f);
+    }
+  }
+  return g_failures == 0 ? 0 : 1;
+}
