@@ -300,8 +300,9 @@ CpLayout layout_of(int P, int D, IndexerMode indexer) {
   return l;
 }
 
-// nccl-tests style: size = the gathered (all-gather) or exchanged (all-to-all) bytes per rank; algbw = size /
-// time; busbw = algbw * (n - 1) / n.
+// nccl-tests style: size = the gathered (all-gather) or exchanged (all-to-all) bytes per rank; time = a loop of
+// back-to-back collectives over the iterations; algbw = size / time; busbw = algbw * (n - 1) / n. Single
+// collectives' latency (launch to completion, waited one by one) shows in the steps' comm_busy.
 std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n, bool quick) {
   std::vector<std::string> rows;
   CpLayout l = layout_of(n, 1, IndexerMode::kSharded);
@@ -314,17 +315,23 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
       on_ranks(n, [&](int r) {
         DeviceBuffer send = take(be[r]->allocate(size), "allocate"), recv = take(be[r]->allocate(size), "allocate");
         Communicator& c = *comms[r].world;
+        const bool ag = std::strcmp(op, "all_gather") == 0;
         const int warm = 5, iters = size >= (size_t{256} << 20) ? 10 : 40;
-        for (int i = 0; i < warm + iters; ++i) {
-          if (i == warm) {
-            die_if(c.barrier(), "barrier");
-            c.reset_stats();
-          }
-          const bool ag = std::strcmp(op, "all_gather") == 0;
+        for (int i = 0; i < warm; ++i) {
           die_if(ag ? c.all_gather(send.get(), recv.get(), per_rank) : c.all_to_all(send.get(), recv.get(), per_rank),
                  op);
         }
-        us[r] = c.stats().busy_ms * 1000.0 / iters;
+        // Back to back, then one wait for all (nccl-tests: a timed loop, then a stream synchronization).
+        die_if(c.barrier(), "barrier");
+        std::vector<std::unique_ptr<CollectiveHandle>> handles;
+        const auto t0 = Clock::now();
+        for (int i = 0; i < iters; ++i) {
+          handles.push_back(take(ag ? c.all_gather_async(send.get(), recv.get(), per_rank)
+                                    : c.all_to_all_async(send.get(), recv.get(), per_rank),
+                                 op));
+        }
+        for (auto& h : handles) die_if(h->wait(), op);
+        us[r] = ms_since(t0) * 1000.0 / iters;
       });
       const double t = *std::max_element(us.begin(), us.end());
       const double algbw = static_cast<double>(size) / (t * 1e-6) / 1e9;

@@ -59,6 +59,18 @@ class Communicator {
   virtual CommStats stats() const { return {}; }
   virtual void reset_stats() {}
 
+  // Several all-gathers (or all-to-alls) as one operation with one handle: parts[i] is {send, recv, bytes} as
+  // for all_gather_async (all_to_all_async). A GPU communicator launches them together (one NCCL group), which
+  // pays the per-collective latency once. Every rank passes the same number of parts and the same sizes. The
+  // default implementation starts them one by one.
+  struct Part {
+    const void* send;
+    void* recv;
+    size_t bytes;
+  };
+  virtual Result<std::unique_ptr<CollectiveHandle>> all_gather_group_async(const std::vector<Part>& parts);
+  virtual Result<std::unique_ptr<CollectiveHandle>> all_to_all_group_async(const std::vector<Part>& parts);
+
   // Blocking forms.
   Status all_gather(const void* send, void* recv, size_t bytes);
   Status all_to_all(const void* send, void* recv, size_t bytes);

@@ -3,6 +3,44 @@
 #include "dsacp/communicator.h"
 
 namespace dsacp {
+namespace {
+
+// Handles of a group started one by one: wait() waits for all of them; the first error is the result.
+class GroupHandle final : public CollectiveHandle {
+ public:
+  explicit GroupHandle(std::vector<std::unique_ptr<CollectiveHandle>> parts) : parts_(std::move(parts)) {}
+  Status wait() override {
+    Status first;
+    for (auto& h : parts_) {
+      const Status s = h->wait();
+      if (first.ok() && !s.ok()) first = s;
+    }
+    return first;
+  }
+
+ private:
+  std::vector<std::unique_ptr<CollectiveHandle>> parts_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CollectiveHandle>> Communicator::all_gather_group_async(const std::vector<Part>& parts) {
+  std::vector<std::unique_ptr<CollectiveHandle>> handles;
+  for (const Part& p : parts) {
+    DSACP_ASSIGN_OR_RETURN(auto h, all_gather_async(p.send, p.recv, p.bytes));
+    handles.push_back(std::move(h));
+  }
+  return std::unique_ptr<CollectiveHandle>(new GroupHandle(std::move(handles)));
+}
+
+Result<std::unique_ptr<CollectiveHandle>> Communicator::all_to_all_group_async(const std::vector<Part>& parts) {
+  std::vector<std::unique_ptr<CollectiveHandle>> handles;
+  for (const Part& p : parts) {
+    DSACP_ASSIGN_OR_RETURN(auto h, all_to_all_async(p.send, p.recv, p.bytes));
+    handles.push_back(std::move(h));
+  }
+  return std::unique_ptr<CollectiveHandle>(new GroupHandle(std::move(handles)));
+}
 
 Status Communicator::all_gather(const void* send, void* recv, size_t bytes) {
   DSACP_ASSIGN_OR_RETURN(auto h, all_gather_async(send, recv, bytes));

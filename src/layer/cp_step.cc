@@ -34,10 +34,10 @@ struct PendingView {
   int64_t ranks = 0;
 };
 
-// Packs `own` rows for the view and starts their all-gather over `comm` (reference-design 4.6: right after
-// the cache write, so it overlaps the indexer).
-Result<PendingView> start_view(Backend& backend, Communicator& comm, const PagedPoolView& own,
-                               const GatheredViewPlan& v) {
+// Packs `own` rows for the view (reference-design 4.6: right after the cache write, so the gather overlaps
+// the indexer); its all-gather is started by the caller (alone, or grouped with another view's).
+Result<PendingView> pack_view(Backend& backend, Communicator& comm, const PagedPoolView& own,
+                              const GatheredViewPlan& v) {
   PendingView pv;
   pv.plan = v;
   pv.own = own;
@@ -57,13 +57,26 @@ Result<PendingView> start_view(Backend& backend, Communicator& comm, const Paged
   g.dst_dtype = own.dtype;
   DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("pack for a gathered view"));
   DSACP_ASSIGN_OR_RETURN(pv.gathered, backend.allocate(pv.ranks * v.rows_per_rank * row_bytes));
-  DSACP_ASSIGN_OR_RETURN(pv.handle, comm.all_gather_async(pv.pack.get(), pv.gathered.get(), v.rows_per_rank * row_bytes));
+  return pv;
+}
+
+Communicator::Part view_part(const PendingView& pv) {
+  const size_t row_bytes = static_cast<size_t>(pv.own.dim) * dtype_size(pv.own.dtype);
+  return {pv.pack.get(), pv.gathered.get(), pv.plan.rows_per_rank * row_bytes};
+}
+
+Result<PendingView> start_view(Backend& backend, Communicator& comm, const PagedPoolView& own,
+                               const GatheredViewPlan& v) {
+  DSACP_ASSIGN_OR_RETURN(PendingView pv, pack_view(backend, comm, own, v));
+  const Communicator::Part part = view_part(pv);
+  DSACP_ASSIGN_OR_RETURN(pv.handle, comm.all_gather_async(part.send, part.recv, part.bytes));
   return pv;
 }
 
 // Waits for the view's all-gather and lays the gathered rows out as the view's pool.
+// (A view whose gather was grouped with another's has no handle of its own: the other's wait covers it.)
 Result<View> finish_view(Backend& backend, PendingView& pv) {
-  DSACP_RETURN_IF_ERROR(pv.handle->wait());
+  if (pv.handle) DSACP_RETURN_IF_ERROR(pv.handle->wait());
   const GatheredViewPlan& v = pv.plan;
   const size_t row_bytes = static_cast<size_t>(pv.own.dim) * dtype_size(pv.own.dtype);
   View out;
@@ -162,10 +175,9 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
   DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
-  DSACP_ASSIGN_OR_RETURN(auto h1, world.all_gather_async(part_topk.get(), all_topk.get(), n * K * sizeof(int32_t)));
-  DSACP_ASSIGN_OR_RETURN(auto h2, world.all_gather_async(part_scores.get(), all_scores.get(), n * K * sizeof(float)));
-  DSACP_RETURN_IF_ERROR(h1->wait());
-  DSACP_RETURN_IF_ERROR(h2->wait());
+  DSACP_ASSIGN_OR_RETURN(auto h, world.all_gather_group_async({{part_topk.get(), all_topk.get(), n * K * sizeof(int32_t)},
+                                                                {part_scores.get(), all_scores.get(), n * K * sizeof(float)}}));
+  DSACP_RETURN_IF_ERROR(h->wait());
   TopkMergeParams mp;
   mp.num_parts = static_cast<int32_t>(Pt);
   mp.num_rows = n;
@@ -254,8 +266,9 @@ Result<PendingKvView> start_kv_view(RankStep& s, const std::vector<int32_t>& vie
   std::vector<int64_t> lens;
   for (int32_t b : view_requests) lens.push_back(s.seq_lens[b]);
   DSACP_ASSIGN_OR_RETURN(kv.plan, gathered_view_plan(view_requests, lens, s.table, s.sharding, s.plan.cr, s.B()));
-  DSACP_ASSIGN_OR_RETURN(kv.latent, start_view(s.backend, *s.comms.world, s.cache.latent(), kv.plan));
-  DSACP_ASSIGN_OR_RETURN(kv.rope, start_view(s.backend, *s.comms.world, s.cache.rope(), kv.plan));
+  DSACP_ASSIGN_OR_RETURN(kv.latent, pack_view(s.backend, *s.comms.world, s.cache.latent(), kv.plan));
+  DSACP_ASSIGN_OR_RETURN(kv.rope, pack_view(s.backend, *s.comms.world, s.cache.rope(), kv.plan));
+  DSACP_ASSIGN_OR_RETURN(kv.latent.handle, s.comms.world->all_gather_group_async({view_part(kv.latent), view_part(kv.rope)}));
   return kv;
 }
 
@@ -292,23 +305,25 @@ Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& 
   return sparse_mla_run(s.backend, ap).with_context("sparse MLA over the gathered KV");
 }
 
-// All rows' queries of `n` rows, gathered along heads over the DCP group (rank-major blocks [D][n, Hr, dim]),
-// rearranged into [n, D*Hr, dim] once the gather is done.
+// All rows' queries of `n` rows (q_nope and q_rope), gathered along heads over the DCP group (rank-major
+// blocks [D][n, Hr, dim]) in one grouped collective, rearranged into [n, D*Hr, dim] once the gather is done.
 struct PendingHeads {
-  DeviceBuffer blocks;
+  DeviceBuffer nope_blocks, rope_blocks;
   std::unique_ptr<CollectiveHandle> handle;
 };
 
-Result<PendingHeads> start_head_gather(RankStep& s, const void* q, int64_t n, int32_t dim) {
+Result<PendingHeads> start_head_gather(RankStep& s, const void* q_nope, const void* q_rope, int64_t n) {
   PendingHeads ph;
-  const size_t bytes = static_cast<size_t>(n) * s.plan.num_heads * dim * s.act();
-  DSACP_ASSIGN_OR_RETURN(ph.blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * bytes, 1)));
-  DSACP_ASSIGN_OR_RETURN(ph.handle, s.comms.dcp->all_gather_async(q, ph.blocks.get(), bytes));
+  const size_t per_head = static_cast<size_t>(n) * s.plan.num_heads * s.act();
+  const size_t nope = per_head * s.c.Dl, rope = per_head * s.c.Dr;
+  DSACP_ASSIGN_OR_RETURN(ph.nope_blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * nope, 1)));
+  DSACP_ASSIGN_OR_RETURN(ph.rope_blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * rope, 1)));
+  DSACP_ASSIGN_OR_RETURN(ph.handle, s.comms.dcp->all_gather_group_async({{q_nope, ph.nope_blocks.get(), nope},
+                                                                          {q_rope, ph.rope_blocks.get(), rope}}));
   return ph;
 }
 
-Result<DeviceBuffer> finish_head_gather(RankStep& s, PendingHeads& ph, int64_t n, int32_t dim) {
-  DSACP_RETURN_IF_ERROR(ph.handle->wait());
+Result<DeviceBuffer> heads_to_rows(RankStep& s, const DeviceBuffer& blocks, int64_t n, int32_t dim) {
   const int64_t D = s.comms.dcp->size(), Hr = s.plan.num_heads;
   std::vector<int64_t> index;
   index.reserve(static_cast<size_t>(n * D * Hr));
@@ -316,7 +331,7 @@ Result<DeviceBuffer> finish_head_gather(RankStep& s, PendingHeads& ph, int64_t n
     for (int64_t k = 0; k < D; ++k)
       for (int64_t h = 0; h < Hr; ++h) index.push_back((k * n + t) * Hr + h);
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer full, s.backend.allocate(std::max<size_t>(n * D * Hr * dim * s.act(), 1)));
-  DSACP_RETURN_IF_ERROR(gather(s.backend, ph.blocks.get(), s.c.act_dtype, D * n * Hr, dim, index, full.get(),
+  DSACP_RETURN_IF_ERROR(gather(s.backend, blocks.get(), s.c.act_dtype, D * n * Hr, dim, index, full.get(),
                                s.c.act_dtype, "queries gathered along heads"));
   return full;
 }
@@ -401,11 +416,13 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DeviceBuffer rows;
       std::unique_ptr<CollectiveHandle> handle;
     } kv[3] = {{in.kv_latent, c.Dl, {}, {}}, {in.k_rope, c.Dr, {}, {}}, {in.idx_k, c.Di, {}, {}}};
+    std::vector<Communicator::Part> parts;
     for (auto& e : kv) {
       const size_t bytes = static_cast<size_t>(rows) * e.dim * act;
       DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * act, 1)));
-      DSACP_ASSIGN_OR_RETURN(e.handle, ex.all_gather_async(e.local, e.rows.get(), bytes));
+      parts.push_back({e.local, e.rows.get(), bytes});
     }
+    DSACP_ASSIGN_OR_RETURN(kv[0].handle, ex.all_gather_group_async(parts));
     std::vector<int64_t> owned(static_cast<size_t>(gathered), -1), all(static_cast<size_t>(gathered), -1);
     for (int64_t j = 0; j < gathered; ++j) {
       const int32_t b = plan.gathered_request[j];
@@ -417,8 +434,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(backend, owned));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_all, upload_vector(backend, all));
     const PagedPoolView pools[3] = {cache.latent(), cache.rope(), cache.index_keys()};
+    DSACP_RETURN_IF_ERROR(kv[0].handle->wait());
     for (int i = 0; i < 3; ++i) {
-      DSACP_RETURN_IF_ERROR(kv[i].handle->wait());
       CacheWriteParams w;
       w.rows = kv[i].rows.get();
       w.rows_dtype = c.act_dtype;
@@ -456,19 +473,18 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(kv_view, start_kv_view(s, view_ids));
   }
   const int32_t D = comms.dcp->size();
-  std::optional<PendingHeads> qn_heads, qr_heads;
+  std::optional<PendingHeads> q_heads;
   if (!layout.dsa_cp && local_decodes && T_dec > 0 && D > 1) {
-    DSACP_ASSIGN_OR_RETURN(qn_heads, start_head_gather(s, in.q_nope, T_dec, c.Dl));
-    DSACP_ASSIGN_OR_RETURN(qr_heads, start_head_gather(s, in.q_rope, T_dec, c.Dr));
+    DSACP_ASSIGN_OR_RETURN(q_heads, start_head_gather(s, in.q_nope, in.q_rope, T_dec));
   }
   DeviceBuffer all_qn, all_qr;
-  std::unique_ptr<CollectiveHandle> h_qn, h_qr;
+  std::unique_ptr<CollectiveHandle> h_q;
   if (layout.dsa_cp && decode_only) {
     const size_t qn_row = static_cast<size_t>(c.H) * c.Dl * act, qr_row = static_cast<size_t>(c.H) * c.Dr * act;
     DSACP_ASSIGN_OR_RETURN(all_qn, backend.allocate(std::max<size_t>(T_all * qn_row, 1)));
     DSACP_ASSIGN_OR_RETURN(all_qr, backend.allocate(std::max<size_t>(T_all * qr_row, 1)));
-    DSACP_ASSIGN_OR_RETURN(h_qn, comms.dcp->all_gather_async(in.q_nope, all_qn.get(), rows * qn_row));
-    DSACP_ASSIGN_OR_RETURN(h_qr, comms.dcp->all_gather_async(in.q_rope, all_qr.get(), rows * qr_row));
+    DSACP_ASSIGN_OR_RETURN(h_q, comms.dcp->all_gather_group_async({{in.q_nope, all_qn.get(), rows * qn_row},
+                                                                    {in.q_rope, all_qr.get(), rows * qr_row}}));
   }
 
   // 3. Top-k of this rank's rows (and, under DSA-CP decode-only batches, of every token).
@@ -506,8 +522,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     const size_t q_row = static_cast<size_t>(c.Hi) * c.Di * act;
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_q, backend.allocate(std::max<size_t>(T_all * q_row, 1)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_w, backend.allocate(std::max<size_t>(T_all * c.Hi * sizeof(float), 1)));
-    DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.idx_q, all_q.get(), rows * q_row));
-    DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(in.idx_w, all_w.get(), rows * c.Hi * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_gather_group_async({{in.idx_q, all_q.get(), rows * q_row},
+                                                                       {in.idx_w, all_w.get(), rows * c.Hi * sizeof(float)}}));
+    DSACP_RETURN_IF_ERROR(h->wait());
     DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
     DSACP_RETURN_IF_ERROR(merged_topk(s, T_all, all_q.get(), all_w.as<const float>(), d_all_request.as<const int32_t>(),
                                       all_key_len, all_topk.as<int32_t>()));
@@ -553,8 +570,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // ... and decode rows over each rank's own keys, merged by LSE.
   if (layout.dsa_cp && decode_only) {
     // Every token's query, local attention over own keys, all-to-all along tokens, merge.
-    DSACP_RETURN_IF_ERROR(h_qn->wait());
-    DSACP_RETURN_IF_ERROR(h_qr->wait());
+    DSACP_RETURN_IF_ERROR(h_q->wait());
     const int64_t H = c.H;
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_all * H * sizeof(float)));
@@ -563,8 +579,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                                   part_lse.as<float>()));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(T_all * H * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(comms.dcp->all_to_all(part_lse.get(), recv_lse.get(), rows * H * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_to_all_group_async({{part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)},
+                                                                       {part_lse.get(), recv_lse.get(), rows * H * sizeof(float)}}));
+    DSACP_RETURN_IF_ERROR(h->wait());
     DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
                                      out.lse));
   } else if (!layout.dsa_cp && local_decodes && T_dec > 0) {
@@ -572,9 +589,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DeviceBuffer full_qn, full_qr;
     const void* qn = in.q_nope;
     const void* qr = in.q_rope;
-    if (qn_heads) {
-      DSACP_ASSIGN_OR_RETURN(full_qn, finish_head_gather(s, *qn_heads, T_dec, c.Dl));
-      DSACP_ASSIGN_OR_RETURN(full_qr, finish_head_gather(s, *qr_heads, T_dec, c.Dr));
+    if (q_heads) {
+      DSACP_RETURN_IF_ERROR(q_heads->handle->wait());
+      DSACP_ASSIGN_OR_RETURN(full_qn, heads_to_rows(s, q_heads->nope_blocks, T_dec, c.Dl));
+      DSACP_ASSIGN_OR_RETURN(full_qr, heads_to_rows(s, q_heads->rope_blocks, T_dec, c.Dr));
       qn = full_qn.get();
       qr = full_qr.get();
     }
@@ -600,8 +618,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                  DType::kF32, "pack partial LSE by head"));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(Pt * block * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_out.get(), recv_out.get(), block * c.Dl * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(comms.world->all_to_all(send_lse.get(), recv_lse.get(), block * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(auto h, comms.world->all_to_all_group_async({{send_out.get(), recv_out.get(), block * c.Dl * sizeof(float)},
+                                                                         {send_lse.get(), recv_lse.get(), block * sizeof(float)}}));
+    DSACP_RETURN_IF_ERROR(h->wait());
     DSACP_RETURN_IF_ERROR(merge_into(s, Pt, block, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
                                      out.lse));
   }

@@ -632,37 +632,52 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
   report(s1.ok() && s2.ok() && download<int32_t>(gpu, d_local, rows * K) == local_c, "topk_remap Pt=3 I=5 cr=1",
          s2.ok() ? "identical to CPU" : s2.to_string());
 
-  // topk_merge: 3 parts of local rows with scores (host merge inside the CUDA backend)
-  const int Pt = 3;
-  std::vector<int32_t> part_topk(Pt * rows * K, -1);
-  std::vector<float> part_scores(Pt * rows * K, -INFINITY);
-  for (int s = 0; s < Pt; ++s) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int m = static_cast<int>(mix(960 + s * rows + r) % (K + 1));
-      for (int i = 0; i < m; ++i) {
-        part_topk[(s * rows + r) * K + i] = i * 2;  // ascending local positions
-        part_scores[(s * rows + r) * K + i] = std::round(8.f * uni(961, (s * rows + r) * K + i));  // many ties
+  // topk_merge (device bitonic merge; host merge past 16384 candidates per row): parts of ascending local rows
+  // with scores full of ties, NaN and -inf, garbage after a part's first -1 (ignored, as on the CPU).
+  auto merge_case = [&](int Pt, int Km, int64_t mrows, int I, uint64_t seed, const std::string& name) {
+    std::vector<int32_t> part_topk(static_cast<size_t>(Pt) * mrows * Km, -1);
+    std::vector<float> part_scores(part_topk.size(), -INFINITY);
+    for (int s = 0; s < Pt; ++s) {
+      for (int64_t r = 0; r < mrows; ++r) {
+        const size_t base = (static_cast<size_t>(s) * mrows + r) * Km;
+        const int m = static_cast<int>(mix(seed + s * mrows + r) % (Km + 1));
+        for (int i = 0; i < m; ++i) {
+          part_topk[base + i] = i * 2 + static_cast<int>(mix(seed + 7 * i) % 2);  // ascending local positions
+          const uint64_t h = mix(seed * 3 + base + i);
+          part_scores[base + i] = h % 97 == 0 ? NAN : h % 89 == 0 ? -INFINITY : std::round(8.f * uni(seed, base + i));
+        }
+        if (m + 1 < Km) part_topk[base + m + 1] = 12345;  // garbage after the first -1
       }
     }
-  }
-  std::vector<int32_t> merged_c(rows * K);
-  Dev d_pt = upload(gpu, part_topk), d_ps = upload(gpu, part_scores), d_m = upload(gpu, std::vector<int32_t>(rows * K));
-  TopkMergeParams mp;
-  mp.num_parts = Pt;
-  mp.num_rows = rows;
-  mp.K = K;
-  mp.I = 4;
-  TopkMergeParams mc = mp, mg = mp;
-  mc.part_topk = part_topk.data();
-  mc.part_scores = part_scores.data();
-  mc.topk = merged_c.data();
-  mg.part_topk = d_pt.ptr<int32_t>();
-  mg.part_scores = d_ps.ptr<float>();
-  mg.topk = d_m.ptr<int32_t>();
-  s1 = topk_merge_run(cpu, mc);
-  s2 = topk_merge_run(gpu, mg);
-  report(s1.ok() && s2.ok() && download<int32_t>(gpu, d_m, rows * K) == merged_c, "topk_merge 3 parts with ties",
-         s2.ok() ? "identical to CPU" : s2.to_string() + " / " + s1.to_string());
+    std::vector<int32_t> merged_c(mrows * Km);
+    Dev d_pt = upload(gpu, part_topk), d_ps = upload(gpu, part_scores);
+    Dev d_m = upload(gpu, std::vector<int32_t>(mrows * Km, 7));
+    TopkMergeParams mp;
+    mp.num_parts = Pt;
+    mp.num_rows = mrows;
+    mp.K = Km;
+    mp.I = I;
+    TopkMergeParams mc = mp, mg = mp;
+    mc.part_topk = part_topk.data();
+    mc.part_scores = part_scores.data();
+    mc.topk = merged_c.data();
+    mg.part_topk = d_pt.ptr<int32_t>();
+    mg.part_scores = d_ps.ptr<float>();
+    mg.topk = d_m.ptr<int32_t>();
+    Status sc = topk_merge_run(cpu, mc), sg = topk_merge_run(gpu, mg);
+    report(sc.ok() && sg.ok() && download<int32_t>(gpu, d_m, mrows * Km) == merged_c, name,
+           sg.ok() ? "identical to CPU" : sg.to_string() + " / " + sc.to_string());
+    // An entry below -1 is an error, on the device as on the host.
+    part_topk[part_topk.size() / 2] = -5;
+    Dev d_bad = upload(gpu, part_topk);
+    mg.part_topk = d_bad.ptr<int32_t>();
+    Status sb = topk_merge_run(gpu, mg);
+    report(sb.code() == StatusCode::kOutOfRange, name + ": entry -5 -> out_of_range", sb.to_string());
+  };
+  merge_case(3, K, rows, 4, 960, "topk_merge 3 parts K=100 with ties");
+  merge_case(2, 2048, 64, 64, 970, "topk_merge 2 parts K=2048 (device)");
+  merge_case(8, 2048, 9, 1, 980, "topk_merge 8 parts K=2048 (device, 128 KB shared)");
+  merge_case(16, 2048, 5, 3, 990, "topk_merge 16 parts K=2048 (host fallback)");
 }
 
 void test_unsupported(Backend& gpu) {

@@ -130,8 +130,9 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
     }
     auto nccl = nccl_rank_comms(id, layout, cr, device);
     if (!nccl.ok()) {
+      const int code = fail(nccl.status().with_context("CP rank " + std::to_string(cr)));
       (*world)->abort("rank " + std::to_string(cr) + ": " + nccl.status().to_string());
-      return fail(nccl.status().with_context("CP rank " + std::to_string(cr)));
+      return code;
     }
     return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->comms(), "MPI + NCCL");
   }
@@ -142,6 +143,14 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
   std::unique_ptr<Backend> backend = make_cpu_backend(threads);
   return replay_as_rank(case_path, out_path, options, *c, *backend, CpComms{world->get(), pcp->get(), dcp->get()},
                         "MPI");
+}
+
+// After a failed NCCL creation (a peer never arrived), NCCL's bootstrap thread may still wait for that peer;
+// the process ends at once with the reported error instead of waiting for it in teardown.
+[[noreturn]] void exit_now(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(code);
 }
 
 Result<int64_t> env_int(const char* name, int64_t lo, int64_t hi) {
@@ -192,7 +201,7 @@ int replay_env(const std::string& case_path, const std::string& out_path, const 
     id = *read;
   }
   auto nccl = nccl_rank_comms(id, layout, static_cast<int>(*rank), static_cast<int>(*local));
-  if (!nccl.ok()) return fail(nccl.status());
+  if (!nccl.ok()) exit_now(fail(nccl.status()));
   return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->comms(), "NCCL");
 }
 

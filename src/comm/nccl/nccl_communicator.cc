@@ -38,10 +38,23 @@ void backoff(int iteration) {
   }
 }
 
+// Aborts a communicator. One whose creation never finished (a peer never arrived) is aborted on a detached
+// thread: ncclCommAbort joins NCCL's bootstrap thread, which may sit in a wait for that peer far longer than
+// our timeout, and the caller must get its error now.
+void abort_comm(ncclComm_t comm, bool created) {
+  if (comm == nullptr) return;
+  if (created) {
+    (void)ncclCommAbort(comm);
+  } else {
+    std::thread([comm] { (void)ncclCommAbort(comm); }).detach();
+  }
+}
+
 // Polls a communicator until its asynchronous state leaves ncclInProgress (non-blocking creation, split and
 // enqueue), bounded by `timeout`. On failure or timeout the communicator is aborted and *comm set to null.
+// `created`: false while the communicator is being created (init, split).
 Status settle(ncclComm_t* comm, const std::string& what, std::chrono::milliseconds timeout,
-              const std::shared_ptr<AbortSignal>& signal) {
+              const std::shared_ptr<AbortSignal>& signal, bool created = true) {
   const auto deadline = Clock::now() + timeout;
   for (int i = 0;; ++i) {
     ncclResult_t state = ncclSuccess;
@@ -58,7 +71,7 @@ Status settle(ncclComm_t* comm, const std::string& what, std::chrono::millisecon
                                                  " ms (a peer did not arrive)");
     }
     if (!failure.ok()) {
-      (void)ncclCommAbort(*comm);
+      abort_comm(*comm, created || state != ncclInProgress);
       *comm = nullptr;
       return failure;
     }
@@ -126,6 +139,44 @@ class NcclComm final : public NcclCommunicator {
     }, bytes == 0);
   }
 
+  static bool all_empty(const std::vector<Part>& parts) {
+    for (const Part& p : parts) {
+      if (p.bytes > 0) return false;
+    }
+    return true;
+  }
+
+  Result<std::unique_ptr<CollectiveHandle>> all_gather_group_async(const std::vector<Part>& parts) override {
+    size_t sent = 0;
+    for (const Part& p : parts) sent += p.bytes * (size_ - 1);
+    return launch("all_gather group", sent, [&] {
+      ncclResult_t r = ncclGroupStart();
+      for (const Part& p : parts) {
+        if (r == ncclSuccess && p.bytes > 0) r = ncclAllGather(p.send, p.recv, p.bytes, ncclUint8, comm_, stream_);
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    }, all_empty(parts));
+  }
+
+  Result<std::unique_ptr<CollectiveHandle>> all_to_all_group_async(const std::vector<Part>& parts) override {
+    size_t sent = 0;
+    for (const Part& p : parts) sent += p.bytes * (size_ - 1);
+    return launch("all_to_all group", sent, [&] {
+      ncclResult_t r = ncclGroupStart();
+      for (const Part& p : parts) {
+        for (int k = 0; k < size_ && r == ncclSuccess && p.bytes > 0; ++k) {
+          r = ncclSend(static_cast<const char*>(p.send) + k * p.bytes, p.bytes, ncclUint8, k, comm_, stream_);
+          if (r == ncclSuccess) {
+            r = ncclRecv(static_cast<char*>(p.recv) + k * p.bytes, p.bytes, ncclUint8, k, comm_, stream_);
+          }
+        }
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    }, all_empty(parts));
+  }
+
   Result<std::unique_ptr<CollectiveHandle>> broadcast_async(void* buf, size_t bytes, int root) override {
     if (root < 0 || root >= size_) {
       return invalid_argument("broadcast root " + std::to_string(root) + " outside [0, " + std::to_string(size_) + ")");
@@ -180,11 +231,11 @@ class NcclComm final : public NcclCommunicator {
     }
     if (Status s = settle(&comm_, "NCCL split (parent)", options_.timeout, options_.abort_signal); !s.ok()) {
       fail(s.message());
-      if (child != nullptr) (void)ncclCommAbort(child);
+      abort_comm(child, false);
       return s;
     }
     if (child == nullptr) return internal_error("NCCL split gave no communicator for color " + std::to_string(color));
-    DSACP_RETURN_IF_ERROR(settle(&child, "NCCL split", options_.timeout, options_.abort_signal));
+    DSACP_RETURN_IF_ERROR(settle(&child, "NCCL split", options_.timeout, options_.abort_signal, false));
     return wrap(child, options_);
   }
 
@@ -416,10 +467,10 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(const NcclId&
   const std::string what = "NCCL init of rank " + std::to_string(rank) + " of " + std::to_string(size) +
                            " on device " + std::to_string(options.device);
   if (r != ncclSuccess && r != ncclInProgress) {
-    if (comm != nullptr) (void)ncclCommAbort(comm);
+    abort_comm(comm, false);
     return nccl_error(r, what);
   }
-  DSACP_RETURN_IF_ERROR(settle(&comm, what, options.timeout, options.abort_signal));
+  DSACP_RETURN_IF_ERROR(settle(&comm, what, options.timeout, options.abort_signal, false));
   return NcclComm::wrap(comm, options);
 }
 

@@ -189,10 +189,15 @@ class CudaBackend final : public Backend {
     return check_device_error("topk_remap");
   }
 
-  // Exact merge of the sharded indexer's candidate rows. Runs the CPU oracle's merge on host copies (the
-  // candidates are Pt * K per row, small next to the scoring); a device merge is future work.
+  // Exact merge of the sharded indexer's candidate rows: on the device (a bitonic sort per row) when the
+  // candidates fit in shared memory, else the CPU oracle's merge on host copies.
   Status topk_merge(const TopkMergeParams& p) override {
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (cuda::topk_merge_on_device(p)) {
+      DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+      DSACP_RETURN_IF_ERROR(cuda::launch_topk_merge(p, ctx()));
+      return check_device_error("topk_merge");
+    }
     const size_t parts = static_cast<size_t>(p.num_parts) * p.num_rows * p.K;
     std::vector<int32_t> part_topk(parts), topk(static_cast<size_t>(p.num_rows) * p.K);
     std::vector<float> part_scores(parts);

@@ -30,6 +30,10 @@ Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, con
 // ---- context-parallel helpers ----
 Status launch_gather_rows(const GatherRowsParams& p, const LaunchContext& ctx);
 Status launch_topk_remap(const TopkRemapParams& p, const LaunchContext& ctx);
+// The device merge takes Pt <= 64 parts with next_pow2(Pt * K) 8-byte keys in 200 KB of shared memory
+// (Pt * K <= 16384); larger merges run on the host.
+bool topk_merge_on_device(const TopkMergeParams& p);
+Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx);
 
 // ---- sparse MLA ----------------------------------------------------------------------------------------------
 // "unsupported" with the supported set when the parameters are outside it.
