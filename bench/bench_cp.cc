@@ -6,7 +6,8 @@
 // communicators' statistics (device time of the collectives, time blocked in wait) give compute vs
 // communication and the overlap. Median of the timed reps after one warm-up; a step's time is the slowest
 // rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
-// Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--quick]
+// Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
+//        [--quick]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -147,7 +148,7 @@ void fill_cache(Backend& be, const PagedKvCache& cache) {
 struct Measure {
   double step_ms = 0;
   StepPhaseTimes phases;  // rank 0, per step (averaged over the timed reps)
-  double comm_busy_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
+  double comm_busy_ms = 0, comm_enqueue_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
   size_t kv_bytes_per_gpu = 0;
 };
 
@@ -156,9 +157,10 @@ std::string measure_json(const Measure& m) {
   const double overlap = m.comm_busy_ms > 0 ? std::max(0.0, 1.0 - m.comm_wait_ms / m.comm_busy_ms) : 0.0;
   std::snprintf(buf, sizeof buf,
                 "{\"step_ms\":%.4f,\"kv_ms\":%.4f,\"topk_ms\":%.4f,\"attention_ms\":%.4f,\"comm_busy_ms\":%.4f,"
-                "\"comm_wait_ms\":%.4f,\"comm_bytes\":%.0f,\"overlap\":%.3f,\"kv_bytes_per_gpu\":%zu}",
-                m.step_ms, m.phases.kv_ms, m.phases.topk_ms, m.phases.attention_ms, m.comm_busy_ms, m.comm_wait_ms,
-                m.comm_bytes, overlap, m.kv_bytes_per_gpu);
+                "\"comm_enqueue_ms\":%.4f,\"comm_wait_ms\":%.4f,\"comm_bytes\":%.0f,\"overlap\":%.3f,"
+                "\"kv_bytes_per_gpu\":%zu}",
+                m.step_ms, m.phases.kv_ms, m.phases.topk_ms, m.phases.attention_ms, m.comm_busy_ms, m.comm_enqueue_ms,
+                m.comm_wait_ms, m.comm_bytes, overlap, m.kv_bytes_per_gpu);
   return buf;
 }
 
@@ -279,12 +281,14 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
     for (auto* comm : {comms[0].world.get(), comms[0].pcp.get(), comms[0].dcp.get()}) {
       const CommStats s = comm->stats();
       m.comm_busy_ms += s.busy_ms;
+      m.comm_enqueue_ms += s.enqueue_ms;
       m.comm_wait_ms += s.wait_ms;
       m.comm_bytes += static_cast<double>(s.bytes);
     }
   }
   scale_phases(m.phases, reps);
   m.comm_busy_ms /= reps;
+  m.comm_enqueue_ms /= reps;
   m.comm_wait_ms /= reps;
   m.comm_bytes /= reps;
   m.step_ms = median(times);
@@ -307,11 +311,12 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
   std::vector<std::string> rows;
   CpLayout l = layout_of(n, 1, IndexerMode::kSharded);
   std::vector<RankComms> comms = make_comms(l);
-  std::printf("\n%-10s %12s %10s %10s %10s\n", "op", "size", "time us", "algbw GB/s", "busbw GB/s");
+  std::printf("\n%-10s %12s %10s %10s %10s %12s\n", "op", "size", "time us", "algbw GB/s", "busbw GB/s",
+              "one-by-one us");
   for (const char* op : {"all_gather", "all_to_all"}) {
     for (size_t size = size_t{1} << 20; size <= (size_t{1} << 30); size <<= (quick ? 4 : 1)) {
       const size_t per_rank = size / n;
-      std::vector<double> us(static_cast<size_t>(n));
+      std::vector<double> us(static_cast<size_t>(n)), single_us(static_cast<size_t>(n));
       on_ranks(n, [&](int r) {
         DeviceBuffer send = take(be[r]->allocate(size), "allocate"), recv = take(be[r]->allocate(size), "allocate");
         Communicator& c = *comms[r].world;
@@ -332,14 +337,24 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
         }
         for (auto& h : handles) die_if(h->wait(), op);
         us[r] = ms_since(t0) * 1000.0 / iters;
+        // One at a time: launch to completion (what a step that waits on each collective pays).
+        const auto t1 = Clock::now();
+        for (int i = 0; i < iters; ++i) {
+          die_if(ag ? c.all_gather(send.get(), recv.get(), per_rank) : c.all_to_all(send.get(), recv.get(), per_rank),
+                 op);
+        }
+        single_us[r] = ms_since(t1) * 1000.0 / iters;
       });
       const double t = *std::max_element(us.begin(), us.end());
       const double algbw = static_cast<double>(size) / (t * 1e-6) / 1e9;
       const double bus = algbw * (n - 1) / n;
-      std::printf("%-10s %12zu %10.1f %10.1f %10.1f\n", op, size, t, algbw, bus);
-      char buf[200];
-      std::snprintf(buf, sizeof buf, "{\"op\":\"%s\",\"ranks\":%d,\"bytes\":%zu,\"us\":%.2f,\"algbw\":%.2f,\"busbw\":%.2f}",
-                    op, n, size, t, algbw, bus);
+      const double single = *std::max_element(single_us.begin(), single_us.end());
+      std::printf("%-10s %12zu %10.1f %10.1f %10.1f %12.1f\n", op, size, t, algbw, bus, single);
+      char buf[240];
+      std::snprintf(buf, sizeof buf,
+                    "{\"op\":\"%s\",\"ranks\":%d,\"bytes\":%zu,\"us\":%.2f,\"algbw\":%.2f,\"busbw\":%.2f,"
+                    "\"single_us\":%.2f}",
+                    op, n, size, t, algbw, bus, single);
       rows.push_back(buf);
     }
   }
@@ -350,9 +365,10 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
 void print_case(const char* name, const Measure& one, const Measure& cp) {
   const double overlap = cp.comm_busy_ms > 0 ? std::max(0.0, 1.0 - cp.comm_wait_ms / cp.comm_busy_ms) : 0.0;
   std::printf("%-34s 1 GPU %9.3f ms | CP %9.3f ms  speedup %5.2fx (ratio %.2f)  kv %.2f/%.2f/%.2f ms"
-              "  comm busy %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB\n",
+              "  comm busy %.3f enqueue %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB\n",
               name, one.step_ms, cp.step_ms, one.step_ms / cp.step_ms, cp.step_ms / one.step_ms, cp.phases.kv_ms,
-              cp.phases.topk_ms, cp.phases.attention_ms, cp.comm_busy_ms, cp.comm_wait_ms, 100 * overlap,
+              cp.phases.topk_ms, cp.phases.attention_ms, cp.comm_busy_ms, cp.comm_enqueue_ms, cp.comm_wait_ms,
+              100 * overlap,
               one.kv_bytes_per_gpu / 1073741824.0, cp.kv_bytes_per_gpu / 1073741824.0);
   std::fflush(stdout);
 }
@@ -363,12 +379,16 @@ int main(int argc, char** argv) {
   std::string json, only;
   int reps = 3;
   bool quick = false;
+  int64_t only_S = 0;
+  std::string only_mode;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--quick") quick = true;
+    else if (a == "--S" && i + 1 < argc) only_S = std::atoll(argv[++i]);
+    else if (a == "--mode" && i + 1 < argc) only_mode = argv[++i];
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {
@@ -391,7 +411,7 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "busbw") bus = busbw(gpus, n, quick);
   if (only.empty() || only == "pcp") {
     for (int64_t S : {int64_t{32768}, int64_t{131072}}) {
-      if (quick && S > 32768) continue;
+      if ((quick && S > 32768) || (only_S != 0 && S != only_S)) continue;
       const std::vector<Request> req{{static_cast<int32_t>(S), 0}};
       const Measure one = one_gpu(*gpus[0], c, req, reps, false);
       const Measure cp = cp_gpus(gpus, c, req, layout_of(2, 1, IndexerMode::kSharded), reps, false);
@@ -400,10 +420,11 @@ int main(int argc, char** argv) {
   }
   if (only.empty() || only == "dcp") {
     for (int64_t S : {int64_t{32768}, int64_t{131072}}) {
-      if (quick && S > 32768) continue;
+      if ((quick && S > 32768) || (only_S != 0 && S != only_S)) continue;
       const std::vector<Request> req(64, Request{1, static_cast<int32_t>(S - 1)});
       const Measure one = one_gpu(*gpus[0], c, req, reps, true);
       for (IndexerMode mode : {IndexerMode::kSharded, IndexerMode::kReplicated}) {
+        if (!only_mode.empty() && only_mode != (mode == IndexerMode::kSharded ? "sharded" : "replicated")) continue;
         const Measure cp = cp_gpus(gpus, c, req, layout_of(1, 2, mode), reps, true);
         const std::string m = mode == IndexerMode::kSharded ? "sharded" : "replicated";
         add("dcp decode b64 " + std::to_string(S / 1024) + "K " + m, S, ("D2 " + m).c_str(), one, cp);

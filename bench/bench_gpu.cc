@@ -226,7 +226,7 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   auto plan = indexer_plan(p, request.data(), key_len.data());
   CS(plan.status());
   IndexerPlanDevice dev;
-  dev.items = dev_copy(plan->items);
+  dev.items = dev_copy(indexer_plan_items(*plan));
   dev.score_offset = dev_copy(plan->score_offset);
   CK(cudaMalloc(&dev.scores, std::max<int64_t>(1, plan->max_score_floats) * 4));
   const double ms = time_ms([&] { CS(launch_indexer_topk(p, *plan, dev, g_ctx)); }, reps, g_ctx.stream);

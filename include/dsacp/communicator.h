@@ -31,13 +31,15 @@ class CollectiveHandle {
 };
 
 // What a communicator has done since it was made (or since reset_stats): collectives, bytes this rank sent,
-// the time its collectives kept the network busy (device time on a GPU communicator, 0 where it cannot be
-// measured) and the time the calling thread spent blocked in wait(). 1 - wait_ms / busy_ms is the share of
-// the communication that overlapped other work.
+// the time its collectives kept the network busy (device time on a GPU communicator, from launch to
+// completion, so waiting for a late peer counts; 0 where it cannot be measured), the time the calling thread
+// spent starting them (enqueue_ms) and blocked in wait() (wait_ms). 1 - wait_ms / busy_ms is the share of the
+// communication that overlapped other work.
 struct CommStats {
   int64_t collectives = 0;
   int64_t bytes = 0;
   double busy_ms = 0;
+  double enqueue_ms = 0;
   double wait_ms = 0;
 };
 

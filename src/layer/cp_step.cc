@@ -111,21 +111,29 @@ const void* offset_bytes(const void* p, int64_t bytes) {
   return p == nullptr ? nullptr : static_cast<const char*>(p) + bytes;
 }
 
-// Rows src[index[i]] -> dst (with dtype conversion), rows of `dim` elements.
-Status gather(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
-              const std::vector<int64_t>& index, void* dst, DType dst_dtype, const char* what) {
-  if (index.empty()) return Status();
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_index, upload_vector(backend, index));
+// Rows src[index[i]] -> dst (with dtype conversion), rows of `dim` elements; the index in device memory.
+Status gather_dev(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
+                  const int64_t* d_index, int64_t n, void* dst, DType dst_dtype, const char* what) {
+  if (n == 0) return Status();
   GatherRowsParams g;
   g.src = src;
   g.src_dtype = src_dtype;
   g.src_rows = src_rows;
   g.dim = dim;
-  g.index = d_index.as<const int64_t>();
-  g.num_rows = static_cast<int64_t>(index.size());
+  g.index = d_index;
+  g.num_rows = n;
   g.dst = dst;
   g.dst_dtype = dst_dtype;
   return gather_rows_run(backend, g).with_context(what);
+}
+
+// The same with a host index.
+Status gather(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
+              const std::vector<int64_t>& index, void* dst, DType dst_dtype, const char* what) {
+  if (index.empty()) return Status();
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_index, upload_vector(backend, index));
+  return gather_dev(backend, src, src_dtype, src_rows, dim, d_index.as<const int64_t>(),
+                    static_cast<int64_t>(index.size()), dst, dst_dtype, what);
 }
 
 // Everything one rank needs while it runs a step.
@@ -323,16 +331,31 @@ Result<PendingHeads> start_head_gather(RankStep& s, const void* q_nope, const vo
   return ph;
 }
 
-Result<DeviceBuffer> heads_to_rows(RankStep& s, const DeviceBuffer& blocks, int64_t n, int32_t dim) {
+// The row order of queries gathered along heads: row (t, k, h) of [n, D*Hr] comes from block k's row (t, h).
+Result<DeviceBuffer> heads_to_rows_index(RankStep& s, int64_t n) {
   const int64_t D = s.comms.dcp->size(), Hr = s.plan.num_heads;
   std::vector<int64_t> index;
   index.reserve(static_cast<size_t>(n * D * Hr));
   for (int64_t t = 0; t < n; ++t)
     for (int64_t k = 0; k < D; ++k)
       for (int64_t h = 0; h < Hr; ++h) index.push_back((k * n + t) * Hr + h);
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer full, s.backend.allocate(std::max<size_t>(n * D * Hr * dim * s.act(), 1)));
-  DSACP_RETURN_IF_ERROR(gather(s.backend, blocks.get(), s.c.act_dtype, D * n * Hr, dim, index, full.get(),
-                               s.c.act_dtype, "queries gathered along heads"));
+  return upload_vector(s.backend, index);
+}
+
+Result<DeviceBuffer> heads_to_rows(RankStep& s, const DeviceBuffer& blocks, const DeviceBuffer& index, int64_t n,
+                                   int32_t dim) {
+  const int64_t rows = n * s.comms.dcp->size() * s.plan.num_heads;
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer full, s.backend.allocate(std::max<size_t>(rows * dim * s.act(), 1)));
+  GatherRowsParams g;
+  g.src = blocks.get();
+  g.src_dtype = s.c.act_dtype;
+  g.src_rows = rows;
+  g.dim = dim;
+  g.index = index.as<const int64_t>();
+  g.num_rows = rows;
+  g.dst = full.get();
+  g.dst_dtype = s.c.act_dtype;
+  DSACP_RETURN_IF_ERROR(gather_rows_run(s.backend, g).with_context("queries gathered along heads"));
   return full;
 }
 
@@ -432,7 +455,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       if (replicated) all[j] = int64_t{rep_table.page(b, p / B)} * B + p % B;
     }
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(backend, owned));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_all, upload_vector(backend, all));
+    DeviceBuffer d_all;
+    if (replicated) {
+      DSACP_ASSIGN_OR_RETURN(d_all, upload_vector(backend, all));
+    }
     const PagedPoolView pools[3] = {cache.latent(), cache.rope(), cache.index_keys()};
     DSACP_RETURN_IF_ERROR(kv[0].handle->wait());
     for (int i = 0; i < 3; ++i) {
@@ -590,9 +616,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     const void* qn = in.q_nope;
     const void* qr = in.q_rope;
     if (q_heads) {
+      DSACP_ASSIGN_OR_RETURN(DeviceBuffer order, heads_to_rows_index(s, T_dec));
       DSACP_RETURN_IF_ERROR(q_heads->handle->wait());
-      DSACP_ASSIGN_OR_RETURN(full_qn, heads_to_rows(s, q_heads->nope_blocks, T_dec, c.Dl));
-      DSACP_ASSIGN_OR_RETURN(full_qr, heads_to_rows(s, q_heads->rope_blocks, T_dec, c.Dr));
+      DSACP_ASSIGN_OR_RETURN(full_qn, heads_to_rows(s, q_heads->nope_blocks, order, T_dec, c.Dl));
+      DSACP_ASSIGN_OR_RETURN(full_qr, heads_to_rows(s, q_heads->rope_blocks, order, T_dec, c.Dr));
       qn = full_qn.get();
       qr = full_qr.get();
     }
@@ -612,10 +639,12 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_lse, backend.allocate(Pt * block * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(gather(backend, part_out.get(), DType::kF32, T_dec * H, c.Dl, index, send_out.get(),
-                                 DType::kF32, "pack partial outputs by head"));
-    DSACP_RETURN_IF_ERROR(gather(backend, part_lse.get(), DType::kF32, T_dec * H, 1, index, send_lse.get(),
-                                 DType::kF32, "pack partial LSE by head"));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_index, upload_vector(backend, index));
+    const int64_t n_index = static_cast<int64_t>(index.size());
+    DSACP_RETURN_IF_ERROR(gather_dev(backend, part_out.get(), DType::kF32, T_dec * H, c.Dl, d_index.as<const int64_t>(),
+                                     n_index, send_out.get(), DType::kF32, "pack partial outputs by head"));
+    DSACP_RETURN_IF_ERROR(gather_dev(backend, part_lse.get(), DType::kF32, T_dec * H, 1, d_index.as<const int64_t>(),
+                                     n_index, send_lse.get(), DType::kF32, "pack partial LSE by head"));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(Pt * block * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(auto h, comms.world->all_to_all_group_async({{send_out.get(), recv_out.get(), block * c.Dl * sizeof(float)},

@@ -1,12 +1,17 @@
-// NCCL communicator (dsacp/nccl_communicator.h): non-blocking NCCL communicators, one stream each, bounded
-// waits by polling CUDA events and ncclCommGetAsyncError.
+// NCCL communicator (dsacp/nccl_communicator.h): one stream each, bounded waits by polling CUDA events and
+// ncclCommGetAsyncError; creation, split and finalization bounded on helper threads.
 #include "dsacp/nccl_communicator.h"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <fstream>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -79,6 +84,92 @@ Status settle(ncclComm_t* comm, const std::string& what, std::chrono::millisecon
   }
 }
 
+// Communicators are blocking by default: NCCL's blocking launch path is the fast one (a non-blocking
+// communicator measured ~2x the per-collective enqueue time on the H200 pair). Blocking calls that could wait
+// for a missing peer (creation, split, finalization) run on a helper thread that the caller waits for, bounded.
+// DSACP_NCCL_NONBLOCKING=1 creates non-blocking communicators instead (ncclConfig_t.blocking = 0).
+bool nonblocking_mode() {
+  static const bool nb = std::getenv("DSACP_NCCL_NONBLOCKING") != nullptr;
+  return nb;
+}
+
+ncclConfig_t comm_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = nonblocking_mode() ? 0 : 1;
+  return config;
+}
+
+// Makes a communicator with `make` on a helper thread (on `device`) and waits for it up to `timeout` (or until
+// `signal` is raised). A helper that is given up on aborts what it made, if it ever finishes.
+Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make, int device, const std::string& what,
+                                  std::chrono::milliseconds timeout, const std::shared_ptr<AbortSignal>& signal) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false, abandoned = false;
+    ncclComm_t comm = nullptr;
+    Status status;
+  };
+  auto st = std::make_shared<State>();
+  std::thread([st, make, device, what, timeout, signal] {
+    ncclComm_t comm = nullptr;
+    Status result;
+    const cudaError_t ce = cudaSetDevice(device);
+    if (ce != cudaSuccess) {
+      result = cuda_error(ce, what);
+    } else {
+      const ncclResult_t r = make(&comm);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        abort_comm(comm, false);
+        comm = nullptr;
+        result = nccl_error(r, what);
+      } else {
+        result = settle(&comm, what, timeout, signal, false);
+      }
+    }
+    std::lock_guard<std::mutex> lock(st->mu);
+    if (st->abandoned) {
+      abort_comm(comm, true);
+      return;
+    }
+    st->comm = comm;
+    st->status = result;
+    st->done = true;
+    st->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(st->mu);
+  const auto deadline = Clock::now() + timeout;
+  while (!st->done) {
+    st->cv.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(20)));
+    if (st->done) break;
+    const bool aborted = signal && signal->raised();
+    if (aborted || Clock::now() > deadline) {
+      st->abandoned = true;
+      if (aborted) return Status(StatusCode::kBackendError, what + ": communicator aborted: " + signal->reason());
+      return Status(StatusCode::kTimeout,
+                    what + " timed out after " + std::to_string(timeout.count()) + " ms (a peer did not arrive)");
+    }
+  }
+  DSACP_RETURN_IF_ERROR(st->status);
+  return st->comm;
+}
+
+// Finalizes and destroys a healthy communicator on a helper thread, waiting up to `timeout` (a finalization
+// that waits for a dead peer is left behind).
+void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds timeout) {
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread([comm, device, timeout, done] {
+    (void)cudaSetDevice(device);
+    ncclComm_t c = comm;
+    const ncclResult_t r = ncclCommFinalize(c);
+    if (r == ncclInProgress) (void)settle(&c, "NCCL finalize", timeout, nullptr);
+    if (c != nullptr) (void)ncclCommDestroy(c);
+    done->store(true);
+  }).detach();
+  const auto deadline = Clock::now() + timeout;
+  while (!done->load() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(200));
+}
+
 class NcclComm;
 
 class NcclHandle final : public CollectiveHandle {
@@ -103,15 +194,9 @@ class NcclComm final : public NcclCommunicator {
 
   ~NcclComm() override {
     (void)cudaSetDevice(options_.device);
-    if (comm_ != nullptr) {
-      // Flush and release; a peer that is gone must not hang the destructor.
-      ncclResult_t r = ncclCommFinalize(comm_);
-      if (r == ncclSuccess || r == ncclInProgress) {
-        const Status s = settle(&comm_, "NCCL finalize", options_.timeout, nullptr);
-        (void)s;
-      }
-      if (comm_ != nullptr) (void)ncclCommDestroy(comm_);
-    }
+    // Flush and release; a peer that is gone must not hang the destructor.
+    if (comm_ != nullptr) bounded_release(comm_, options_.device, std::min(options_.timeout, std::chrono::milliseconds(10000)));
+    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     (void)cudaFree(flag_);
     (void)cudaStreamDestroy(stream_);
   }
@@ -220,23 +305,22 @@ class NcclComm final : public NcclCommunicator {
     DSACP_RETURN_IF_ERROR(usable());
     const cudaError_t e = cudaSetDevice(options_.device);
     if (e != cudaSuccess) return cuda_error(e, "NCCL split");
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t child = nullptr;
-    const ncclResult_t r = ncclCommSplit(comm_, color, key, &child, &config);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      const Status s = nccl_error(r, "NCCL split", comm_);
-      fail(s.message());
-      return s;
+    ncclComm_t parent = comm_;
+    const std::string what = "NCCL split of rank " + std::to_string(rank_) + " (color " + std::to_string(color) + ")";
+    auto child = bounded_create(
+        [parent, color, key](ncclComm_t* out) {
+          ncclConfig_t config = comm_config();
+          return ncclCommSplit(parent, color, key, out, &config);
+        },
+        options_.device, what, options_.timeout, options_.abort_signal);
+    if (!child.ok()) {
+      // The helper may still be inside ncclCommSplit with the parent: the parent is left alone (not aborted),
+      // only marked failed.
+      if (failure_.empty()) failure_ = child.status().message();
+      comm_ = nullptr;
+      return child.status();
     }
-    if (Status s = settle(&comm_, "NCCL split (parent)", options_.timeout, options_.abort_signal); !s.ok()) {
-      fail(s.message());
-      abort_comm(child, false);
-      return s;
-    }
-    if (child == nullptr) return internal_error("NCCL split gave no communicator for color " + std::to_string(color));
-    DSACP_RETURN_IF_ERROR(settle(&child, "NCCL split", options_.timeout, options_.abort_signal, false));
-    return wrap(child, options_);
+    return wrap(*child, options_);
   }
 
   // A new communicator's resources around an initialized NCCL communicator (aborted on failure).
@@ -324,18 +408,35 @@ class NcclComm final : public NcclCommunicator {
     }
   }
 
+  cudaError_t take_event(cudaEvent_t* e) {
+    if (!free_events_.empty()) {
+      *e = free_events_.back();
+      free_events_.pop_back();
+      return cudaSuccess;
+    }
+    return cudaEventCreate(e);
+  }
+
+ public:
+  void give_back_events(cudaEvent_t a, cudaEvent_t b) {
+    for (cudaEvent_t e : {a, b}) {
+      if (e != nullptr) free_events_.push_back(e);
+    }
+  }
+
+ private:
   template <typename Enqueue>
   Result<std::unique_ptr<CollectiveHandle>> launch(const char* what, size_t sent_bytes, Enqueue enqueue,
                                                    bool empty = false) {
     DSACP_RETURN_IF_ERROR(usable());
+    const auto t0 = Clock::now();
     cudaError_t e = cudaSetDevice(options_.device);
     cudaEvent_t start = nullptr, end = nullptr;
-    if (e == cudaSuccess) e = cudaEventCreate(&start);
-    if (e == cudaSuccess) e = cudaEventCreate(&end);
+    if (e == cudaSuccess) e = take_event(&start);
+    if (e == cudaSuccess) e = take_event(&end);
     if (e == cudaSuccess) e = cudaEventRecord(start, stream_);
     if (e != cudaSuccess) {
-      if (start != nullptr) (void)cudaEventDestroy(start);
-      if (end != nullptr) (void)cudaEventDestroy(end);
+      give_back_events(start, end);
       return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
     }
     const std::string name = std::string("rank ") + std::to_string(rank_) + ": " + what;
@@ -354,10 +455,10 @@ class NcclComm final : public NcclCommunicator {
     }
     if (!s.ok()) {
       fail(s.message());
-      (void)cudaEventDestroy(start);
-      (void)cudaEventDestroy(end);
+      give_back_events(start, end);
       return s;
     }
+    stats_.enqueue_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     ++stats_.collectives;
     stats_.bytes += static_cast<int64_t>(sent_bytes);
     return std::unique_ptr<CollectiveHandle>(new NcclHandle(this, start, end, what));
@@ -370,12 +471,12 @@ class NcclComm final : public NcclCommunicator {
   float* flag_;
   std::string failure_;
   CommStats stats_;
+  std::vector<cudaEvent_t> free_events_;  // timing events of finished collectives, reused
 };
 
 NcclHandle::~NcclHandle() {
   if (!waited_) (void)wait();
-  (void)cudaEventDestroy(start_);
-  (void)cudaEventDestroy(end_);
+  comm_->give_back_events(start_, end_);
 }
 
 Status NcclHandle::wait() {
@@ -456,21 +557,21 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(const NcclId&
     return invalid_argument("NCCL communicator: device " + std::to_string(options.device) + " outside [0, " +
                             std::to_string(count) + ")");
   }
-  e = cudaSetDevice(options.device);
-  if (e != cudaSuccess) return cuda_error(e, "NCCL communicator");
   ncclUniqueId raw;
   std::copy(id.bytes.begin(), id.bytes.end(), raw.internal);
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  ncclComm_t comm = nullptr;
-  const ncclResult_t r = ncclCommInitRankConfig(&comm, size, raw, rank, &config);
   const std::string what = "NCCL init of rank " + std::to_string(rank) + " of " + std::to_string(size) +
                            " on device " + std::to_string(options.device);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    abort_comm(comm, false);
-    return nccl_error(r, what);
+  DSACP_ASSIGN_OR_RETURN(ncclComm_t comm, bounded_create(
+                                               [raw, size, rank](ncclComm_t* out) {
+                                                 ncclConfig_t config = comm_config();
+                                                 return ncclCommInitRankConfig(out, size, raw, rank, &config);
+                                               },
+                                               options.device, what, options.timeout, options.abort_signal));
+  e = cudaSetDevice(options.device);
+  if (e != cudaSuccess) {
+    abort_comm(comm, true);
+    return cuda_error(e, what);
   }
-  DSACP_RETURN_IF_ERROR(settle(&comm, what, options.timeout, options.abort_signal, false));
   return NcclComm::wrap(comm, options);
 }
 

@@ -8,7 +8,11 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -53,19 +57,62 @@ struct Scratch {
   }
 };
 
+// DSACP_CUDA_TRACE=1: every backend call's count and host wall time, printed to stderr when the backend goes
+// (a diagnostic of per-call overheads; calls made inside other calls are counted in both).
+struct CallTrace {
+  bool on = std::getenv("DSACP_CUDA_TRACE") != nullptr;
+  std::mutex mu;
+  std::map<std::string, std::pair<int64_t, double>> calls;
+  void add(const char* name, double ms) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& c = calls[name];
+    ++c.first;
+    c.second += ms;
+  }
+  void print(int device) {
+    if (!on) return;
+    std::fprintf(stderr, "dsacp CUDA backend %d calls:\n", device);
+    for (const auto& [name, c] : calls) {
+      std::fprintf(stderr, "  %-28s %8lld calls %10.3f ms %8.1f us/call\n", name.c_str(), static_cast<long long>(c.first),
+                   c.second, 1000.0 * c.second / static_cast<double>(std::max<int64_t>(c.first, 1)));
+    }
+  }
+};
+
+class TraceScope {
+ public:
+  TraceScope(CallTrace& t, const char* name) : t_(t), name_(name) {
+    if (t_.on) start_ = std::chrono::steady_clock::now();
+  }
+  ~TraceScope() {
+    if (t_.on) t_.add(name_, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count());
+  }
+
+ private:
+  CallTrace& t_;
+  const char* name_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, int num_sms, cudaStream_t stream, int32_t* err_dev, int32_t* err_host)
       : device_(device), num_sms_(num_sms), stream_(stream), err_dev_(err_dev), err_host_(err_host) {
-    for (Scratch* s : {&plan_items_, &plan_offsets_, &scores_, &mla_ws_}) s->stream = stream_;
+    for (Scratch* s : {&plan_items_, &plan_groups_, &plan_offsets_, &scores_, &mla_ws_}) s->stream = stream_;
+    if (cudaMallocHost(&stage_, kStageBytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      stage_ = nullptr;  // small copies then use the pageable path
+    }
   }
   ~CudaBackend() override {
+    trace_.print(device_);
     (void)cudaSetDevice(device_);
     (void)cudaStreamSynchronize(stream_);
-    for (Scratch* s : {&plan_items_, &plan_offsets_, &scores_, &mla_ws_}) s->release();
+    for (Scratch* s : {&plan_items_, &plan_groups_, &plan_offsets_, &scores_, &mla_ws_}) s->release();
     (void)cudaStreamSynchronize(stream_);
     (void)cudaFree(err_dev_);
     (void)cudaFreeHost(err_host_);
+    if (stage_ != nullptr) (void)cudaFreeHost(stage_);
     (void)cudaStreamDestroy(stream_);
   }
 
@@ -76,6 +123,7 @@ class CudaBackend final : public Backend {
   // synchronized). Freed in stream order on the legacy stream of the freeing thread: every user of a buffer has
   // finished by then (kernel calls synchronize, collectives are waited on before their buffers go).
   Result<DeviceBuffer> allocate(size_t bytes) override {
+    TraceScope trace(trace_, bytes < (1u << 20) ? "allocate < 1 MiB" : "allocate >= 1 MiB");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* p = nullptr;
@@ -94,24 +142,34 @@ class CudaBackend final : public Backend {
   }
 
   Status copy_to_device(void* dst, const void* src, size_t bytes) override {
+    TraceScope trace(trace_, bytes < (1u << 20) ? "copy_to_device < 1 MiB" : "copy_to_device >= 1 MiB");
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (bytes <= kStageBytes && stage_ != nullptr) {
+      // Small copies go through pinned memory: a true async DMA instead of the pageable staging path.
+      std::memcpy(stage_, src, bytes);
+      src = stage_;
+    }
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::ok_status();
   }
 
   Status copy_to_host(void* dst, const void* src, size_t bytes) override {
+    TraceScope trace(trace_, bytes < (1u << 20) ? "copy_to_host < 1 MiB" : "copy_to_host >= 1 MiB");
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    const bool staged = bytes <= kStageBytes && stage_ != nullptr;
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged ? stage_ : dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    if (staged) std::memcpy(dst, stage_, bytes);
     return Status::ok_status();
   }
 
   Status copy_on_device(void* dst, const void* src, size_t bytes) override {
+    TraceScope trace(trace_, bytes < (1u << 20) ? "copy_on_device < 1 MiB" : "copy_on_device >= 1 MiB");
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -121,12 +179,14 @@ class CudaBackend final : public Backend {
   }
 
   Status fill(void* dst, DType dtype, int64_t count, float value) override {
+    TraceScope trace(trace_, "fill");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return cuda::launch_fill(dst, dtype, count, value, ctx());
   }
 
   Status synchronize() override {
+    TraceScope trace(trace_, "synchronize");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -134,6 +194,7 @@ class CudaBackend final : public Backend {
   }
 
   Status cache_write(const CacheWriteParams& p) override {
+    TraceScope trace(trace_, "cache_write");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::launch_cache_write(p, ctx()));
@@ -141,21 +202,38 @@ class CudaBackend final : public Backend {
   }
 
   Status indexer_topk(const IndexerTopkParams& p) override {
+    TraceScope trace(trace_, "indexer_topk");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::indexer_topk_supported(p));
     const int64_t T = p.rows.num_tokens;
     std::vector<int32_t> request(static_cast<size_t>(T)), key_len(static_cast<size_t>(T));
-    DSACP_RETURN_IF_ERROR(copy_to_host(request.data(), p.rows.request, T * sizeof(int32_t)));
-    DSACP_RETURN_IF_ERROR(copy_to_host(key_len.data(), p.rows.key_len, T * sizeof(int32_t)));
-    DSACP_ASSIGN_OR_RETURN(cuda::IndexerPlan plan, cuda::indexer_plan(p, request.data(), key_len.data()));
-    DSACP_RETURN_IF_ERROR(plan_items_.reserve(std::max<size_t>(1, plan.items.size()) * sizeof(cuda::ScoreItem)));
-    DSACP_RETURN_IF_ERROR(plan_offsets_.reserve(std::max<size_t>(1, plan.score_offset.size()) * sizeof(int64_t)));
-    DSACP_RETURN_IF_ERROR(scores_.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(
-        copy_to_device(plan_items_.ptr, plan.items.data(), plan.items.size() * sizeof(cuda::ScoreItem)));
-    DSACP_RETURN_IF_ERROR(
-        copy_to_device(plan_offsets_.ptr, plan.score_offset.data(), plan.score_offset.size() * sizeof(int64_t)));
+    cuda::IndexerPlan plan;
+    {
+      TraceScope plan_trace(trace_, "indexer_topk: plan + upload");
+      {
+        TraceScope t1(trace_, "indexer_topk: rows to host");
+        DSACP_RETURN_IF_ERROR(copy_to_host(request.data(), p.rows.request, T * sizeof(int32_t)));
+        DSACP_RETURN_IF_ERROR(copy_to_host(key_len.data(), p.rows.key_len, T * sizeof(int32_t)));
+      }
+      {
+        TraceScope t2(trace_, "indexer_topk: host plan");
+        DSACP_ASSIGN_OR_RETURN(plan, cuda::indexer_plan(p, request.data(), key_len.data()));
+      }
+      TraceScope t3(trace_, "indexer_topk: plan upload");
+      DSACP_RETURN_IF_ERROR(plan_items_.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
+      DSACP_RETURN_IF_ERROR(plan_groups_.reserve(std::max<size_t>(1, plan.groups.size()) * sizeof(cuda::ScoreGroup)));
+      DSACP_RETURN_IF_ERROR(plan_offsets_.reserve(std::max<size_t>(1, plan.score_offset.size()) * sizeof(int64_t)));
+      DSACP_RETURN_IF_ERROR(scores_.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(
+          copy_to_device(plan_groups_.ptr, plan.groups.data(), plan.groups.size() * sizeof(cuda::ScoreGroup)));
+      DSACP_RETURN_IF_ERROR(
+          copy_to_device(plan_offsets_.ptr, plan.score_offset.data(), plan.score_offset.size() * sizeof(int64_t)));
+      DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(static_cast<const cuda::ScoreGroup*>(plan_groups_.ptr),
+                                                            static_cast<int64_t>(plan.groups.size()),
+                                                            static_cast<cuda::ScoreItem*>(plan_items_.ptr),
+                                                            plan.num_items, ctx()));
+    }
     cuda::IndexerPlanDevice dev;
     dev.items = static_cast<const cuda::ScoreItem*>(plan_items_.ptr);
     dev.score_offset = static_cast<const int64_t*>(plan_offsets_.ptr);
@@ -165,6 +243,7 @@ class CudaBackend final : public Backend {
   }
 
   Status sparse_mla(const SparseMlaParams& p) override {
+    TraceScope trace(trace_, "sparse_mla");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p));
@@ -176,6 +255,7 @@ class CudaBackend final : public Backend {
   }
 
   Status gather_rows(const GatherRowsParams& p) override {
+    TraceScope trace(trace_, "gather_rows");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::launch_gather_rows(p, ctx()));
@@ -183,6 +263,7 @@ class CudaBackend final : public Backend {
   }
 
   Status topk_remap(const TopkRemapParams& p) override {
+    TraceScope trace(trace_, "topk_remap");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::launch_topk_remap(p, ctx()));
@@ -192,6 +273,7 @@ class CudaBackend final : public Backend {
   // Exact merge of the sharded indexer's candidate rows: on the device (a bitonic sort per row) when the
   // candidates fit in shared memory, else the CPU oracle's merge on host copies.
   Status topk_merge(const TopkMergeParams& p) override {
+    TraceScope trace(trace_, "topk_merge");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     if (cuda::topk_merge_on_device(p)) {
       DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -212,6 +294,7 @@ class CudaBackend final : public Backend {
   }
 
   Status lse_merge(const LseMergeParams& p) override {
+    TraceScope trace(trace_, "lse_merge");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::launch_lse_merge(p, p.out, DType::kF32, ctx()));
@@ -265,7 +348,10 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_;
   int32_t* err_dev_;
   int32_t* err_host_;
-  Scratch plan_items_, plan_offsets_, scores_, mla_ws_;
+  Scratch plan_items_, plan_groups_, plan_offsets_, scores_, mla_ws_;
+  static constexpr size_t kStageBytes = size_t{1} << 20;
+  void* stage_ = nullptr;  // pinned host memory for small copies (kStageBytes), guarded by mu_
+  CallTrace trace_;
 };
 
 }  // namespace

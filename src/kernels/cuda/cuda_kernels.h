@@ -57,8 +57,17 @@ struct ScoreItem {
   int32_t pad;
 };
 
+// A token group and where its items start: items [item_begin, next group's item_begin) cover keys
+// k0 = 0, kScoreKeys, 2 * kScoreKeys, ... of the group's visible range.
+struct ScoreGroup {
+  int32_t t0;
+  int32_t nt;
+  int64_t item_begin;
+};
+
 // Host plan of one indexer call: tokens are cut into chunks whose scores fit the score budget; each chunk's
 // tokens are grouped (consecutive tokens of one request), and each group's visible key range cut into items.
+// The plan lists groups only (O(T) host work and upload); the items are expanded on the device.
 struct IndexerPlan {
   struct Chunk {
     int64_t t0, t1;                 // tokens [t0, t1)
@@ -68,7 +77,8 @@ struct IndexerPlan {
     int32_t max_len;                // longest key_len of the chunk (sizes the top-k kernel's row cache)
   };
   std::vector<Chunk> chunks;
-  std::vector<ScoreItem> items;
+  std::vector<ScoreGroup> groups;
+  int64_t num_items = 0;
   std::vector<int64_t> score_offset;  // [T] start of token t's row in its chunk's buffer (multiple of 4 floats)
   int64_t max_score_floats = 0;
 };
@@ -76,6 +86,12 @@ inline constexpr int64_t kIndexerScoreBudgetFloats = int64_t{1} << 25;  // 128 M
 // request/key_len are host copies of p.rows; validates them as the CPU oracle does.
 Result<IndexerPlan> indexer_plan(const IndexerTopkParams& p, const int32_t* request, const int32_t* key_len,
                                  int64_t score_budget_floats = kIndexerScoreBudgetFloats);
+
+// The plan's items, expanded on the host (tests and benchmarks).
+std::vector<ScoreItem> indexer_plan_items(const IndexerPlan& plan);
+// Expands the plan's groups (device copy, plan.groups.size() entries) into items[plan.num_items] on the device.
+Status launch_expand_score_items(const ScoreGroup* groups, int64_t num_groups, ScoreItem* items, int64_t num_items,
+                                 const LaunchContext& ctx);
 
 // Device copies of the plan plus the score buffer (max_score_floats).
 struct IndexerPlanDevice {

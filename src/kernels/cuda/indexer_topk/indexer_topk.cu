@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <string>
 
+#include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 
 namespace dsacp::cuda {
@@ -36,19 +37,19 @@ Result<IndexerPlan> indexer_plan(const IndexerTopkParams& p, const int32_t* requ
   const int64_t T = p.rows.num_tokens;
   const int64_t max_len = static_cast<int64_t>(p.block_table.max_pages) * p.keys.page_size;
   for (int64_t t = 0; t < T; ++t) {
-    const std::string where = "indexer_topk: token " + std::to_string(t) + ": ";
+    auto where = [t] { return "indexer_topk: token " + std::to_string(t) + ": "; };
     if (request[t] < 0 || request[t] >= p.block_table.num_requests) {
-      return out_of_range(where + "rows.request=" + std::to_string(request[t]) + " outside the block table's [0, " +
+      return out_of_range(where() + "rows.request=" + std::to_string(request[t]) + " outside the block table's [0, " +
                           std::to_string(p.block_table.num_requests) + ")");
     }
     if (key_len[t] < 0 || key_len[t] > max_len) {
-      return out_of_range(where + "rows.key_len=" + std::to_string(key_len[t]) + " outside [0, max_pages*page_size=" +
+      return out_of_range(where() + "rows.key_len=" + std::to_string(key_len[t]) + " outside [0, max_pages*page_size=" +
                           std::to_string(max_len) + "]");
     }
   }
   plan.score_offset.resize(static_cast<size_t>(T));
   for (int64_t c0 = 0; c0 < T;) {
-    IndexerPlan::Chunk ch{c0, c0, static_cast<int64_t>(plan.items.size()), 0, 0, 1, 0};
+    IndexerPlan::Chunk ch{c0, c0, plan.num_items, 0, 0, 1, 0};
     int64_t total = 0;
     int64_t t = c0;
     while (t < T) {
@@ -69,17 +70,63 @@ Result<IndexerPlan> indexer_plan(const IndexerTopkParams& p, const int32_t* requ
         ++e;
       }
       ch.max_group_tokens = std::max<int32_t>(ch.max_group_tokens, static_cast<int32_t>(e - g));
-      for (int32_t k0 = 0; k0 < glen; k0 += kScoreKeys) {
-        plan.items.push_back({static_cast<int32_t>(g), static_cast<int32_t>(e - g), k0, 0});
+      const int64_t items = (int64_t{glen} + kScoreKeys - 1) / kScoreKeys;
+      if (items > 0) {
+        plan.groups.push_back({static_cast<int32_t>(g), static_cast<int32_t>(e - g), plan.num_items});
+        plan.num_items += items;
       }
       g = e;
     }
-    ch.item_end = static_cast<int64_t>(plan.items.size());
+    ch.item_end = plan.num_items;
     plan.max_score_floats = std::max(plan.max_score_floats, total);
     plan.chunks.push_back(ch);
     c0 = ch.t1;
   }
   return plan;
+}
+
+std::vector<ScoreItem> indexer_plan_items(const IndexerPlan& plan) {
+  std::vector<ScoreItem> items;
+  items.reserve(static_cast<size_t>(plan.num_items));
+  for (size_t j = 0; j < plan.groups.size(); ++j) {
+    const int64_t end = j + 1 < plan.groups.size() ? plan.groups[j + 1].item_begin : plan.num_items;
+    for (int64_t i = plan.groups[j].item_begin; i < end; ++i) {
+      items.push_back({plan.groups[j].t0, plan.groups[j].nt,
+                       static_cast<int32_t>((i - plan.groups[j].item_begin) * kScoreKeys), 0});
+    }
+  }
+  return items;
+}
+
+namespace {
+
+// Item i belongs to the last group whose item_begin <= i (binary search; groups ascend by item_begin).
+__global__ void expand_score_items_kernel(const ScoreGroup* __restrict__ groups, int64_t num_groups,
+                                          ScoreItem* __restrict__ items, int64_t num_items) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= num_items) return;
+  int64_t lo = 0, hi = num_groups - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (groups[mid].item_begin <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const ScoreGroup g = groups[lo];
+  items[i] = ScoreItem{g.t0, g.nt, static_cast<int32_t>((i - g.item_begin) * kScoreKeys), 0};
+}
+
+}  // namespace
+
+Status launch_expand_score_items(const ScoreGroup* groups, int64_t num_groups, ScoreItem* items, int64_t num_items,
+                                 const LaunchContext& ctx) {
+  if (num_items == 0 || num_groups == 0) return Status::ok_status();
+  const int64_t blocks = (num_items + 255) / 256;
+  expand_score_items_kernel<<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(groups, num_groups, items, num_items);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("expand_score_items_kernel");
+  return Status::ok_status();
 }
 
 Status launch_indexer_topk(const IndexerTopkParams& p, const IndexerPlan& plan, const IndexerPlanDevice& dev,

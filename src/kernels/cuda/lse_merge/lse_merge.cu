@@ -14,11 +14,16 @@ namespace {
 
 constexpr int kThreads = 128;
 
+constexpr int kMaxSharedParts = 256;
+
+// Part weights once per row (thread s computes part s's, in f64 like the CPU oracle: the same float weight
+// per part), then every column is the fixed-order sum over parts.
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __restrict__ part_out,
                                                              const float* __restrict__ part_lse, int num_parts,
                                                              int64_t rows, int dl, OutT* __restrict__ out,
                                                              float* __restrict__ lse) {
+  __shared__ float weight[kMaxSharedParts];
   const int64_t r = blockIdx.x;
   double max_lse = -INFINITY;
   for (int s = 0; s < num_parts; ++s) {
@@ -36,12 +41,20 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __rest
     const float l = part_lse[s * rows + r];
     if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
   }
+  const bool shared_weights = num_parts <= kMaxSharedParts;
+  if (shared_weights) {
+    for (int s = threadIdx.x; s < num_parts; s += kThreads) {
+      const float l = part_lse[s * rows + r];
+      weight[s] = isfinite(l) ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
+    }
+    __syncthreads();
+  }
   for (int d = threadIdx.x; d < dl; d += kThreads) {
     float acc = 0.f;
     for (int s = 0; s < num_parts; ++s) {
       const float l = part_lse[s * rows + r];
       if (!isfinite(l)) continue;
-      const float w = static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum);
+      const float w = shared_weights ? weight[s] : static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum);
       acc += w * part_out[(s * rows + r) * dl + d];
     }
     o[d] = static_cast<OutT>(acc);
