@@ -6,10 +6,10 @@
 // id shared through a file: nccl_id_write / nccl_id_read).
 //
 // Each communicator has its own CUDA stream: a collective is enqueued there and returns at once, so it runs
-// while the caller computes; wait() polls a CUDA event. Communicators are created non-blocking
-// (ncclConfig_t.blocking = 0), so creation, split and every wait are bounded by the timeout. A rank that
-// times out, or whose NCCL reports an asynchronous error, aborts its communicator (ncclCommAbort) and fails
-// every later call. abort(reason) does the same and raises the shared AbortSignal, if any: communicators of
+// while the caller computes; wait() polls a CUDA event. Creation, split and finalization (which NCCL may block
+// in while a peer is missing) run on helper threads that the caller waits for, bounded by the timeout, as is
+// every wait. A rank that times out, or whose NCCL reports an asynchronous error, aborts its communicator
+// (ncclCommAbort, on a detached thread) and fails every later call. abort(reason) does the same and raises the shared AbortSignal, if any: communicators of
 // one process that share a signal (ranks as threads) then fail their waits at once, naming the failed rank,
 // instead of running into their own timeouts. Ranks in other processes fail when their waits time out.
 #pragma once
