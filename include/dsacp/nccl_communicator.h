@@ -30,6 +30,10 @@ namespace dsacp {
 bool nccl_available();
 // "NCCL 2.28.9" (the library loaded at run time), or why there is none.
 std::string nccl_version();
+// Helper threads still inside NCCL: aborts (detached), and creations or finalizations given up on after a
+// timeout. A process that ends while any run should end with std::_Exit (after flushing its output): NCCL and
+// the CUDA runtime tearing down under them can crash or hang the exit.
+int nccl_background_threads();
 
 // The id every rank of a new NCCL communicator needs: made by one rank, shared with the others.
 struct NcclId {

@@ -145,14 +145,6 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
                         "MPI");
 }
 
-// After a failed NCCL creation (a peer never arrived), NCCL's bootstrap thread may still wait for that peer;
-// the process ends at once with the reported error instead of waiting for it in teardown.
-[[noreturn]] void exit_now(int code) {
-  std::fflush(stdout);
-  std::fflush(stderr);
-  std::_Exit(code);
-}
-
 Result<int64_t> env_int(const char* name, int64_t lo, int64_t hi) {
   const char* v = std::getenv(name);
   if (v == nullptr) return invalid_argument(std::string("--launcher env: ") + name + " is not set");
@@ -201,7 +193,7 @@ int replay_env(const std::string& case_path, const std::string& out_path, const 
     id = *read;
   }
   auto nccl = nccl_rank_comms(id, layout, static_cast<int>(*rank), static_cast<int>(*local));
-  if (!nccl.ok()) exit_now(fail(nccl.status()));
+  if (!nccl.ok()) return fail(nccl.status());
   return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->comms(), "NCCL");
 }
 

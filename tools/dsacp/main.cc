@@ -1,10 +1,12 @@
 // dsacp: DeepSeek Sparse Attention with context parallelism — command-line tool.
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
 #include <vector>
 
 #include "commands.h"
+#include "dsacp/nccl_communicator.h"
 
 namespace dsacp::cli {
 
@@ -80,9 +82,19 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = args[0];
   args.erase(args.begin());
+  // After a failure across GPUs, NCCL aborts may still run on helper threads: end without tearing NCCL and the
+  // CUDA runtime down under them.
+  auto finish = [](int code) {
+    if (dsacp::nccl_background_threads() > 0) {
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(code);
+    }
+    return code;
+  };
   try {
-    if (cmd == "run") return cmd_run(args);
-    if (cmd == "replay") return cmd_replay(args);
+    if (cmd == "run") return finish(cmd_run(args));
+    if (cmd == "replay") return finish(cmd_replay(args));
     if (cmd == "make-case") return cmd_make_case(args);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dsacp %s: internal error: %s\n", cmd.c_str(), e.what());

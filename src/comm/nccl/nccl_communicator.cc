@@ -46,10 +46,16 @@ void backoff(int iteration) {
 // Aborts a communicator on a detached thread, so the caller never waits: ncclCommAbort can wait for the other
 // ranks of its process (ranks that are threads) to abort too, or join a bootstrap thread that waits for a peer
 // that never arrived. `created` is kept for the call sites' documentation.
+std::atomic<int> g_background{0};  // helper threads still inside NCCL (nccl_background_threads)
+
 void abort_comm(ncclComm_t comm, bool created) {
   (void)created;
   if (comm == nullptr) return;
-  std::thread([comm] { (void)ncclCommAbort(comm); }).detach();
+  ++g_background;
+  std::thread([comm] {
+    (void)ncclCommAbort(comm);
+    --g_background;
+  }).detach();
 }
 
 // Polls a communicator until its asynchronous state leaves ncclInProgress (non-blocking creation, split and
@@ -103,6 +109,7 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
     Status status;
   };
   auto st = std::make_shared<State>();
+  ++g_background;
   std::thread([st, make, device, what, timeout, signal] {
     ncclComm_t comm = nullptr;
     Status result;
@@ -122,12 +129,13 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
     std::lock_guard<std::mutex> lock(st->mu);
     if (st->abandoned) {
       abort_comm(comm, true);
-      return;
+    } else {
+      st->comm = comm;
+      st->status = result;
+      st->done = true;
+      st->cv.notify_all();
     }
-    st->comm = comm;
-    st->status = result;
-    st->done = true;
-    st->cv.notify_all();
+    --g_background;
   }).detach();
   std::unique_lock<std::mutex> lock(st->mu);
   const auto deadline = Clock::now() + timeout;
@@ -150,6 +158,7 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
 // that waits for a dead peer is left behind).
 void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds timeout) {
   auto done = std::make_shared<std::atomic<bool>>(false);
+  ++g_background;
   std::thread([comm, device, timeout, done] {
     (void)cudaSetDevice(device);
     ncclComm_t c = comm;
@@ -157,6 +166,7 @@ void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds time
     if (r == ncclInProgress) (void)settle(&c, "NCCL finalize", timeout, nullptr);
     if (c != nullptr) (void)ncclCommDestroy(c);
     done->store(true);
+    --g_background;
   }).detach();
   const auto deadline = Clock::now() + timeout;
   while (!done->load() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -479,6 +489,8 @@ Status NcclHandle::wait() {
 }  // namespace
 
 bool nccl_available() { return true; }
+
+int nccl_background_threads() { return g_background.load(); }
 
 std::string nccl_version() {
   int v = 0;

@@ -10,6 +10,7 @@ Status no_nccl() {
 }  // namespace
 
 bool nccl_available() { return false; }
+int nccl_background_threads() { return 0; }
 std::string nccl_version() { return "built without NCCL"; }
 Result<NcclId> nccl_make_id() { return no_nccl(); }
 Status nccl_id_write(const std::string&, const NcclId&) { return no_nccl(); }
