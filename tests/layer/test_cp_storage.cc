@@ -8,6 +8,8 @@
 #include "dsacp/case_file.h"
 #include "dsacp/cp_step.h"
 #include "dsacp/replay.h"
+#include "dsacp/step_timing.h"
+#include "support/test_seed.h"
 #include "support/layout_check.h"
 
 namespace dsacp {
@@ -158,6 +160,61 @@ TEST(CpStorage, LseMergeTinyExample46) {
   ASSERT_TRUE(lse_merge_run(*backend, p).ok());
   EXPECT_EQ(out[0], o0);
   EXPECT_NEAR(lse[0], std::log(3.f), 1e-6);
+}
+
+// One backend per rank (how GPUs run: each rank its own device) gives the same bits as one backend for all.
+TEST(CpCluster, OneBackendPerRankMatchesOneForAll) {
+  CaseGenSpec spec;
+  spec.requests = {{1, 70}, {2, 33}, {9, 0}, {5, 20}};
+  spec.dims = CaseDims{4, 8, 4, 2, 8};
+  spec.topk = 6;
+  spec.seed = testing::test_seed(11);
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok());
+  ReplayOptions o;
+  o.page_size = 4;
+  o.layout.P = 2;
+  o.layout.D = 2;
+  auto shared = make_cpu_backend(1);
+  auto want = replay_case(*shared, *c, o);
+  ASSERT_TRUE(want.ok()) << want.status().to_string();
+  std::vector<std::unique_ptr<Backend>> owned;
+  std::vector<Backend*> ranks;
+  for (int i = 0; i < 4; ++i) {
+    owned.push_back(make_cpu_backend(1));
+    ranks.push_back(owned.back().get());
+  }
+  auto got = replay_case(ranks, *c, o);
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  EXPECT_EQ(0, std::memcmp(got->out.data(), want->out.data(), want->out.nbytes()));
+  EXPECT_EQ(0, std::memcmp(got->topk_indices.data(), want->topk_indices.data(), want->topk_indices.nbytes()));
+  // The wrong number of backends is refused, naming the counts.
+  ranks.pop_back();
+  auto bad = replay_case(ranks, *c, o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("3 backends for P=2 x D=2 = 4 ranks"), std::string::npos)
+      << bad.status().to_string();
+}
+
+// The phase recorder adds one step's phases on the thread that runs it.
+TEST(CpCluster, StepPhaseRecorderTimesTheSteps) {
+  CaseGenSpec spec;
+  spec.requests = {{1, 40}, {12, 0}};
+  spec.dims = CaseDims{4, 8, 4, 2, 8};
+  spec.topk = 6;
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok());
+  auto backend = make_cpu_backend(1);
+  StepPhaseTimes times;
+  {
+    StepPhaseRecorder rec(&times);
+    ASSERT_TRUE(replay_case(*backend, *c, ReplayOptions{}).ok());
+    ASSERT_TRUE(replay_case(*backend, *c, ReplayOptions{}).ok());
+  }
+  ASSERT_TRUE(replay_case(*backend, *c, ReplayOptions{}).ok());  // not recorded
+  EXPECT_EQ(times.steps, 2);
+  EXPECT_GT(times.total_ms, 0);
+  EXPECT_LE(times.kv_ms + times.topk_ms + times.attention_ms, times.total_ms * 1.0001 + 1e-6);
 }
 
 }  // namespace

@@ -115,6 +115,16 @@ TEST(Cli, MpiLauncherChecksTheWorldSize) {
   EXPECT_EQ(run_cli("replay c.safetensors --out x.safetensors --launcher slurm").code, 2);
 }
 
+TEST(Cli, GpusOptionIsCheckedInOneLine) {
+  CmdResult r = run_cli("run --gpus 2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--gpus applies to --device cuda only"), std::string::npos) << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  r = run_cli("run --gpus 0");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--gpus"), std::string::npos) << r.output;
+}
+
 TEST(Cli, BadOptionValuesAreNamed) {
   CmdResult r = run_cli("run --topk abc");
   EXPECT_EQ(r.code, 2);
