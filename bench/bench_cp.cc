@@ -1,5 +1,5 @@
-// Context-parallel scaling on the GPUs of one machine (NCCL, one thread per GPU), against one GPU in the same
-// run: PCP prefill of one long request (32K, 128K tokens), DCP decode at batch 64 with 32K and 128K contexts
+// Context-parallel scaling on all the GPUs of one machine (NCCL, one thread per GPU), against one GPU in the
+// same run: PCP prefill of one long request (32K, 128K tokens), DCP decode at batch 64 with 32K and 128K contexts
 // (sharded and replicated indexer), and NCCL all-gather / all-to-all bus bandwidth in the style of
 // nccl-tests. Whole steps through the executors (step_run on one GPU, cp_step_run per rank) with device-resident
 // inputs: host planning, uploads, kernels, collectives. Each rank's phases (StepPhaseRecorder) and its
@@ -396,7 +396,7 @@ int main(int argc, char** argv) {
                 nccl_version().c_str());
     return 77;
   }
-  const int n = 2;  // the 2-GPU machine; wider layouts: issue #7
+  const int n = *count;  // every GPU of the machine: P = n, D = n, and P x D = 2 x n/2, n/2 x 2 from 4 GPUs
   std::vector<std::unique_ptr<Backend>> gpus;
   for (int g = 0; g < n; ++g) gpus.push_back(take(make_cuda_backend(g), "backend"));
   const StepConfig c = config();
@@ -414,8 +414,8 @@ int main(int argc, char** argv) {
       if ((quick && S > 32768) || (only_S != 0 && S != only_S)) continue;
       const std::vector<Request> req{{static_cast<int32_t>(S), 0}};
       const Measure one = one_gpu(*gpus[0], c, req, reps, false);
-      const Measure cp = cp_gpus(gpus, c, req, layout_of(2, 1, IndexerMode::kSharded), reps, false);
-      add("pcp prefill " + std::to_string(S / 1024) + "K", S, "P2", one, cp);
+      const Measure cp = cp_gpus(gpus, c, req, layout_of(n, 1, IndexerMode::kSharded), reps, false);
+      add("pcp prefill " + std::to_string(S / 1024) + "K", S, ("P" + std::to_string(n)).c_str(), one, cp);
     }
   }
   if (only.empty() || only == "dcp") {
@@ -425,9 +425,19 @@ int main(int argc, char** argv) {
       const Measure one = one_gpu(*gpus[0], c, req, reps, true);
       for (IndexerMode mode : {IndexerMode::kSharded, IndexerMode::kReplicated}) {
         if (!only_mode.empty() && only_mode != (mode == IndexerMode::kSharded ? "sharded" : "replicated")) continue;
-        const Measure cp = cp_gpus(gpus, c, req, layout_of(1, 2, mode), reps, true);
+        const Measure cp = cp_gpus(gpus, c, req, layout_of(1, n, mode), reps, true);
         const std::string m = mode == IndexerMode::kSharded ? "sharded" : "replicated";
-        add("dcp decode b64 " + std::to_string(S / 1024) + "K " + m, S, ("D2 " + m).c_str(), one, cp);
+        add("dcp decode b64 " + std::to_string(S / 1024) + "K " + m, S, ("D" + std::to_string(n) + " " + m).c_str(),
+            one, cp);
+      }
+      // Hybrid layouts from 4 GPUs: 2 x n/2 and n/2 x 2 (sharded indexer).
+      std::vector<int> hybrid_P;
+      if (n >= 4 && n % 2 == 0) hybrid_P.push_back(2);
+      if (n >= 8 && n % 2 == 0) hybrid_P.push_back(n / 2);
+      for (int P : hybrid_P) {
+        const Measure cp = cp_gpus(gpus, c, req, layout_of(P, n / P, IndexerMode::kSharded), reps, true);
+        const std::string name = std::to_string(P) + "x" + std::to_string(n / P);
+        add("hybrid decode b64 " + std::to_string(S / 1024) + "K " + name, S, name.c_str(), one, cp);
       }
     }
   }
