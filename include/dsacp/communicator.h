@@ -81,10 +81,13 @@ class Communicator {
   // All-gather along dimension `dim` of a row-major [outer, local_dim, inner] block of `elem_size`-byte
   // elements: recv is [outer, size * local_dim, inner], rank r's slice at [:, r*local_dim : (r+1)*local_dim, :].
   // `scratch` must hold size * outer * local_dim * inner elements (the gathered rank-major blocks).
-  // The default implementation rearranges with host memcpy (host-memory communicators); device-memory
-  // communicators override it.
+  // The default implementation rearranges the blocks with copy_block; a communicator may override it whole.
   virtual Status all_gather_dim(const void* send, void* recv, void* scratch, int64_t outer, int64_t local_dim,
                                 int64_t inner, size_t elem_size);
+
+ protected:
+  // Copies bytes within this communicator's memory (all_gather_dim's rearrangement): memcpy by default.
+  virtual Status copy_block(void* dst, const void* src, size_t bytes);
 };
 
 // Copies `bytes` from src to dst in the ranks' memory (a backend's copy_on_device for device buffers).

@@ -63,8 +63,6 @@ class LocalGroupImpl final : public LocalGroup, public std::enable_shared_from_t
 
   std::unique_ptr<Communicator> make_communicator(int rank) override;
   int size() const { return size_; }
-  bool device_copies() const { return static_cast<bool>(copy_); }
-
   Status copy(void* dst, const void* src, size_t n) {
     if (n == 0 || dst == src) return Status();
     if (copy_) return copy_(dst, src, n);
@@ -213,26 +211,9 @@ class LocalCommunicator final : public Communicator {
   }
   void abort(const std::string& reason) override { group_->abort(rank_, reason); }
 
-  Status all_gather_dim(const void* send, void* recv, void* scratch, int64_t outer, int64_t local_dim, int64_t inner,
-                        size_t elem_size) override {
-    if (!group_->device_copies()) {
-      return Communicator::all_gather_dim(send, recv, scratch, outer, local_dim, inner, elem_size);
-    }
-    if (outer < 0 || local_dim < 0 || inner < 0) return invalid_argument("all_gather_dim: negative extent");
-    const size_t row = static_cast<size_t>(local_dim * inner) * elem_size;
-    const size_t block = static_cast<size_t>(outer) * row;
-    if (outer == 1) return all_gather(send, recv, block);
-    DSACP_RETURN_IF_ERROR(all_gather(send, scratch, block));
-    const int P = size();
-    for (int64_t o = 0; o < outer; ++o) {
-      for (int k = 0; k < P; ++k) {
-        DSACP_RETURN_IF_ERROR(group_->copy(static_cast<char*>(recv) + (static_cast<size_t>(o) * P + k) * row,
-                                           static_cast<const char*>(scratch) + k * block + static_cast<size_t>(o) * row,
-                                           row));
-      }
-    }
-    return Status();
-  }
+ protected:
+  // The group's copy (memcpy, or its device copy function) for all_gather_dim's rearrangement.
+  Status copy_block(void* dst, const void* src, size_t bytes) override { return group_->copy(dst, src, bytes); }
 
  private:
   std::shared_ptr<LocalGroupImpl> group_;
