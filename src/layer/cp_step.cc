@@ -34,6 +34,31 @@ struct PendingView {
   int64_t ranks = 0;
 };
 
+// Rows src[index[i]] -> dst (with dtype conversion), rows of `dim` elements; the index in device memory.
+Status gather_dev(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
+                  const int64_t* d_index, int64_t n, void* dst, DType dst_dtype, const char* what) {
+  if (n == 0) return Status();
+  GatherRowsParams g;
+  g.src = src;
+  g.src_dtype = src_dtype;
+  g.src_rows = src_rows;
+  g.dim = dim;
+  g.index = d_index;
+  g.num_rows = n;
+  g.dst = dst;
+  g.dst_dtype = dst_dtype;
+  return gather_rows_run(backend, g).with_context(what);
+}
+
+// The same with a host index.
+Status gather(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
+              const std::vector<int64_t>& index, void* dst, DType dst_dtype, const char* what) {
+  if (index.empty()) return Status();
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_index, upload_vector(backend, index));
+  return gather_dev(backend, src, src_dtype, src_rows, dim, d_index.as<const int64_t>(),
+                    static_cast<int64_t>(index.size()), dst, dst_dtype, what);
+}
+
 // Packs `own` rows for the view (reference-design 4.6: right after the cache write, so the gather overlaps
 // the indexer); its all-gather is started by the caller (alone, or grouped with another view's).
 Result<PendingView> pack_view(Backend& backend, Communicator& comm, const PagedPoolView& own,
@@ -44,18 +69,9 @@ Result<PendingView> pack_view(Backend& backend, Communicator& comm, const PagedP
   pv.ranks = comm.size();
   const size_t row_bytes = static_cast<size_t>(own.dim) * dtype_size(own.dtype);
   if (v.rows_per_rank < 1) return internal_error("gathered view with no rows");
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_pack_slots, upload_vector(backend, v.pack_slots));
   DSACP_ASSIGN_OR_RETURN(pv.pack, backend.allocate(v.rows_per_rank * row_bytes));
-  GatherRowsParams g;
-  g.src = own.data;
-  g.src_dtype = own.dtype;
-  g.src_rows = own.num_pages * own.page_size;
-  g.dim = own.dim;
-  g.index = d_pack_slots.as<const int64_t>();
-  g.num_rows = v.rows_per_rank;
-  g.dst = pv.pack.get();
-  g.dst_dtype = own.dtype;
-  DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("pack for a gathered view"));
+  DSACP_RETURN_IF_ERROR(gather(backend, own.data, own.dtype, own.num_pages * own.page_size, own.dim, v.pack_slots,
+                               pv.pack.get(), own.dtype, "pack for a gathered view"));
   DSACP_ASSIGN_OR_RETURN(pv.gathered, backend.allocate(pv.ranks * v.rows_per_rank * row_bytes));
   return pv;
 }
@@ -85,18 +101,9 @@ Result<View> finish_view(Backend& backend, PendingView& pv) {
   if (v.direct) {
     out.storage = std::move(pv.gathered);
   } else {
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_unpack, upload_vector(backend, v.unpack_rows));
     DSACP_ASSIGN_OR_RETURN(out.storage, backend.allocate(v.view_num_pages * pv.own.page_size * row_bytes));
-    GatherRowsParams g;
-    g.src = pv.gathered.get();
-    g.src_dtype = pv.own.dtype;
-    g.src_rows = pv.ranks * v.rows_per_rank;
-    g.dim = pv.own.dim;
-    g.index = d_unpack.as<const int64_t>();
-    g.num_rows = static_cast<int64_t>(v.unpack_rows.size());
-    g.dst = out.storage.get();
-    g.dst_dtype = pv.own.dtype;
-    DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("unpack a gathered view"));
+    DSACP_RETURN_IF_ERROR(gather(backend, pv.gathered.get(), pv.own.dtype, pv.ranks * v.rows_per_rank, pv.own.dim,
+                                 v.unpack_rows, out.storage.get(), pv.own.dtype, "unpack a gathered view"));
   }
   out.pool.data = out.storage.get();
   return out;
@@ -109,31 +116,6 @@ T* offset_ptr(T* p, int64_t elements) {
 void* offset_bytes(void* p, int64_t bytes) { return p == nullptr ? nullptr : static_cast<char*>(p) + bytes; }
 const void* offset_bytes(const void* p, int64_t bytes) {
   return p == nullptr ? nullptr : static_cast<const char*>(p) + bytes;
-}
-
-// Rows src[index[i]] -> dst (with dtype conversion), rows of `dim` elements; the index in device memory.
-Status gather_dev(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
-                  const int64_t* d_index, int64_t n, void* dst, DType dst_dtype, const char* what) {
-  if (n == 0) return Status();
-  GatherRowsParams g;
-  g.src = src;
-  g.src_dtype = src_dtype;
-  g.src_rows = src_rows;
-  g.dim = dim;
-  g.index = d_index;
-  g.num_rows = n;
-  g.dst = dst;
-  g.dst_dtype = dst_dtype;
-  return gather_rows_run(backend, g).with_context(what);
-}
-
-// The same with a host index.
-Status gather(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
-              const std::vector<int64_t>& index, void* dst, DType dst_dtype, const char* what) {
-  if (index.empty()) return Status();
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_index, upload_vector(backend, index));
-  return gather_dev(backend, src, src_dtype, src_rows, dim, d_index.as<const int64_t>(),
-                    static_cast<int64_t>(index.size()), dst, dst_dtype, what);
 }
 
 // Everything one rank needs while it runs a step.
@@ -346,16 +328,8 @@ Result<DeviceBuffer> heads_to_rows(RankStep& s, const DeviceBuffer& blocks, cons
                                    int32_t dim) {
   const int64_t rows = n * s.comms.dcp->size() * s.plan.num_heads;
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer full, s.backend.allocate(std::max<size_t>(rows * dim * s.act(), 1)));
-  GatherRowsParams g;
-  g.src = blocks.get();
-  g.src_dtype = s.c.act_dtype;
-  g.src_rows = rows;
-  g.dim = dim;
-  g.index = index.as<const int64_t>();
-  g.num_rows = rows;
-  g.dst = full.get();
-  g.dst_dtype = s.c.act_dtype;
-  DSACP_RETURN_IF_ERROR(gather_rows_run(s.backend, g).with_context("queries gathered along heads"));
+  DSACP_RETURN_IF_ERROR(gather_dev(s.backend, blocks.get(), s.c.act_dtype, rows, dim, index.as<const int64_t>(), rows,
+                                   full.get(), s.c.act_dtype, "queries gathered along heads"));
   return full;
 }
 
