@@ -43,13 +43,12 @@ void backoff(int iteration) {
   }
 }
 
-// Aborts a communicator on a detached thread, so the caller never waits: ncclCommAbort can wait for the other
-// ranks of its process (ranks that are threads) to abort too, or join a bootstrap thread that waits for a peer
-// that never arrived. `created` is kept for the call sites' documentation.
 std::atomic<int> g_background{0};  // helper threads still inside NCCL (nccl_background_threads)
 
-void abort_comm(ncclComm_t comm, bool created) {
-  (void)created;
+// Aborts a communicator on a detached thread, so the caller never waits: ncclCommAbort can wait for the other
+// ranks of its process (ranks that are threads) to abort too, or join a bootstrap thread that waits for a peer
+// that never arrived.
+void abort_comm(ncclComm_t comm) {
   if (comm == nullptr) return;
   ++g_background;
   std::thread([comm] {
@@ -58,11 +57,10 @@ void abort_comm(ncclComm_t comm, bool created) {
   }).detach();
 }
 
-// Polls a communicator until its asynchronous state leaves ncclInProgress (non-blocking creation, split and
-// enqueue), bounded by `timeout`. On failure or timeout the communicator is aborted and *comm set to null.
-// `created`: false while the communicator is being created (init, split).
+// Polls a communicator until its asynchronous state leaves ncclInProgress (after a creation, and for an enqueue
+// that answers ncclInProgress), bounded by `timeout`; an asynchronous error fails it. On failure or timeout the communicator is aborted and *comm set to null.
 Status settle(ncclComm_t* comm, const std::string& what, std::chrono::milliseconds timeout,
-              const std::shared_ptr<AbortSignal>& signal, bool created = true) {
+              const std::shared_ptr<AbortSignal>& signal) {
   const auto deadline = Clock::now() + timeout;
   for (int i = 0;; ++i) {
     ncclResult_t state = ncclSuccess;
@@ -79,7 +77,7 @@ Status settle(ncclComm_t* comm, const std::string& what, std::chrono::millisecon
                                                  " ms (a peer did not arrive)");
     }
     if (!failure.ok()) {
-      abort_comm(*comm, created || state != ncclInProgress);
+      abort_comm(*comm);
       *comm = nullptr;
       return failure;
     }
@@ -119,16 +117,16 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
     } else {
       const ncclResult_t r = make(&comm);
       if (r != ncclSuccess && r != ncclInProgress) {
-        abort_comm(comm, false);
+        abort_comm(comm);
         comm = nullptr;
         result = nccl_error(r, what);
       } else {
-        result = settle(&comm, what, timeout, signal, false);
+        result = settle(&comm, what, timeout, signal);
       }
     }
     std::lock_guard<std::mutex> lock(st->mu);
     if (st->abandoned) {
-      abort_comm(comm, true);
+      abort_comm(comm);
     } else {
       st->comm = comm;
       st->status = result;
@@ -331,7 +329,7 @@ class NcclComm final : public NcclCommunicator {
     ncclResult_t r = ncclCommUserRank(comm, &rank);
     if (r == ncclSuccess) r = ncclCommCount(comm, &size);
     if (r != ncclSuccess) {
-      abort_comm(comm, true);
+      abort_comm(comm);
       return nccl_error(r, "NCCL communicator rank/size");
     }
     cudaStream_t stream = nullptr;
@@ -339,7 +337,7 @@ class NcclComm final : public NcclCommunicator {
     cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaMalloc(&flag, sizeof(float));
     if (e != cudaSuccess) {
-      abort_comm(comm, true);
+      abort_comm(comm);
       if (stream != nullptr) (void)cudaStreamDestroy(stream);
       return cuda_error(e, "NCCL communicator stream");
     }
@@ -403,7 +401,7 @@ class NcclComm final : public NcclCommunicator {
 
   void fail(const std::string& reason) {
     if (failure_.empty()) failure_ = reason;
-    abort_comm(comm_, true);
+    abort_comm(comm_);
     comm_ = nullptr;
   }
 
@@ -570,7 +568,7 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(const NcclId&
                                                options.device, what, options.timeout, options.abort_signal));
   e = cudaSetDevice(options.device);
   if (e != cudaSuccess) {
-    abort_comm(comm, true);
+    abort_comm(comm);
     return cuda_error(e, what);
   }
   return NcclComm::wrap(comm, options);
