@@ -208,20 +208,15 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
 }
 
 // The ranks' NCCL communicators for a P x D layout (world, PCP group, DCP group), one thread per GPU.
-struct RankComms {
-  std::unique_ptr<NcclCommunicator> world, pcp, dcp;
-};
-std::vector<RankComms> make_comms(const CpLayout& layout) {
+std::vector<OwnedCpComms> make_comms(const CpLayout& layout) {
   const int Pt = layout.num_ranks();
-  std::vector<RankComms> comms(static_cast<size_t>(Pt));
+  std::vector<OwnedCpComms> comms(static_cast<size_t>(Pt));
   const NcclId id = take(nccl_make_id(), "nccl id");
   on_ranks(Pt, [&](int cr) {
     NcclOptions o;
     o.device = cr;
     o.timeout = std::chrono::seconds(300);
-    comms[cr].world = take(NcclCommunicator::create(id, Pt, cr, o), "nccl create");
-    comms[cr].pcp = take(comms[cr].world->split(cr % layout.D, cr / layout.D), "nccl split");
-    comms[cr].dcp = take(comms[cr].world->split(cr / layout.D, cr % layout.D), "nccl split");
+    comms[cr] = take(nccl_cp_comms(id, layout, cr, o), "nccl communicators");
   });
   return comms;
 }
@@ -238,7 +233,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
   PagedCacheConfig per_rank{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
   const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
-  std::vector<RankComms> comms = make_comms(layout);
+  std::vector<OwnedCpComms> comms = make_comms(layout);
   std::vector<CpRankPlan> plans;
   for (int cr = 0; cr < Pt; ++cr) {
     plans.push_back(take(cp_rank_plan(requests, layout, cr / layout.D, cr % layout.D, table, 64, c.decode_threshold, c.H),
@@ -258,14 +253,14 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   std::vector<StepPhaseTimes> phases(static_cast<size_t>(Pt));
   for (int i = 0; i <= reps; ++i) {
     on_ranks(Pt, [&](int cr) {
-      RankComms& rc = comms[cr];
+      OwnedCpComms& rc = comms[cr];
       die_if(rc.world->barrier(), "barrier");
       for (auto* comm : {rc.world.get(), rc.pcp.get(), rc.dcp.get()}) comm->reset_stats();
       StepPhaseTimes p;
       const auto t0 = Clock::now();
       {
         StepPhaseRecorder rec(&p);
-        const CpComms cp{rc.world.get(), rc.pcp.get(), rc.dcp.get()};
+        const CpComms cp = rc.view();
         die_if(cp_step_run(*gpus[cr], cp, c, requests, plans[cr], layout, sharding, table, caches[cr], bufs[cr].in(),
                            bufs[cr].outs()),
                "cp_step_run");
@@ -292,7 +287,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   m.comm_wait_ms /= reps;
   m.comm_bytes /= reps;
   m.step_ms = median(times);
-  on_ranks(Pt, [&](int cr) { comms[cr] = RankComms{}; });
+  on_ranks(Pt, [&](int cr) { comms[cr] = OwnedCpComms{}; });
   return m;
 }
 
@@ -310,7 +305,7 @@ CpLayout layout_of(int P, int D, IndexerMode indexer) {
 std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n, bool quick) {
   std::vector<std::string> rows;
   CpLayout l = layout_of(n, 1, IndexerMode::kSharded);
-  std::vector<RankComms> comms = make_comms(l);
+  std::vector<OwnedCpComms> comms = make_comms(l);
   std::printf("\n%-10s %12s %10s %10s %10s %12s\n", "op", "size", "time us", "algbw GB/s", "busbw GB/s",
               "one-by-one us");
   for (const char* op : {"all_gather", "all_to_all"}) {
@@ -358,7 +353,7 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
       rows.push_back(buf);
     }
   }
-  on_ranks(n, [&](int r) { comms[r] = RankComms{}; });
+  on_ranks(n, [&](int r) { comms[r] = OwnedCpComms{}; });
   return rows;
 }
 

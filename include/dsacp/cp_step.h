@@ -10,6 +10,7 @@
 #include "dsacp/backend.h"
 #include "dsacp/communicator.h"
 #include "dsacp/cp_plan.h"
+#include "dsacp/nccl_communicator.h"
 #include "dsacp/paged_cache.h"
 #include "dsacp/step.h"
 
@@ -22,6 +23,17 @@ struct CpComms {
   Communicator* pcp = nullptr;
   Communicator* dcp = nullptr;
 };
+
+// A rank's communicators, owned.
+struct OwnedCpComms {
+  std::unique_ptr<Communicator> world, pcp, dcp;
+  CpComms view() const { return CpComms{world.get(), pcp.get(), dcp.get()}; }
+};
+
+// CP rank cr's NCCL communicators on options.device: the world of P*D ranks (from `id`), and the PCP group
+// (same d, ranked by r) and DCP group (same r, ranked by d) split from it. Collective: every rank of the layout
+// calls it, from its own thread or process.
+Result<OwnedCpComms> nccl_cp_comms(const NcclId& id, const CpLayout& layout, int32_t cr, const NcclOptions& options);
 
 // One CP rank's step. `inputs` hold the rank's rows (plan.num_rows; padding rows may hold anything) with its
 // heads only (q_nope/q_rope [rows, plan.num_heads, .]); `outputs` hold plan.output_rows rows of its heads:
@@ -99,9 +111,6 @@ class LocalCpCluster {
   const std::vector<CommStats>& last_step_comm_stats() const { return comm_stats_; }
 
  private:
-  struct RankComms {
-    std::unique_ptr<Communicator> world, pcp, dcp;
-  };
   LocalCpCluster() = default;
   Status make_nccl_comms();
   std::vector<Backend*> backends_;  // one per CP rank cr
@@ -110,7 +119,7 @@ class LocalCpCluster {
   KvSharding sharding_;
   PagedCacheConfig cache_config_;
   std::vector<PagedKvCache> caches_;  // one per CP rank cr
-  std::vector<RankComms> comms_;      // NCCL: one per CP rank, made once (again after a failed step)
+  std::vector<OwnedCpComms> comms_;   // NCCL: one per CP rank, made once (again after a failed step)
   std::vector<CommStats> comm_stats_;
 };
 

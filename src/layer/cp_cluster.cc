@@ -133,10 +133,22 @@ std::string LocalCpCluster::transport() const {
   return backends_.empty() || backends_[0]->cuda_device() < 0 ? "threads" : "threads (device copies)";
 }
 
-// The world communicator over every rank (one id), then the PCP groups (same d, ranked by r) and the DCP
-// groups (same r, ranked by d) split from it; every rank in its own thread, since creation is collective.
+Result<OwnedCpComms> nccl_cp_comms(const NcclId& id, const CpLayout& layout, int32_t cr, const NcclOptions& options) {
+  const int32_t D = layout.D;
+  DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> world,
+                         NcclCommunicator::create(id, layout.num_ranks(), cr, options));
+  DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> pcp, world->split(cr % D, cr / D));
+  DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> dcp, world->split(cr / D, cr % D));
+  OwnedCpComms comms;
+  comms.world = std::move(world);
+  comms.pcp = std::move(pcp);
+  comms.dcp = std::move(dcp);
+  return comms;
+}
+
+// Every rank's communicators (nccl_cp_comms), each rank in its own thread, since creation is collective.
 Status LocalCpCluster::make_nccl_comms() {
-  const int32_t Pt = sharding_.Pt, D = layout_.D;
+  const int32_t Pt = sharding_.Pt;
   comms_.clear();
   comms_.resize(static_cast<size_t>(Pt));
   DSACP_ASSIGN_OR_RETURN(NcclId id, nccl_make_id());
@@ -150,10 +162,7 @@ Status LocalCpCluster::make_nccl_comms() {
         o.device = backends_[cr]->cuda_device();
         o.timeout = std::chrono::milliseconds(layout_.comm_timeout_ms);
         o.abort_signal = signal;
-        DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> world, NcclCommunicator::create(id, Pt, cr, o));
-        DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> pcp, world->split(cr % D, cr / D));
-        DSACP_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> dcp, world->split(cr / D, cr % D));
-        comms_[cr] = RankComms{std::move(world), std::move(pcp), std::move(dcp)};
+        DSACP_ASSIGN_OR_RETURN(comms_[cr], nccl_cp_comms(id, layout_, cr, o));
         return Status();
       };
       status[cr] = run();
@@ -405,7 +414,7 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
       std::unique_ptr<Communicator> w_comm, p_comm, d_comm;
       CpComms comms;
       if (nccl_) {
-        comms = CpComms{comms_[cr].world.get(), comms_[cr].pcp.get(), comms_[cr].dcp.get()};
+        comms = comms_[cr].view();
       } else {
         w_comm = world->make_communicator(cr);
         p_comm = pcp_groups[d]->make_communicator(r);
@@ -433,7 +442,7 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
         // The failure aborted the NCCL communicators: release them (each by its own rank's thread) and make new
         // ones at the next step.
         std::vector<std::thread> release;
-        for (auto& rc : comms_) release.emplace_back([&rc] { rc = RankComms{}; });
+        for (auto& rc : comms_) release.emplace_back([&rc] { rc = OwnedCpComms{}; });
         for (auto& t : release) t.join();
         comms_.clear();
       }

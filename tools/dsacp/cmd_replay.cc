@@ -67,20 +67,12 @@ int replay_as_rank(const std::string& case_path, const std::string& out_path, co
   return 0;
 }
 
-// NCCL communicators of world rank `rank` (world, PCP group: same d ranked by r, DCP group: same r ranked by d).
-struct NcclRankComms {
-  std::unique_ptr<NcclCommunicator> world, pcp, dcp;
-  CpComms comms() const { return CpComms{world.get(), pcp.get(), dcp.get()}; }
-};
-Result<NcclRankComms> nccl_rank_comms(const NcclId& id, const CpLayout& layout, int rank, int device) {
+// NCCL communicators of CP rank `rank` on GPU `device`, bounded by --comm-timeout.
+Result<OwnedCpComms> nccl_rank_comms(const NcclId& id, const CpLayout& layout, int rank, int device) {
   NcclOptions o;
   o.device = device;
   o.timeout = std::chrono::milliseconds(layout.comm_timeout_ms);
-  NcclRankComms n;
-  DSACP_ASSIGN_OR_RETURN(n.world, NcclCommunicator::create(id, layout.num_ranks(), rank, o));
-  DSACP_ASSIGN_OR_RETURN(n.pcp, n.world->split(rank % layout.D, rank / layout.D));
-  DSACP_ASSIGN_OR_RETURN(n.dcp, n.world->split(rank / layout.D, rank % layout.D));
-  return n;
+  return nccl_cp_comms(id, layout, rank, o);
 }
 
 // --launcher mpi: this process is CP rank cr = MPI world rank (r = cr / D, d = cr % D). Errors every process
@@ -134,7 +126,7 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
       (*world)->abort("rank " + std::to_string(cr) + ": " + nccl.status().to_string());
       return code;
     }
-    return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->comms(), "MPI + NCCL");
+    return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->view(), "MPI + NCCL");
   }
   auto pcp = ctx.split(cr % layout.D, cr / layout.D);  // same d, ranked by r
   if (!pcp.ok()) return fail(pcp.status());
@@ -194,7 +186,7 @@ int replay_env(const std::string& case_path, const std::string& out_path, const 
   }
   auto nccl = nccl_rank_comms(id, layout, static_cast<int>(*rank), static_cast<int>(*local));
   if (!nccl.ok()) return fail(nccl.status());
-  return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->comms(), "NCCL");
+  return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->view(), "NCCL");
 }
 
 }  // namespace
