@@ -2,10 +2,10 @@
 // same run: PCP prefill of one long request (32K, 128K tokens), DCP decode at batch 64 with 32K and 128K contexts
 // (sharded and replicated indexer), and NCCL all-gather / all-to-all bus bandwidth in the style of
 // nccl-tests. Whole steps through the executors (step_run on one GPU, cp_step_run per rank) with device-resident
-// inputs: host planning, uploads, kernels, collectives. Each rank's phases (StepPhaseRecorder) and its
-// communicators' statistics (device time of the collectives, time blocked in wait) give compute vs
-// communication and the overlap. Median of the timed reps after one warm-up; a step's time is the slowest
-// rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
+// inputs: host planning, uploads, kernels, collectives. Each rank's communicators' statistics (device time of
+// the collectives, time blocked in wait) give compute vs communication and the overlap; phases come from
+// separate passes with a StepPhaseRecorder (it synchronizes at phase boundaries). Median of the timed reps
+// after one warm-up; a step's time is the slowest rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
 //        [--quick]
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -188,16 +189,23 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
   Measure m;
   m.kv_bytes_per_gpu = cache.bytes();
   std::vector<double> times;
-  for (int i = 0; i <= reps; ++i) {
+  // Passes 1..reps time whole steps; passes reps+1..2*reps record phases (a recorder synchronizes at each
+  // phase boundary, which would perturb the step time).
+  for (int i = 0; i <= 2 * reps; ++i) {
     StepPhaseTimes phases;
+    const bool phase_pass = i > reps;
     const auto t0 = Clock::now();
     {
-      StepPhaseRecorder rec(&phases);
+      std::optional<StepPhaseRecorder> rec;
+      if (phase_pass) rec.emplace(&phases);
       die_if(step_run(be, c, requests, table, cache, b.in(), b.outs()), "step_run");
     }
     const double ms = ms_since(t0);
     if (i == 0) continue;  // warm-up
-    times.push_back(ms);
+    if (!phase_pass) {
+      times.push_back(ms);
+      continue;
+    }
     m.phases.kv_ms += phases.kv_ms;
     m.phases.topk_ms += phases.topk_ms;
     m.phases.attention_ms += phases.attention_ms;
@@ -208,13 +216,14 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
 }
 
 // The ranks' NCCL communicators for a P x D layout (world, PCP group, DCP group), one thread per GPU.
-std::vector<OwnedCpComms> make_comms(const CpLayout& layout) {
+std::vector<OwnedCpComms> make_comms(const std::vector<std::unique_ptr<Backend>>& gpus, const CpLayout& layout) {
   const int Pt = layout.num_ranks();
   std::vector<OwnedCpComms> comms(static_cast<size_t>(Pt));
   const NcclId id = take(nccl_make_id(), "nccl id");
   on_ranks(Pt, [&](int cr) {
     NcclOptions o;
     o.device = cr;
+    o.producer_stream = gpus[cr]->native_stream();
     o.timeout = std::chrono::seconds(300);
     comms[cr] = take(nccl_cp_comms(id, layout, cr, o), "nccl communicators");
   });
@@ -233,7 +242,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
   PagedCacheConfig per_rank{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
   const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
-  std::vector<OwnedCpComms> comms = make_comms(layout);
+  std::vector<OwnedCpComms> comms = make_comms(gpus, layout);
   std::vector<CpRankPlan> plans;
   for (int cr = 0; cr < Pt; ++cr) {
     plans.push_back(take(cp_rank_plan(requests, layout, cr / layout.D, cr % layout.D, table, 64, c.decode_threshold, c.H),
@@ -251,7 +260,8 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   std::vector<double> times;
   std::vector<double> rank_ms(static_cast<size_t>(Pt));
   std::vector<StepPhaseTimes> phases(static_cast<size_t>(Pt));
-  for (int i = 0; i <= reps; ++i) {
+  for (int i = 0; i <= 2 * reps; ++i) {
+    const bool phase_pass = i > reps;  // as in one_gpu: timed passes, then phase passes
     on_ranks(Pt, [&](int cr) {
       OwnedCpComms& rc = comms[cr];
       die_if(rc.world->barrier(), "barrier");
@@ -259,7 +269,8 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       StepPhaseTimes p;
       const auto t0 = Clock::now();
       {
-        StepPhaseRecorder rec(&p);
+        std::optional<StepPhaseRecorder> rec;
+        if (phase_pass) rec.emplace(&p);
         const CpComms cp = rc.view();
         die_if(cp_step_run(*gpus[cr], cp, c, requests, plans[cr], layout, sharding, table, caches[cr], bufs[cr].in(),
                            bufs[cr].outs()),
@@ -269,10 +280,13 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       phases[cr] = p;
     });
     if (i == 0) continue;
+    if (phase_pass) {
+      m.phases.kv_ms += phases[0].kv_ms;
+      m.phases.topk_ms += phases[0].topk_ms;
+      m.phases.attention_ms += phases[0].attention_ms;
+      continue;
+    }
     times.push_back(*std::max_element(rank_ms.begin(), rank_ms.end()));
-    m.phases.kv_ms += phases[0].kv_ms;
-    m.phases.topk_ms += phases[0].topk_ms;
-    m.phases.attention_ms += phases[0].attention_ms;
     for (auto* comm : {comms[0].world.get(), comms[0].pcp.get(), comms[0].dcp.get()}) {
       const CommStats s = comm->stats();
       m.comm_busy_ms += s.busy_ms;
@@ -305,7 +319,7 @@ CpLayout layout_of(int P, int D, IndexerMode indexer) {
 std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n, bool quick) {
   std::vector<std::string> rows;
   CpLayout l = layout_of(n, 1, IndexerMode::kSharded);
-  std::vector<OwnedCpComms> comms = make_comms(l);
+  std::vector<OwnedCpComms> comms = make_comms(be, l);
   std::printf("\n%-10s %12s %10s %10s %10s %12s\n", "op", "size", "time us", "algbw GB/s", "busbw GB/s",
               "one-by-one us");
   for (const char* op : {"all_gather", "all_to_all"}) {

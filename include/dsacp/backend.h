@@ -63,7 +63,19 @@ class Backend {
   virtual Status copy_on_device(void* dst, const void* src, size_t bytes) = 0;
   // Fills count elements of dtype with value (NaN allowed): used to poison unused cache slots.
   virtual Status fill(void* dst, DType dtype, int64_t count, float value) = 0;
+  // Waits for all work enqueued so far. With deferred errors on (below), it also returns the first data error
+  // a kernel found since the last synchronize(), naming that kernel.
   virtual Status synchronize() = 0;
+
+  // Deferred error checks (device backends). Off (the default), every kernel call waits for its kernel and
+  // returns the kernel's data errors (a bad page id, slot or index) itself. On, kernel calls, uploads and
+  // device copies only enqueue work on the backend's stream, and errors come back from the next synchronize():
+  // a step then runs without a host round trip per call. Calls nest (on while any caller holds it); use the
+  // DeferredErrors scope. Backends without device work ignore it.
+  virtual void defer_errors(bool on) { (void)on; }
+  // The CUDA stream (cudaStream_t) this backend's work runs on, or null (host backends). Collectives on other
+  // streams order themselves after it (NcclOptions::producer_stream).
+  virtual void* native_stream() const { return nullptr; }
 
   // Kernels. Call them through the *_run functions below, which validate the parameters first.
   virtual Status cache_write(const CacheWriteParams& p) = 0;
@@ -73,6 +85,19 @@ class Backend {
   virtual Status gather_rows(const GatherRowsParams& p) = 0;
   virtual Status topk_remap(const TopkRemapParams& p) = 0;
   virtual Status topk_merge(const TopkMergeParams& p) = 0;
+};
+
+// Deferred error checks for a scope (an executor's step). The step calls synchronize() before the scope ends
+// to collect the errors; a scope left early (another error) waits for its work and drops errors still pending.
+class DeferredErrors {
+ public:
+  explicit DeferredErrors(Backend& backend) : backend_(backend) { backend_.defer_errors(true); }
+  ~DeferredErrors() { backend_.defer_errors(false); }
+  DeferredErrors(const DeferredErrors&) = delete;
+  DeferredErrors& operator=(const DeferredErrors&) = delete;
+
+ private:
+  Backend& backend_;
 };
 
 // The CPU backend: plain loops with fp32 accumulation, split over `num_threads` threads

@@ -58,6 +58,10 @@ struct IndexerTopkParams {
   // Optional: the score of each chosen entry ([T, K], -inf after the last one), for an exact merge of
   // top-k rows computed over disjoint key sets (sharded indexer).
   float* topk_scores = nullptr;
+  // Optional: host copies of rows.request and rows.key_len (the same values). A device backend plans its
+  // launch from them instead of reading the rows back, which would wait for the work queued before the call.
+  const int32_t* host_request = nullptr;  // [T]
+  const int32_t* host_key_len = nullptr;  // [T]
 };
 
 // Sparse MLA attention over the chosen keys, with natural-log LSE.

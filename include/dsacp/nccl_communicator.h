@@ -71,6 +71,10 @@ struct NcclOptions {
   int device = 0;                                  // CUDA device of this rank
   std::chrono::milliseconds timeout{600000};       // bounds creation, split and every wait
   std::shared_ptr<AbortSignal> abort_signal;       // optional: shared by ranks that are threads of one process
+  // Optional: the stream (cudaStream_t) that produces the collectives' inputs, normally the rank's backend
+  // stream (Backend::native_stream()). Each collective starts after the work enqueued there before it, so
+  // the producer need not synchronize first (deferred errors). Inherited by split communicators.
+  void* producer_stream = nullptr;
 };
 
 class NcclCommunicator : public Communicator {

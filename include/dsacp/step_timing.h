@@ -1,7 +1,8 @@
 // Phase times of the steps a thread runs (for benchmarks and `dsacp run`): while a StepPhaseRecorder is alive,
-// every step_run / cp_step_run on its thread adds the host wall-clock time of its phases. The backends finish
-// each call before returning, so a phase's time is its device time plus launch gaps; under CP, time blocked in
-// collectives is counted in the phase that waits.
+// every step_run / cp_step_run on its thread adds the host wall-clock time of its phases, synchronizing the
+// backend at each phase boundary so that a phase's time is its device work plus launch gaps (under CP, time
+// blocked in collectives is counted in the phase that waits). Those synchronizations cost a few microseconds
+// each and stop work of one phase from overlapping the next: time whole steps without a recorder.
 #pragma once
 
 namespace dsacp {

@@ -160,6 +160,7 @@ Status LocalCpCluster::make_nccl_comms() {
       auto run = [&]() -> Status {
         NcclOptions o;
         o.device = backends_[cr]->cuda_device();
+        o.producer_stream = backends_[cr]->native_stream();
         o.timeout = std::chrono::milliseconds(layout_.comm_timeout_ms);
         o.abort_signal = signal;
         DSACP_ASSIGN_OR_RETURN(comms_[cr], nccl_cp_comms(id, layout_, cr, o));

@@ -141,7 +141,7 @@ struct RankStep {
 // Local top-k with scores over this rank's own indexer keys for `n` rows, then the exact merge over all
 // ranks of the world group. All ranks must hold the same rows in the same order.
 Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
-                   const std::vector<int32_t>& global_key_len, int32_t* topk) {
+                   const int32_t* host_request, const std::vector<int32_t>& global_key_len, int32_t* topk) {
   Communicator& world = *s.comms.world;
   const int64_t Pt = world.size();
   const int64_t K = s.c.K;
@@ -162,6 +162,8 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
   ip.block_table = {s.d_table.as<const int32_t>(), s.table.num_requests, s.table.max_pages};
   ip.topk = part_topk.as<int32_t>();
   ip.topk_scores = part_scores.as<float>();
+  ip.host_request = host_request;
+  ip.host_key_len = local_len.data();
   DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
@@ -353,7 +355,7 @@ Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
 Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, const std::vector<Request>& requests,
                    const CpRankPlan& plan, const CpLayout& layout, const KvSharding& sharding, const BlockTable& table,
                    PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
-  PhaseClock clock;
+  PhaseClock clock(backend);
   const PagedCacheConfig& cc = cache.config();
   DSACP_RETURN_IF_ERROR(check_comms(comms, plan));
   DSACP_RETURN_IF_ERROR(check_step_config(c, cc));
@@ -373,6 +375,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     return invalid_argument("block table has " + std::to_string(table.num_requests) + " rows, the batch has " +
                             std::to_string(R) + " requests");
   }
+  // Kernels, uploads and device copies only enqueue; collectives order themselves after them (NCCL's
+  // producer stream) and errors come back from the synchronize() at the end.
+  DeferredErrors defer(backend);
   RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}};
   std::vector<int64_t> pages(R);
   for (int32_t b = 0; b < R; ++b) {
@@ -446,7 +451,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
   }
 
-  clock.mark(&StepPhaseTimes::kv_ms);
+  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
 
   // 2. Collectives that depend only on the cache write start now and overlap the indexer (reference-design
   //    4.6): the gathered KV views, the decode queries along heads (or tokens under DSA-CP).
@@ -489,10 +494,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
 
   // 3. Top-k of this rank's rows (and, under DSA-CP decode-only batches, of every token).
   DeviceBuffer all_topk;
-  std::vector<int32_t> all_key_len;
+  std::vector<int32_t> all_key_len, all_request;
   DeviceBuffer d_all_request;
   if (layout.dsa_cp) {
-    std::vector<int32_t> all_request;
     for (int64_t j = 0; j < T_all; ++j) {
       all_key_len.push_back(plan.gathered_pos[j] < 0 ? 0 : static_cast<int32_t>(plan.gathered_pos[j] + 1));
       all_request.push_back(std::max(0, plan.gathered_request[j]));
@@ -512,6 +516,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.keys = cache.index_keys();
     ip.block_table = {d_rep.as<const int32_t>(), rep_table.num_requests, rep_table.max_pages};
     ip.topk = out.topk;
+    ip.host_request = plan.row_request.data();
+    ip.host_key_len = plan.row_key_len.data();
     DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("replicated indexer top-k"));
     if (layout.dsa_cp && decode_only) {
       DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
@@ -527,7 +533,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_RETURN_IF_ERROR(h->wait());
     DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
     DSACP_RETURN_IF_ERROR(merged_topk(s, T_all, all_q.get(), all_w.as<const float>(), d_all_request.as<const int32_t>(),
-                                      all_key_len, all_topk.as<int32_t>()));
+                                      all_request.data(), all_key_len, all_topk.as<int32_t>()));
     DSACP_RETURN_IF_ERROR(backend.copy_on_device(out.topk, all_topk.as<int32_t>() + plan.d * rows * c.K,
                                                  rows * c.K * sizeof(int32_t)));
   } else {
@@ -541,8 +547,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
     if (shared > 0) {
       std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + shared);
-      DSACP_RETURN_IF_ERROR(merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request.as<const int32_t>(), key_len,
-                                        out.topk));
+      DSACP_RETURN_IF_ERROR(merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request.as<const int32_t>(),
+                                        plan.row_request.data(), key_len, out.topk));
     }
     if (shared < rows) {
       DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(backend, *idx_pending));
@@ -559,11 +565,13 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       ip.keys = idx_view.pool;
       ip.block_table = {d_vt.as<const int32_t>(), idx_plan.view_table.num_requests, idx_plan.view_table.max_pages};
       ip.topk = out.topk + shared * c.K;
+      ip.host_request = plan.row_request.data() + shared;
+      ip.host_key_len = plan.row_key_len.data() + shared;
       DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k over gathered keys"));
     }
   }
 
-  clock.mark(&StepPhaseTimes::topk_ms);
+  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
   // 4. Attention: rows over the gathered KV with this rank's heads (no merge) ...
   if (kv_view) DSACP_RETURN_IF_ERROR(gathered_attention(s, first_gathered, rows - first_gathered, *kv_view));
@@ -636,8 +644,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                        c.out_dtype, extra * Hr * c.Dl, 0.f));
     DSACP_RETURN_IF_ERROR(backend.fill(out.lse + rows * Hr, DType::kF32, extra * Hr, -std::numeric_limits<float>::infinity()));
   }
-  DSACP_RETURN_IF_ERROR(backend.synchronize());
-  clock.mark(&StepPhaseTimes::attention_ms);
+  DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("CP step, rank " + std::to_string(plan.cr)));
+  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();
   return Status();
 }

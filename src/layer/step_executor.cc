@@ -51,7 +51,7 @@ Status check_block_table_pages(const BlockTable& table, const std::vector<int64_
 
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
-  PhaseClock clock;
+  PhaseClock clock(backend);
   const PagedCacheConfig& cc = cache.config();
   DSACP_RETURN_IF_ERROR(check_step_config(config, cc));
   DSACP_ASSIGN_OR_RETURN(SingleDevicePlan plan,
@@ -60,6 +60,8 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   for (const Request& r : requests) pages.push_back((r.seq_len() + cc.page_size - 1) / cc.page_size);
   DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc));
   const int64_t T = plan.layout.num_tokens;
+  // Kernels and uploads only enqueue; errors come back from the synchronize() at the end.
+  DeferredErrors defer(backend);
 
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload_vector(backend, plan.slots));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_request, upload_vector(backend, plan.token_request));
@@ -80,7 +82,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   w.rows = in.idx_k;
   w.pool = cache.index_keys();
   DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (indexer keys)"));
-  clock.mark(&StepPhaseTimes::kv_ms);
+  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
 
   QueryRowsView rows;
   rows.num_tokens = T;
@@ -100,8 +102,10 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ip.keys = cache.index_keys();
   ip.block_table = bt;
   ip.topk = out.topk;
+  ip.host_request = plan.token_request.data();
+  ip.host_key_len = plan.token_key_len.data();
   DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
-  clock.mark(&StepPhaseTimes::topk_ms);
+  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
   // 3. Sparse MLA attention over the chosen keys.
   SparseMlaParams ap;
@@ -122,8 +126,8 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ap.out_dtype = config.out_dtype;
   ap.lse = out.lse;
   DSACP_RETURN_IF_ERROR(sparse_mla_run(backend, ap).with_context("sparse MLA"));
-  DSACP_RETURN_IF_ERROR(backend.synchronize());
-  clock.mark(&StepPhaseTimes::attention_ms);
+  DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("step"));
+  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();
   return Status();
 }

@@ -3,6 +3,7 @@
 
 #include <chrono>
 
+#include "dsacp/backend.h"
 #include "dsacp/step_timing.h"
 
 namespace dsacp {
@@ -11,13 +12,17 @@ StepPhaseTimes* current_step_phase_times();
 
 class PhaseClock {
  public:
-  PhaseClock() : times_(current_step_phase_times()), start_(Clock::now()), last_(start_) {}
-  // Adds the time since the previous mark to `phase` (a member of StepPhaseTimes).
-  void mark(double StepPhaseTimes::*phase) {
-    if (times_ == nullptr) return;
+  explicit PhaseClock(Backend& backend)
+      : backend_(backend), times_(current_step_phase_times()), start_(Clock::now()), last_(start_) {}
+  // Adds the time since the previous mark to `phase` (a member of StepPhaseTimes). While a recorder is alive it
+  // first waits for the backend, so the phase holds its device work (and returns the errors found so far).
+  Status mark(double StepPhaseTimes::*phase) {
+    if (times_ == nullptr) return Status();
+    DSACP_RETURN_IF_ERROR(backend_.synchronize());
     const auto now = Clock::now();
     times_->*phase += std::chrono::duration<double, std::milli>(now - last_).count();
     last_ = now;
+    return Status();
   }
   // Call once, at the end of a successful step.
   void finish() {
@@ -28,6 +33,7 @@ class PhaseClock {
 
  private:
   using Clock = std::chrono::steady_clock;
+  Backend& backend_;
   StepPhaseTimes* times_;
   Clock::time_point start_, last_;
 };

@@ -680,6 +680,69 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
   merge_case(16, 2048, 5, 3, 990, "topk_merge 16 parts K=2048 (host fallback)");
 }
 
+// Deferred error checks (what the executors use): launches return at once, the first data error comes back
+// from synchronize() naming its launch; a scope left early drops its errors; uploads staged in the pinned ring
+// are copies of the bytes at call time (the ring wraps past 8 MiB).
+void test_deferred_errors(Backend& gpu) {
+  const int dim = 8;
+  const int64_t src_rows = 10, n = 4;
+  std::vector<float> src(src_rows * dim);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i);
+  Dev d_src = upload(gpu, src), d_good = upload(gpu, std::vector<int64_t>{0, 3, -1, 9}),
+      d_bad = upload(gpu, std::vector<int64_t>{0, 3, 10, 9}), d_out = upload(gpu, std::vector<float>(n * dim, 0.f));
+  GatherRowsParams good;
+  good.src = d_src.buf.get();
+  good.src_dtype = DType::kF32;
+  good.src_rows = src_rows;
+  good.dim = dim;
+  good.index = d_good.ptr<int64_t>();
+  good.num_rows = n;
+  good.dst = d_out.buf.get();
+  good.dst_dtype = DType::kF32;
+  GatherRowsParams bad = good;
+  bad.index = d_bad.ptr<int64_t>();
+  Status g1, b1, g2, sync1, sync2;
+  {
+    DeferredErrors defer(gpu);
+    g1 = gather_rows_run(gpu, good);
+    b1 = gather_rows_run(gpu, bad);
+    g2 = gather_rows_run(gpu, good);
+    sync1 = gpu.synchronize();
+    sync2 = gpu.synchronize();
+  }
+  report(g1.ok() && b1.ok() && g2.ok() && sync1.code() == StatusCode::kOutOfRange &&
+             sync1.message().find("gather_rows: index[2]") != std::string::npos &&
+             sync1.message().find("launch 2 of 3") != std::string::npos && sync2.ok(),
+         "deferred: a bad index reports at synchronize, naming its launch", sync1.to_string());
+  {
+    DeferredErrors defer(gpu);
+    (void)gather_rows_run(gpu, bad);
+  }  // left without synchronize: dropped
+  Status after = gather_rows_run(gpu, good);
+  report(after.ok() && gpu.synchronize().ok(), "deferred: a scope left early drops its errors", after.to_string());
+
+  // 3000 uploads of 4 KiB from one host buffer rewritten between calls: 12 MiB through the 8 MiB ring.
+  const size_t chunk = 1024, count = 3000;
+  auto big = gpu.allocate(chunk * count * sizeof(int32_t));
+  if (!big.ok()) return report(false, "deferred uploads", big.status().to_string());
+  std::vector<int32_t> host(chunk);
+  Status up, sync;
+  {
+    DeferredErrors defer(gpu);
+    for (size_t k = 0; k < count && up.ok(); ++k) {
+      for (size_t i = 0; i < chunk; ++i) host[i] = static_cast<int32_t>(mix(k * chunk + i));
+      up = gpu.copy_to_device(big->as<int32_t>() + k * chunk, host.data(), chunk * sizeof(int32_t));
+    }
+    sync = gpu.synchronize();
+  }
+  std::vector<int32_t> got(chunk * count);
+  Status down = gpu.copy_to_host(got.data(), big->get(), got.size() * sizeof(int32_t));
+  size_t wrong = 0;
+  for (size_t j = 0; j < got.size(); ++j) wrong += got[j] != static_cast<int32_t>(mix(j));
+  report(up.ok() && sync.ok() && down.ok() && wrong == 0, "deferred: 3000 uploads through the pinned ring",
+         std::to_string(wrong) + " words wrong " + up.to_string());
+}
+
 void test_unsupported(Backend& gpu) {
   SparseMlaParams p;
   p.H = 8;
@@ -718,6 +781,7 @@ int main(int argc, char** argv) {
   test_cache_write(*gpu, *cpu);
   test_lse_merge(*gpu, *cpu);
   test_cp_kernels(*gpu, *cpu);
+  test_deferred_errors(*gpu);
 
   std::vector<MlaCase> mla;
   mla.push_back({"decode H=16 page64 K=2048 split-K", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});

@@ -67,10 +67,11 @@ int replay_as_rank(const std::string& case_path, const std::string& out_path, co
   return 0;
 }
 
-// NCCL communicators of CP rank `rank` on GPU `device`, bounded by --comm-timeout.
-Result<OwnedCpComms> nccl_rank_comms(const NcclId& id, const CpLayout& layout, int rank, int device) {
+// NCCL communicators of CP rank `rank` on `backend`'s GPU, bounded by --comm-timeout.
+Result<OwnedCpComms> nccl_rank_comms(const NcclId& id, const CpLayout& layout, int rank, const Backend& backend) {
   NcclOptions o;
-  o.device = device;
+  o.device = backend.cuda_device();
+  o.producer_stream = backend.native_stream();
   o.timeout = std::chrono::milliseconds(layout.comm_timeout_ms);
   return nccl_cp_comms(id, layout, rank, o);
 }
@@ -120,7 +121,7 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
       (*world)->abort("rank " + std::to_string(cr) + ": " + backend.status().to_string());
       return fail(backend.status().with_context("CP rank " + std::to_string(cr)));
     }
-    auto nccl = nccl_rank_comms(id, layout, cr, device);
+    auto nccl = nccl_rank_comms(id, layout, cr, **backend);
     if (!nccl.ok()) {
       const int code = fail(nccl.status().with_context("CP rank " + std::to_string(cr)));
       (*world)->abort("rank " + std::to_string(cr) + ": " + nccl.status().to_string());
@@ -184,7 +185,7 @@ int replay_env(const std::string& case_path, const std::string& out_path, const 
     if (!read.ok()) return fail(read.status());
     id = *read;
   }
-  auto nccl = nccl_rank_comms(id, layout, static_cast<int>(*rank), static_cast<int>(*local));
+  auto nccl = nccl_rank_comms(id, layout, static_cast<int>(*rank), **backend);
   if (!nccl.ok()) return fail(nccl.status());
   return replay_as_rank(case_path, out_path, options, *c, **backend, nccl->view(), "NCCL");
 }

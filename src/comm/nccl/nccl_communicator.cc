@@ -95,6 +95,53 @@ ncclConfig_t comm_config() {
   return config;
 }
 
+// Connects a new communicator to its peers while its creation is still bounded. NCCL connects lazily: the
+// first collective of an algorithm and the first send/recv to a peer exchange connection details with the
+// peer on the host, and a blocking communicator's enqueue call waits there, unbounded, for a peer that never
+// posts. Running one collective of each kind here (all-gather, all-reduce, send/recv with every peer) moves
+// that wait into creation, whose caller gives up after its timeout; later enqueues only launch. With
+// NCCL_RUNTIME_CONNECT=0 (set for the process unless the user chose) init connects every collective algorithm.
+ncclResult_t connect_peers(ncclComm_t comm, const std::atomic<bool>& abandoned) {
+  int size = 1;
+  ncclResult_t r = ncclCommCount(comm, &size);
+  if (r != ncclSuccess || size == 1) return r;
+  float* buf = nullptr;
+  cudaStream_t stream = nullptr;
+  if (cudaMalloc(&buf, sizeof(float) * 2 * static_cast<size_t>(size)) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (buf != nullptr) (void)cudaFree(buf);
+    return ncclUnhandledCudaError;
+  }
+  r = ncclAllGather(buf, buf + size, 1, ncclFloat32, comm, stream);
+  if (r == ncclSuccess) r = ncclAllReduce(buf, buf, 1, ncclFloat32, ncclSum, comm, stream);
+  if (r == ncclSuccess) r = ncclGroupStart();
+  for (int k = 0; k < size && r == ncclSuccess; ++k) {
+    r = ncclSend(buf + k, 1, ncclFloat32, k, comm, stream);
+    if (r == ncclSuccess) r = ncclRecv(buf + size + k, 1, ncclFloat32, k, comm, stream);
+  }
+  if (r == ncclSuccess) r = ncclGroupEnd();
+  // Wait for the kernels by polling: a caller that gave up (abandoned) gets the communicator aborted, which
+  // ends kernels that wait for a missing peer.
+  for (int i = 0; r == ncclSuccess; ++i) {
+    const cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) {
+      r = ncclUnhandledCudaError;
+      break;
+    }
+    ncclResult_t state = ncclSuccess;
+    (void)ncclCommGetAsyncError(comm, &state);
+    if (state != ncclSuccess && state != ncclInProgress) r = state;
+    if (abandoned.load()) r = ncclInternalError;
+    backoff(i);
+  }
+  if (r != ncclSuccess) return r;  // the caller aborts the communicator; buf and stream are left to it
+  (void)cudaStreamDestroy(stream);
+  (void)cudaFree(buf);
+  return ncclSuccess;
+}
+
 // Makes a communicator with `make` on a helper thread (on `device`) and waits for it up to `timeout` (or until
 // `signal` is raised). A helper that is given up on aborts what it made, if it ever finishes.
 Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make, int device, const std::string& what,
@@ -102,7 +149,8 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
   struct State {
     std::mutex mu;
     std::condition_variable cv;
-    bool done = false, abandoned = false;
+    bool done = false;
+    std::atomic<bool> abandoned{false};
     ncclComm_t comm = nullptr;
     Status status;
   };
@@ -122,6 +170,14 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
         result = nccl_error(r, what);
       } else {
         result = settle(&comm, what, timeout, signal);
+        if (result.ok()) {
+          const ncclResult_t c = connect_peers(comm, st->abandoned);
+          if (c != ncclSuccess) {
+            result = nccl_error(c, what + ": connecting to the peers", comm);
+            abort_comm(comm);
+            comm = nullptr;
+          }
+        }
       }
     }
     std::lock_guard<std::mutex> lock(st->mu);
@@ -142,7 +198,7 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
     if (st->done) break;
     const bool aborted = signal && signal->raised();
     if (aborted || Clock::now() > deadline) {
-      st->abandoned = true;
+      st->abandoned.store(true);
       if (aborted) return Status(StatusCode::kBackendError, what + ": communicator aborted: " + signal->reason());
       return Status(StatusCode::kTimeout,
                     what + " timed out after " + std::to_string(timeout.count()) + " ms (a peer did not arrive)");
@@ -197,6 +253,7 @@ class NcclComm final : public NcclCommunicator {
     // Flush and release; a peer that is gone must not hang the destructor.
     if (comm_ != nullptr) bounded_release(comm_, options_.device, std::min(options_.timeout, std::chrono::milliseconds(10000)));
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
+    if (producer_ready_ != nullptr) (void)cudaEventDestroy(producer_ready_);
     (void)cudaFree(flag_);
     (void)cudaStreamDestroy(stream_);
   }
@@ -431,6 +488,12 @@ class NcclComm final : public NcclCommunicator {
     cudaEvent_t start = nullptr, end = nullptr;
     if (e == cudaSuccess) e = take_event(&start);
     if (e == cudaSuccess) e = take_event(&end);
+    if (e == cudaSuccess && options_.producer_stream != nullptr) {
+      // Start after the producer's work so far (its kernels may still run: deferred errors).
+      if (producer_ready_ == nullptr) e = cudaEventCreateWithFlags(&producer_ready_, cudaEventDisableTiming);
+      if (e == cudaSuccess) e = cudaEventRecord(producer_ready_, static_cast<cudaStream_t>(options_.producer_stream));
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, producer_ready_, 0);
+    }
     if (e == cudaSuccess) e = cudaEventRecord(start, stream_);
     if (e != cudaSuccess) {
       give_back_events(start, end);
@@ -469,6 +532,7 @@ class NcclComm final : public NcclCommunicator {
   std::string failure_;
   CommStats stats_;
   std::vector<cudaEvent_t> free_events_;  // timing events of finished collectives, reused
+  cudaEvent_t producer_ready_ = nullptr;  // recorded on options_.producer_stream before each collective
 };
 
 NcclHandle::~NcclHandle() {
@@ -556,6 +620,8 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(const NcclId&
     return invalid_argument("NCCL communicator: device " + std::to_string(options.device) + " outside [0, " +
                             std::to_string(count) + ")");
   }
+  static std::once_flag connect_at_init;
+  std::call_once(connect_at_init, [] { (void)setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0); });
   ncclUniqueId raw;
   std::copy(id.bytes.begin(), id.bytes.end(), raw.internal);
   const std::string what = "NCCL init of rank " + std::to_string(rank) + " of " + std::to_string(size) +

@@ -2,9 +2,12 @@
 // Memory comes from the device's stream-ordered pool (cudaMallocAsync, kept cached): cudaMalloc/cudaFree would
 // synchronize the device (and, with peer access on, its peers), which stalls behind NCCL kernels in flight and
 // can deadlock ranks that are threads of one process (NCCL's "concurrency with CUDA calls" rule).
-// Thread-safe (calls are serialized). Each kernel call validates what the backend supports, launches, then reads the launch's device error word
-// (one small device-to-host copy and a stream synchronization) so that a bad page id, request row or slot comes
-// back as a Status from the same call. Every CUDA call is checked; nothing aborts.
+// Thread-safe (calls are serialized). Each kernel call validates what the backend supports and launches. Checked
+// (the default), it then reads the launch's device error word (one small device-to-host copy and a stream
+// synchronization) so that a bad page id, request row or slot comes back as a Status from the same call.
+// Deferred (Backend::defer_errors, what the executors use for a step), kernels, uploads and device copies only
+// enqueue, each launch gets its own error word, and synchronize() reads them all back at once. Every CUDA call
+// is checked; nothing aborts.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -13,8 +16,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -94,14 +99,55 @@ class TraceScope {
   std::chrono::steady_clock::time_point start_;
 };
 
+// The backend's stream, shared with the deleters of the buffers it hands out: a buffer that outlives the
+// backend is still freed in stream order.
+struct StreamBox {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  ~StreamBox() {
+    (void)cudaSetDevice(device);
+    (void)cudaStreamDestroy(stream);
+  }
+};
+
+// The words kernels record data errors in: slot 0 for checked calls, one slot per launch while errors are
+// deferred (so the first error can be traced to its launch with one read-back).
+inline constexpr int kErrorSlots = 512;
+
+Status device_error_status(const std::string& k, int32_t code, int32_t row) {
+  const std::string r = std::to_string(row);
+  switch (code) {
+    case cuda::kDevBadRequest:
+      return out_of_range(k + ": token " + r + ": rows.request outside the block table's rows");
+    case cuda::kDevBadKeyLen:
+      return out_of_range(k + ": token " + r + ": rows.key_len must be >= 0");
+    case cuda::kDevBadPage:
+      return out_of_range(k + ": token " + r +
+                          ": a key it uses maps to a block_table entry outside [0, num_pages) or past max_pages");
+    case cuda::kDevBadIndex:
+      return out_of_range(k + ": index[" + r + "] outside [-1, src_rows)");
+    case cuda::kDevBadEntry:
+      return out_of_range(k + ": row " + r + ": an entry < -1 (entries are positions >= 0 or -1)");
+    case cuda::kDevBadSlot:
+      return out_of_range(k + ": row " + r + ": slot outside [0, num_pages*page_size) (and not -1)");
+    default:
+      return internal_error(k + ": unknown device error code " + std::to_string(code));
+  }
+}
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, int num_sms, cudaStream_t stream, int32_t* err_dev, int32_t* err_host)
-      : device_(device), num_sms_(num_sms), stream_(stream), err_dev_(err_dev), err_host_(err_host) {
+  CudaBackend(int device, int num_sms, std::shared_ptr<StreamBox> box, int32_t* err_dev, int32_t* err_host)
+      : device_(device), num_sms_(num_sms), box_(std::move(box)), stream_(box_->stream), err_dev_(err_dev),
+        err_host_(err_host) {
     for (Scratch* s : {&plan_items_, &plan_groups_, &plan_offsets_, &scores_, &mla_ws_}) s->stream = stream_;
     if (cudaMallocHost(&stage_, kStageBytes) != cudaSuccess) {
       (void)cudaGetLastError();
       stage_ = nullptr;  // small copies then use the pageable path
+    }
+    if (cudaMallocHost(&ring_, kRingBytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      ring_ = nullptr;  // deferred uploads then use the pageable path
     }
   }
   ~CudaBackend() override {
@@ -113,39 +159,59 @@ class CudaBackend final : public Backend {
     (void)cudaFree(err_dev_);
     (void)cudaFreeHost(err_host_);
     if (stage_ != nullptr) (void)cudaFreeHost(stage_);
-    (void)cudaStreamDestroy(stream_);
+    if (ring_ != nullptr) (void)cudaFreeHost(ring_);
   }
 
   std::string name() const override { return "cuda:" + std::to_string(device_); }
   int cuda_device() const override { return device_; }
+  void* native_stream() const override { return stream_; }
 
-  // From the device's default memory pool, ready for any stream when it returns (the allocating stream is
-  // synchronized). Freed in stream order on the legacy stream of the freeing thread: every user of a buffer has
-  // finished by then (kernel calls synchronize, collectives are waited on before their buffers go).
+  // From the device's default memory pool, in the order of the backend's stream. Checked calls synchronize
+  // the stream so the memory is ready for any stream when allocate returns; while errors are deferred, other
+  // streams order themselves after this one (collectives wait on an event recorded on it). Freed in the
+  // backend stream's order: work enqueued on it before the free has finished by then, and collectives on
+  // other streams are waited for before their buffers go.
   Result<DeviceBuffer> allocate(size_t bytes) override {
     TraceScope trace(trace_, bytes < (1u << 20) ? "allocate < 1 MiB" : "allocate >= 1 MiB");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* p = nullptr;
     cudaError_t err = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream_);
-    if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
+    if (err == cudaSuccess && deferred_ == 0) err = cudaStreamSynchronize(stream_);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       return resource_exhausted("CUDA backend: allocation of " + std::to_string(bytes) + " bytes on device " +
                                 std::to_string(device_) + " failed: " + cudaGetErrorName(err));
     }
-    const int device = device_;
-    return DeviceBuffer(p, bytes, [device](void* q) {
-      (void)cudaSetDevice(device);
-      (void)cudaFreeAsync(q, cudaStreamPerThread);
+    std::shared_ptr<StreamBox> box = box_;
+    return DeviceBuffer(p, bytes, [box](void* q) {
+      (void)cudaSetDevice(box->device);
+      (void)cudaFreeAsync(q, box->stream);
     });
   }
 
+  // Checked: returns when the copy is done. Deferred: the bytes are staged in a pinned ring (or, past its size,
+  // by the driver) before the call returns, and the copy runs in stream order.
   Status copy_to_device(void* dst, const void* src, size_t bytes) override {
     TraceScope trace(trace_, bytes < (1u << 20) ? "copy_to_device < 1 MiB" : "copy_to_device >= 1 MiB");
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (deferred_ > 0) {
+      if (ring_ != nullptr && bytes <= kRingBytes) {
+        if (ring_used_ + bytes > kRingBytes) {
+          // The ring is full: its earlier copies must finish before it is reused.
+          DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+          ring_used_ = 0;
+        }
+        char* slot = static_cast<char*>(ring_) + ring_used_;
+        std::memcpy(slot, src, bytes);
+        ring_used_ += (bytes + 255) / 256 * 256;
+        src = slot;
+      }
+      DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+      return Status::ok_status();
+    }
     if (bytes <= kStageBytes && stage_ != nullptr) {
       // Small copies go through pinned memory: a true async DMA instead of the pageable staging path.
       std::memcpy(stage_, src, bytes);
@@ -156,6 +222,7 @@ class CudaBackend final : public Backend {
     return Status::ok_status();
   }
 
+  // Always waits (the host needs the bytes); deferred errors stay pending until synchronize().
   Status copy_to_host(void* dst, const void* src, size_t bytes) override {
     TraceScope trace(trace_, bytes < (1u << 20) ? "copy_to_host < 1 MiB" : "copy_to_host >= 1 MiB");
     if (bytes == 0) return Status::ok_status();
@@ -174,31 +241,37 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
-    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    if (deferred_ == 0) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::ok_status();
   }
 
   Status fill(void* dst, DType dtype, int64_t count, float value) override {
-    TraceScope trace(trace_, "fill");
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    return cuda::launch_fill(dst, dtype, count, value, ctx());
+    return run_kernel("fill", [&](const LaunchContext& c) { return cuda::launch_fill(dst, dtype, count, value, c); });
   }
 
   Status synchronize() override {
     TraceScope trace(trace_, "synchronize");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return Status::ok_status();
+    return collect_deferred();
+  }
+
+  void defer_errors(bool on) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (on) {
+      ++deferred_;
+      return;
+    }
+    if (deferred_ == 0) return;
+    if (--deferred_ == 0) {
+      // A scope left without synchronize() (an early error): wait for its work, drop its pending errors.
+      (void)cudaSetDevice(device_);
+      (void)collect_deferred();
+    }
   }
 
   Status cache_write(const CacheWriteParams& p) override {
-    TraceScope trace(trace_, "cache_write");
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    DSACP_RETURN_IF_ERROR(cuda::launch_cache_write(p, ctx()));
-    return check_device_error("cache_write");
+    return run_kernel("cache_write", [&](const LaunchContext& c) { return cuda::launch_cache_write(p, c); });
   }
 
   Status indexer_topk(const IndexerTopkParams& p) override {
@@ -207,18 +280,25 @@ class CudaBackend final : public Backend {
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::indexer_topk_supported(p));
     const int64_t T = p.rows.num_tokens;
-    std::vector<int32_t> request(static_cast<size_t>(T)), key_len(static_cast<size_t>(T));
+    std::vector<int32_t> request, key_len;
+    const int32_t* h_request = p.host_request;
+    const int32_t* h_key_len = p.host_key_len;
     cuda::IndexerPlan plan;
     {
       TraceScope plan_trace(trace_, "indexer_topk: plan + upload");
-      {
+      if (h_request == nullptr || h_key_len == nullptr) {
+        // No host copies given: read the rows back (waits for the work queued before this call).
         TraceScope t1(trace_, "indexer_topk: rows to host");
+        request.resize(static_cast<size_t>(T));
+        key_len.resize(static_cast<size_t>(T));
         DSACP_RETURN_IF_ERROR(copy_to_host(request.data(), p.rows.request, T * sizeof(int32_t)));
         DSACP_RETURN_IF_ERROR(copy_to_host(key_len.data(), p.rows.key_len, T * sizeof(int32_t)));
+        h_request = request.data();
+        h_key_len = key_len.data();
       }
       {
         TraceScope t2(trace_, "indexer_topk: host plan");
-        DSACP_ASSIGN_OR_RETURN(plan, cuda::indexer_plan(p, request.data(), key_len.data()));
+        DSACP_ASSIGN_OR_RETURN(plan, cuda::indexer_plan(p, h_request, h_key_len));
       }
       TraceScope t3(trace_, "indexer_topk: plan upload");
       DSACP_RETURN_IF_ERROR(plan_items_.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
@@ -232,54 +312,42 @@ class CudaBackend final : public Backend {
       DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(static_cast<const cuda::ScoreGroup*>(plan_groups_.ptr),
                                                             static_cast<int64_t>(plan.groups.size()),
                                                             static_cast<cuda::ScoreItem*>(plan_items_.ptr),
-                                                            plan.num_items, ctx()));
+                                                            plan.num_items, ctx(nullptr)));
     }
     cuda::IndexerPlanDevice dev;
     dev.items = static_cast<const cuda::ScoreItem*>(plan_items_.ptr);
     dev.score_offset = static_cast<const int64_t*>(plan_offsets_.ptr);
     dev.scores = static_cast<float*>(scores_.ptr);
-    DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx()));
-    return check_device_error("indexer_topk");
+    DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx("indexer_topk")));
+    return finish("indexer_topk");
   }
 
   Status sparse_mla(const SparseMlaParams& p) override {
-    TraceScope trace(trace_, "sparse_mla");
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p));
-    const int splits = cuda::sparse_mla_num_splits(p, num_sms_);
-    const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits);
-    if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws_.reserve(static_cast<size_t>(ws) * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws_.ptr), ctx()));
-    return check_device_error("sparse_mla");
+    return run_kernel("sparse_mla", [&](const LaunchContext& c) -> Status {
+      DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p));
+      const int splits = cuda::sparse_mla_num_splits(p, num_sms_);
+      const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits);
+      if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws_.reserve(static_cast<size_t>(ws) * sizeof(float)));
+      return cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws_.ptr), c);
+    });
   }
 
   Status gather_rows(const GatherRowsParams& p) override {
-    TraceScope trace(trace_, "gather_rows");
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    DSACP_RETURN_IF_ERROR(cuda::launch_gather_rows(p, ctx()));
-    return check_device_error("gather_rows");
+    return run_kernel("gather_rows", [&](const LaunchContext& c) { return cuda::launch_gather_rows(p, c); });
   }
 
   Status topk_remap(const TopkRemapParams& p) override {
-    TraceScope trace(trace_, "topk_remap");
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    DSACP_RETURN_IF_ERROR(cuda::launch_topk_remap(p, ctx()));
-    return check_device_error("topk_remap");
+    return run_kernel("topk_remap", [&](const LaunchContext& c) { return cuda::launch_topk_remap(p, c); });
   }
 
   // Exact merge of the sharded indexer's candidate rows: on the device (a bitonic sort per row) when the
   // candidates fit in shared memory, else the CPU oracle's merge on host copies.
   Status topk_merge(const TopkMergeParams& p) override {
-    TraceScope trace(trace_, "topk_merge");
-    std::lock_guard<std::recursive_mutex> lock(mu_);
     if (cuda::topk_merge_on_device(p)) {
-      DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-      DSACP_RETURN_IF_ERROR(cuda::launch_topk_merge(p, ctx()));
-      return check_device_error("topk_merge");
+      return run_kernel("topk_merge", [&](const LaunchContext& c) { return cuda::launch_topk_merge(p, c); });
     }
+    TraceScope trace(trace_, "topk_merge (host)");
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     const size_t parts = static_cast<size_t>(p.num_parts) * p.num_rows * p.K;
     std::vector<int32_t> part_topk(parts), topk(static_cast<size_t>(p.num_rows) * p.K);
     std::vector<float> part_scores(parts);
@@ -294,23 +362,73 @@ class CudaBackend final : public Backend {
   }
 
   Status lse_merge(const LseMergeParams& p) override {
-    TraceScope trace(trace_, "lse_merge");
-    std::lock_guard<std::recursive_mutex> lock(mu_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    DSACP_RETURN_IF_ERROR(cuda::launch_lse_merge(p, p.out, DType::kF32, ctx()));
-    return check_device_error("lse_merge");
+    return run_kernel("lse_merge", [&](const LaunchContext& c) { return cuda::launch_lse_merge(p, p.out, DType::kF32, c); });
   }
 
  private:
-  LaunchContext ctx() const {
+  // One kernel call: lock, device, launch with an error word, then finish (checked or deferred).
+  template <typename Launch>
+  Status run_kernel(const char* kernel, Launch launch) {
+    TraceScope trace(trace_, kernel);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    DSACP_RETURN_IF_ERROR(launch(ctx(kernel)));
+    return finish(kernel);
+  }
+
+  // The launch context of the next launch. `kernel` (null: the launch reports no data errors) gets its own
+  // error slot while errors are deferred, slot 0 otherwise.
+  LaunchContext ctx(const char* kernel) {
     LaunchContext c;
     c.stream = stream_;
     c.num_sms = num_sms_;
     c.error.word = err_dev_;
+    if (deferred_ > 0 && kernel != nullptr) {
+      if (pending_.size() + 1 >= static_cast<size_t>(kErrorSlots)) {
+        // Every slot used in this scope: collect now and keep the first error for the next synchronize().
+        Status s = collect_deferred();  // returns (and clears) any held error too
+        (void)(held_error_ = std::move(s));
+      }
+      pending_.push_back(kernel);
+      c.error.word = err_dev_ + 2 * pending_.size();  // slots 1.. (slot 0 is the checked calls')
+    }
     return c;
   }
 
-  // Waits for the stream and turns a recorded device error into a Status (then clears it).
+  Status finish(const char* kernel) {
+    if (deferred_ > 0) return Status::ok_status();
+    return check_device_error(kernel);
+  }
+
+  // Waits for the stream, then turns the first error recorded by a deferred launch into a Status and clears
+  // the slots (one read-back for the whole scope).
+  Status collect_deferred() {
+    const size_t n = pending_.size();
+    if (n > 0) {
+      DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_ + 2, err_dev_ + 2, 2 * n * sizeof(int32_t),
+                                                 cudaMemcpyDeviceToHost, stream_));
+    }
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    ring_used_ = 0;
+    const Status held = std::exchange(held_error_, Status::ok_status());
+    size_t first = n;
+    for (size_t i = 0; i < n && first == n; ++i) {
+      if (err_host_[2 + 2 * i] != cuda::kDevOk) first = i;
+    }
+    if (first == n) {
+      pending_.clear();
+      return held;
+    }
+    const Status found = device_error_status(pending_[first], err_host_[2 + 2 * first], err_host_[3 + 2 * first])
+                             .with_context("found at synchronize (launch " + std::to_string(first + 1) + " of " +
+                                           std::to_string(n) + " since the last check)");
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(err_dev_ + 2, 0, 2 * n * sizeof(int32_t), stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    pending_.clear();
+    return held.ok() ? found : held;
+  }
+
+  // Waits for the stream and turns a recorded device error (slot 0) into a Status (then clears it).
   Status check_device_error(const char* kernel) {
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_, err_dev_, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost,
                                                stream_));
@@ -319,38 +437,27 @@ class CudaBackend final : public Backend {
     if (code == cuda::kDevOk) return Status::ok_status();
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(err_dev_, 0, 2 * sizeof(int32_t), stream_));
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    const std::string k(kernel);
-    const std::string r = std::to_string(row);
-    switch (code) {
-      case cuda::kDevBadRequest:
-        return out_of_range(k + ": token " + r + ": rows.request outside the block table's rows");
-      case cuda::kDevBadKeyLen:
-        return out_of_range(k + ": token " + r + ": rows.key_len must be >= 0");
-      case cuda::kDevBadPage:
-        return out_of_range(k + ": token " + r +
-                            ": a key it uses maps to a block_table entry outside [0, num_pages) or past max_pages");
-      case cuda::kDevBadIndex:
-        return out_of_range(k + ": index[" + r + "] outside [-1, src_rows)");
-      case cuda::kDevBadEntry:
-        return out_of_range(k + ": row " + r + ": an entry < -1 (entries are positions >= 0 or -1)");
-      case cuda::kDevBadSlot:
-        return out_of_range(k + ": row " + r + ": slot outside [0, num_pages*page_size) (and not -1)");
-      default:
-        return internal_error(k + ": unknown device error code " + std::to_string(code));
-    }
+    return device_error_status(kernel, code, row);
   }
 
-  // One stream, one error word and shared scratch: calls from several threads (CP ranks as threads sharing the
-  // device) are serialized. Each kernel call synchronizes anyway to read its error word.
+  // One stream, one set of error words and shared scratch: calls from several threads (CP ranks as threads
+  // sharing the device) are serialized.
   std::recursive_mutex mu_;
   int device_;
   int num_sms_;
+  std::shared_ptr<StreamBox> box_;
   cudaStream_t stream_;
-  int32_t* err_dev_;
-  int32_t* err_host_;
+  int32_t* err_dev_;   // [kErrorSlots][2] device
+  int32_t* err_host_;  // [kErrorSlots][2] pinned
   Scratch plan_items_, plan_groups_, plan_offsets_, scores_, mla_ws_;
   static constexpr size_t kStageBytes = size_t{1} << 20;
-  void* stage_ = nullptr;  // pinned host memory for small copies (kStageBytes), guarded by mu_
+  void* stage_ = nullptr;  // pinned host memory for small checked copies (kStageBytes), guarded by mu_
+  static constexpr size_t kRingBytes = size_t{8} << 20;
+  void* ring_ = nullptr;   // pinned upload ring of deferred copies, reset when the stream is synchronized
+  size_t ring_used_ = 0;
+  int deferred_ = 0;                  // DeferredErrors scopes open
+  std::vector<const char*> pending_;  // kernels (names are literals) launched with an error slot since the last check
+  Status held_error_;                 // an error collected early (slots ran out), returned by synchronize()
   CallTrace trace_;
 };
 
@@ -390,27 +497,28 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
   DSACP_CUDA_RETURN_IF_ERROR(cudaDeviceGetDefaultMemPool(&pool, device));
   uint64_t keep = UINT64_MAX;
   DSACP_CUDA_RETURN_IF_ERROR(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  cudaStream_t stream = nullptr;
-  DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto box = std::make_shared<StreamBox>();
+  box->device = device;
+  DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&box->stream, cudaStreamNonBlocking));
   int32_t* err_dev = nullptr;
   int32_t* err_host = nullptr;
-  cudaError_t e = cudaMalloc(&err_dev, 2 * sizeof(int32_t));
-  const char* failed = "cudaMalloc(error word)";
+  const size_t err_bytes = 2 * sizeof(int32_t) * kErrorSlots;
+  cudaError_t e = cudaMalloc(&err_dev, err_bytes);
+  const char* failed = "cudaMalloc(error words)";
   if (e == cudaSuccess) {
-    e = cudaMallocHost(&err_host, 2 * sizeof(int32_t));
-    failed = "cudaMallocHost(error word)";
+    e = cudaMallocHost(&err_host, err_bytes);
+    failed = "cudaMallocHost(error words)";
   }
   if (e == cudaSuccess) {
-    e = cudaMemset(err_dev, 0, 2 * sizeof(int32_t));
-    failed = "cudaMemset(error word)";
+    e = cudaMemset(err_dev, 0, err_bytes);
+    failed = "cudaMemset(error words)";
   }
   if (e != cudaSuccess) {
     if (err_dev != nullptr) (void)cudaFree(err_dev);
     if (err_host != nullptr) (void)cudaFreeHost(err_host);
-    (void)cudaStreamDestroy(stream);
     return cuda::cuda_status(e, failed, __FILE__, __LINE__);
   }
-  return std::unique_ptr<Backend>(new CudaBackend(device, prop.multiProcessorCount, stream, err_dev, err_host));
+  return std::unique_ptr<Backend>(new CudaBackend(device, prop.multiProcessorCount, std::move(box), err_dev, err_host));
 }
 
 }  // namespace dsacp
