@@ -189,11 +189,11 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
   Measure m;
   m.kv_bytes_per_gpu = cache.bytes();
   std::vector<double> times;
-  // Passes 1..reps time whole steps; passes reps+1..2*reps record phases (a recorder synchronizes at each
-  // phase boundary, which would perturb the step time).
+  // Passes 1..reps record phases (a recorder synchronizes at each phase boundary, which would perturb the step
+  // time); passes reps+1..2*reps time whole steps.
   for (int i = 0; i <= 2 * reps; ++i) {
     StepPhaseTimes phases;
-    const bool phase_pass = i > reps;
+    const bool phase_pass = i >= 1 && i <= reps;
     const auto t0 = Clock::now();
     {
       std::optional<StepPhaseRecorder> rec;
@@ -261,7 +261,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   std::vector<double> rank_ms(static_cast<size_t>(Pt));
   std::vector<StepPhaseTimes> phases(static_cast<size_t>(Pt));
   for (int i = 0; i <= 2 * reps; ++i) {
-    const bool phase_pass = i > reps;  // as in one_gpu: timed passes, then phase passes
+    const bool phase_pass = i >= 1 && i <= reps;  // as in one_gpu: phase passes, then timed passes
     on_ranks(Pt, [&](int cr) {
       OwnedCpComms& rc = comms[cr];
       die_if(rc.world->barrier(), "barrier");

@@ -93,8 +93,9 @@ struct LseMergeParams {
   int32_t Dl = 0;
   const float* part_out = nullptr;  // [S, T*H, Dl]
   const float* part_lse = nullptr;  // [S, T*H]
-  float* out = nullptr;             // [T*H, Dl]
+  void* out = nullptr;              // [T*H, Dl] of out_dtype (f32 may alias part_out: an in-place merge)
   float* lse = nullptr;             // [T*H]
+  DType out_dtype = DType::kF32;    // f32 or bf16
 };
 
 // Row gather with dtype conversion: dst[i, :] = src[index[i], :] for i < num_rows; index -1 fills the row

@@ -131,6 +131,7 @@ Status validate(const LseMergeParams& p) {
   DSACP_RETURN_IF_ERROR(check_positive(k, "num_parts", p.num_parts));
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
   DSACP_RETURN_IF_ERROR(check_positive(k, "Dl", p.Dl));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "out_dtype", p.out_dtype));
   if (p.num_rows == 0) return Status::ok_status();
   DSACP_RETURN_IF_ERROR(check_pointer(k, "part_out", p.part_out));
   DSACP_RETURN_IF_ERROR(check_pointer(k, "part_lse", p.part_lse));
@@ -163,7 +164,12 @@ Status validate(const TopkRemapParams& p) {
   }
   if (p.num_rows == 0) return Status::ok_status();
   DSACP_RETURN_IF_ERROR(check_pointer(k, "topk", p.topk));
-  return check_pointer(k, "local", p.local);
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "local", p.local));
+  const int64_t n = p.num_rows * p.K;
+  if (p.topk < p.local + n && p.local < p.topk + n) {
+    return invalid_argument(std::string(k) + ": topk and local overlap (the remap is not in place)");
+  }
+  return Status::ok_status();
 }
 
 Status validate(const TopkMergeParams& p) {

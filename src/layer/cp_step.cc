@@ -138,20 +138,43 @@ struct RankStep {
   size_t act() const { return dtype_size(c.act_dtype); }
 };
 
-// Local top-k with scores over this rank's own indexer keys for `n` rows, then the exact merge over all
-// ranks of the world group. All ranks must hold the same rows in the same order.
-Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
-                   const int32_t* host_request, const std::vector<int32_t>& global_key_len, int32_t* topk) {
+// Local key lengths of rows with global key lengths `global_key_len`, on the device.
+Result<DeviceBuffer> upload_local_len(RankStep& s, const std::vector<int32_t>& global_key_len,
+                                      std::vector<int32_t>* host = nullptr) {
+  std::vector<int32_t> local_len(global_key_len.size());
+  for (size_t t = 0; t < local_len.size(); ++t) {
+    local_len[t] = static_cast<int32_t>(s.sharding.local_len(global_key_len[t], s.plan.cr));
+  }
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d, upload_vector(s.backend, local_len));
+  if (host != nullptr) *host = std::move(local_len);
+  return d;
+}
+
+// The sharded indexer's merged top-k of `n` rows in flight: the local top-k (with scores) over this rank's own
+// indexer keys is enqueued and its all-gather over the world group started; finish_merged_topk waits for the
+// candidates and merges them exactly. All ranks must hold the same rows in the same order.
+struct PendingTopk {
+  int64_t n = 0;
+  int32_t* topk = nullptr;
+  std::vector<int32_t> local_len;
+  DeviceBuffer d_local_len, part_topk, part_scores, all_topk, all_scores;
+  std::unique_ptr<CollectiveHandle> handle;
+};
+
+Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
+                                      const int32_t* host_request, const std::vector<int32_t>& global_key_len,
+                                      int32_t* topk) {
   Communicator& world = *s.comms.world;
   const int64_t Pt = world.size();
   const int64_t K = s.c.K;
-  std::vector<int32_t> local_len(static_cast<size_t>(n));
-  for (int64_t t = 0; t < n; ++t) local_len[t] = static_cast<int32_t>(s.sharding.local_len(global_key_len[t], s.plan.cr));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_local_len, upload_vector(s.backend, local_len));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_topk, s.backend.allocate(n * K * sizeof(int32_t)));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_scores, s.backend.allocate(n * K * sizeof(float)));
+  PendingTopk pt;
+  pt.n = n;
+  pt.topk = topk;
+  DSACP_ASSIGN_OR_RETURN(pt.d_local_len, upload_local_len(s, global_key_len, &pt.local_len));
+  DSACP_ASSIGN_OR_RETURN(pt.part_topk, s.backend.allocate(n * K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(pt.part_scores, s.backend.allocate(n * K * sizeof(float)));
   IndexerTopkParams ip;
-  ip.rows = {n, request, d_local_len.as<const int32_t>()};
+  ip.rows = {n, request, pt.d_local_len.as<const int32_t>()};
   ip.Hi = s.c.Hi;
   ip.Di = s.c.Di;
   ip.K = s.c.K;
@@ -160,49 +183,57 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
   ip.w = w;
   ip.keys = s.cache.index_keys();
   ip.block_table = {s.d_table.as<const int32_t>(), s.table.num_requests, s.table.max_pages};
-  ip.topk = part_topk.as<int32_t>();
-  ip.topk_scores = part_scores.as<float>();
+  ip.topk = pt.part_topk.as<int32_t>();
+  ip.topk_scores = pt.part_scores.as<float>();
   ip.host_request = host_request;
-  ip.host_key_len = local_len.data();
+  ip.host_key_len = pt.local_len.data();
   DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
-  DSACP_ASSIGN_OR_RETURN(auto h, world.all_gather_group_async({{part_topk.get(), all_topk.get(), n * K * sizeof(int32_t)},
-                                                                {part_scores.get(), all_scores.get(), n * K * sizeof(float)}}));
-  DSACP_RETURN_IF_ERROR(h->wait());
+  DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(pt.all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(pt.handle,
+                         world.all_gather_group_async({{pt.part_topk.get(), pt.all_topk.get(), n * K * sizeof(int32_t)},
+                                                       {pt.part_scores.get(), pt.all_scores.get(), n * K * sizeof(float)}}));
+  return pt;
+}
+
+Status finish_merged_topk(RankStep& s, PendingTopk& pt) {
+  DSACP_RETURN_IF_ERROR(pt.handle->wait());
   TopkMergeParams mp;
-  mp.num_parts = static_cast<int32_t>(Pt);
-  mp.num_rows = n;
+  mp.num_parts = s.comms.world->size();
+  mp.num_rows = pt.n;
   mp.K = s.c.K;
   mp.I = s.sharding.I;
-  mp.part_topk = all_topk.as<const int32_t>();
-  mp.part_scores = all_scores.as<const float>();
-  mp.topk = topk;
+  mp.part_topk = pt.all_topk.as<const int32_t>();
+  mp.part_scores = pt.all_scores.as<const float>();
+  mp.topk = pt.topk;
   return topk_merge_run(s.backend, mp).with_context("sharded indexer: candidate merge");
 }
 
+Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
+                   const int32_t* host_request, const std::vector<int32_t>& global_key_len, int32_t* topk) {
+  DSACP_ASSIGN_OR_RETURN(PendingTopk pt, start_merged_topk(s, n, q, w, request, host_request, global_key_len, topk));
+  return finish_merged_topk(s, pt);
+}
+
 // Partial attention of `n` rows (all `H` heads) over this rank's own keys: the global top-k remapped to local
-// positions, sparse over local lengths. Writes f32 partial out [n, H, Dl] and lse [n, H].
-Status local_partial_attention(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
-                               const std::vector<int32_t>& global_key_len, const int32_t* global_topk, float* part_out,
-                               float* part_lse) {
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer local_topk, s.backend.allocate(n * s.c.K * sizeof(int32_t)));
+// positions (into local_topk), sparse over the local lengths d_local_len. Writes f32 partial out [n, H, Dl] and
+// lse [n, H].
+Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
+                                  const int32_t* d_local_len, const int32_t* global_topk, int32_t* local_topk,
+                                  float* part_out, float* part_lse) {
   TopkRemapParams rp;
   rp.num_rows = n;
   rp.K = s.c.K;
   rp.topk = global_topk;
-  rp.local = local_topk.as<int32_t>();
+  rp.local = local_topk;
   rp.Pt = s.sharding.Pt;
   rp.I = s.sharding.I;
   rp.cr = s.plan.cr;
   DSACP_RETURN_IF_ERROR(topk_remap_run(s.backend, rp).with_context("top-k remap to local positions"));
   // After the remap the causal horizon is already in the indices: every kept entry is below the request's
   // local length (the sparse_mode 0 of reference-design 4.4 step 5).
-  std::vector<int32_t> local_len(static_cast<size_t>(n));
-  for (int64_t t = 0; t < n; ++t) local_len[t] = static_cast<int32_t>(s.sharding.local_len(global_key_len[t], s.plan.cr));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_local_len, upload_vector(s.backend, local_len));
   SparseMlaParams ap;
-  ap.rows = {n, request, d_local_len.as<const int32_t>()};
+  ap.rows = {n, request, d_local_len};
   ap.H = s.c.H;
   ap.Dl = s.c.Dl;
   ap.Dr = s.c.Dr;
@@ -214,14 +245,23 @@ Status local_partial_attention(RankStep& s, int64_t n, const void* q_nope, const
   ap.latent = s.cache.latent();
   ap.rope = s.cache.rope();
   ap.block_table = {s.d_table.as<const int32_t>(), s.table.num_requests, s.table.max_pages};
-  ap.topk = local_topk.as<const int32_t>();
+  ap.topk = local_topk;
   ap.out = part_out;
   ap.out_dtype = DType::kF32;
   ap.lse = part_lse;
   return sparse_mla_run(s.backend, ap).with_context("local sparse MLA");
 }
 
-// LSE merge of `parts` partial results [parts, rows, Dl] into out (any dtype) and lse.
+Status local_partial_attention(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
+                               const std::vector<int32_t>& global_key_len, const int32_t* global_topk, float* part_out,
+                               float* part_lse) {
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer local_topk, s.backend.allocate(n * s.c.K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_local_len, upload_local_len(s, global_key_len));
+  return partial_attention_own_keys(s, n, q_nope, q_rope, request, d_local_len.as<const int32_t>(), global_topk,
+                                    local_topk.as<int32_t>(), part_out, part_lse);
+}
+
+// LSE merge of `parts` partial results [parts, rows, Dl] into out (out_dtype, converted by the merge) and lse.
 Status merge_into(RankStep& s, int32_t parts, int64_t rows, const float* part_out, const float* part_lse, void* out,
                   float* lse) {
   LseMergeParams mp;
@@ -230,19 +270,10 @@ Status merge_into(RankStep& s, int32_t parts, int64_t rows, const float* part_ou
   mp.Dl = s.c.Dl;
   mp.part_out = part_out;
   mp.part_lse = part_lse;
+  mp.out = out;
+  mp.out_dtype = s.c.out_dtype;
   mp.lse = lse;
-  DeviceBuffer merged;
-  if (s.c.out_dtype == DType::kF32) {
-    mp.out = static_cast<float*>(out);
-  } else {
-    DSACP_ASSIGN_OR_RETURN(merged, s.backend.allocate(rows * s.c.Dl * sizeof(float)));
-    mp.out = merged.as<float>();
-  }
-  DSACP_RETURN_IF_ERROR(lse_merge_run(s.backend, mp).with_context("LSE merge"));
-  if (s.c.out_dtype == DType::kF32) return Status();
-  std::vector<int64_t> identity(static_cast<size_t>(rows));
-  std::iota(identity.begin(), identity.end(), 0);
-  return gather(s.backend, merged.get(), DType::kF32, rows, s.c.Dl, identity, out, s.c.out_dtype, "output conversion");
+  return lse_merge_run(s.backend, mp).with_context("LSE merge");
 }
 
 // The latent and rope views of the requests attended over the gathered KV, started early.
@@ -335,6 +366,76 @@ Result<DeviceBuffer> heads_to_rows(RankStep& s, const DeviceBuffer& blocks, cons
   return full;
 }
 
+// The local decodes (rows [0, n) attend over each rank's own keys, merged by LSE across the world group) in two
+// halves: prepare_local_decodes does everything that does not need the top-k (the queries along heads, the
+// buffers, the local lengths, the pack order), so that under the sharded indexer it is issued while the
+// candidates are still being computed; run_local_decodes remaps the top-k, attends, exchanges and merges.
+struct LocalDecodes {
+  int64_t n = 0;
+  const void* qn = nullptr;
+  const void* qr = nullptr;
+  DeviceBuffer full_qn, full_qr, d_local_len, local_topk, part_out, part_lse, d_pack, send_out, send_lse, recv_out,
+      recv_lse;
+};
+
+Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads) {
+  const StepConfig& c = s.c;
+  const int64_t H = c.H, Hr = s.plan.num_heads, Pt = s.comms.world->size(), D = s.comms.dcp->size();
+  Backend& be = s.backend;
+  LocalDecodes d;
+  d.n = n;
+  d.qn = s.in.q_nope;
+  d.qr = s.in.q_rope;
+  if (q_heads) {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer order, heads_to_rows_index(s, n));
+    DSACP_RETURN_IF_ERROR(q_heads->handle->wait());
+    DSACP_ASSIGN_OR_RETURN(d.full_qn, heads_to_rows(s, q_heads->nope_blocks, order, n, c.Dl));
+    DSACP_ASSIGN_OR_RETURN(d.full_qr, heads_to_rows(s, q_heads->rope_blocks, order, n, c.Dr));
+    d.qn = d.full_qn.get();
+    d.qr = d.full_qr.get();
+  }
+  const std::vector<int32_t> key_len(s.plan.row_key_len.begin(), s.plan.row_key_len.begin() + n);
+  DSACP_ASSIGN_OR_RETURN(d.d_local_len, upload_local_len(s, key_len));
+  DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(d.part_out, be.allocate(n * H * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.part_lse, be.allocate(n * H * sizeof(float)));
+  // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
+  const int64_t block = n * Hr;
+  std::vector<int64_t> pack;
+  pack.reserve(static_cast<size_t>(Pt * block));
+  for (int64_t k = 0; k < Pt; ++k) {
+    const int64_t h0 = (k % D) * Hr;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < Hr; ++h) pack.push_back(t * H + h0 + h);
+  }
+  DSACP_ASSIGN_OR_RETURN(d.d_pack, upload_vector(be, pack));
+  DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
+  return d;
+}
+
+Status run_local_decodes(RankStep& s, LocalDecodes& d) {
+  const StepConfig& c = s.c;
+  const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), block = n * s.plan.num_heads;
+  DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request.as<const int32_t>(),
+                                                   d.d_local_len.as<const int32_t>(), s.out.topk,
+                                                   d.local_topk.as<int32_t>(), d.part_out.as<float>(),
+                                                   d.part_lse.as<float>()));
+  const int64_t packed = Pt * block;
+  DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_out.get(), DType::kF32, n * H, c.Dl, d.d_pack.as<const int64_t>(),
+                                   packed, d.send_out.get(), DType::kF32, "pack partial outputs by head"));
+  DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_lse.get(), DType::kF32, n * H, 1, d.d_pack.as<const int64_t>(),
+                                   packed, d.send_lse.get(), DType::kF32, "pack partial LSE by head"));
+  DSACP_ASSIGN_OR_RETURN(auto h, s.comms.world->all_to_all_group_async(
+                                     {{d.send_out.get(), d.recv_out.get(), block * c.Dl * sizeof(float)},
+                                      {d.send_lse.get(), d.recv_lse.get(), block * sizeof(float)}}));
+  DSACP_RETURN_IF_ERROR(h->wait());
+  return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.as<const float>(), d.recv_lse.as<const float>(),
+                    s.out.out, s.out.lse);
+}
+
 Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
   auto check = [](const Communicator* c, const char* name, int32_t size, int32_t rank) -> Status {
     if (c == nullptr) return invalid_argument(std::string("CP step: no ") + name + " communicator");
@@ -416,15 +517,21 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       const void* local;
       int32_t dim;
       DeviceBuffer rows;
-      std::unique_ptr<CollectiveHandle> handle;
-    } kv[3] = {{in.kv_latent, c.Dl, {}, {}}, {in.k_rope, c.Dr, {}, {}}, {in.idx_k, c.Di, {}, {}}};
-    std::vector<Communicator::Part> parts;
-    for (auto& e : kv) {
-      const size_t bytes = static_cast<size_t>(rows) * e.dim * act;
-      DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * act, 1)));
-      parts.push_back({e.local, e.rows.get(), bytes});
+      const void* gathered = nullptr;
+    } kv[3] = {{in.kv_latent, c.Dl, {}}, {in.k_rope, c.Dr, {}}, {in.idx_k, c.Di, {}}};
+    std::unique_ptr<CollectiveHandle> handle;
+    if (ex.size() == 1) {
+      for (auto& e : kv) e.gathered = e.local;  // a group of one (DCP without PCP): the step's own rows
+    } else {
+      std::vector<Communicator::Part> parts;
+      for (auto& e : kv) {
+        const size_t bytes = static_cast<size_t>(rows) * e.dim * act;
+        DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * act, 1)));
+        e.gathered = e.rows.get();
+        parts.push_back({e.local, e.rows.get(), bytes});
+      }
+      DSACP_ASSIGN_OR_RETURN(handle, ex.all_gather_group_async(parts));
     }
-    DSACP_ASSIGN_OR_RETURN(kv[0].handle, ex.all_gather_group_async(parts));
     std::vector<int64_t> owned(static_cast<size_t>(gathered), -1), all(static_cast<size_t>(gathered), -1);
     for (int64_t j = 0; j < gathered; ++j) {
       const int32_t b = plan.gathered_request[j];
@@ -439,10 +546,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DSACP_ASSIGN_OR_RETURN(d_all, upload_vector(backend, all));
     }
     const PagedPoolView pools[3] = {cache.latent(), cache.rope(), cache.index_keys()};
-    DSACP_RETURN_IF_ERROR(kv[0].handle->wait());
+    if (handle) DSACP_RETURN_IF_ERROR(handle->wait());
     for (int i = 0; i < 3; ++i) {
       CacheWriteParams w;
-      w.rows = kv[i].rows.get();
+      w.rows = kv[i].gathered;
       w.rows_dtype = c.act_dtype;
       w.num_rows = gathered;
       w.slots = (i == 2 && replicated ? d_all : d_owned).as<const int64_t>();
@@ -491,6 +598,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(h_q, comms.dcp->all_gather_group_async({{in.q_nope, all_qn.get(), rows * qn_row},
                                                                     {in.q_rope, all_qr.get(), rows * qr_row}}));
   }
+
+  std::optional<LocalDecodes> decodes;  // prepared early under the sharded indexer
 
   // 3. Top-k of this rank's rows (and, under DSA-CP decode-only batches, of every token).
   DeviceBuffer all_topk;
@@ -545,10 +654,12 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DSACP_ASSIGN_OR_RETURN(idx_plan, gathered_view_plan(all_ids, s.seq_lens, table, sharding, plan.cr, B));
       DSACP_ASSIGN_OR_RETURN(idx_pending, start_view(backend, *comms.world, cache.index_keys(), idx_plan));
     }
+    std::optional<PendingTopk> pending_topk;
     if (shared > 0) {
       std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + shared);
-      DSACP_RETURN_IF_ERROR(merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request.as<const int32_t>(),
-                                        plan.row_request.data(), key_len, out.topk));
+      DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w,
+                                                             s.d_row_request.as<const int32_t>(),
+                                                             plan.row_request.data(), key_len, out.topk));
     }
     if (shared < rows) {
       DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(backend, *idx_pending));
@@ -568,6 +679,14 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       ip.host_request = plan.row_request.data() + shared;
       ip.host_key_len = plan.row_key_len.data() + shared;
       DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k over gathered keys"));
+    }
+    if (pending_topk) {
+      // While the candidates are computed and exchanged, issue what the local decodes need that does not
+      // depend on them; then wait for the candidates and merge.
+      if (local_decodes && T_dec > 0) {
+        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
+      }
+      DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk));
     }
   }
 
@@ -593,47 +712,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
                                      out.lse));
   } else if (!layout.dsa_cp && local_decodes && T_dec > 0) {
-    const int64_t H = c.H;
-    DeviceBuffer full_qn, full_qr;
-    const void* qn = in.q_nope;
-    const void* qr = in.q_rope;
-    if (q_heads) {
-      DSACP_ASSIGN_OR_RETURN(DeviceBuffer order, heads_to_rows_index(s, T_dec));
-      DSACP_RETURN_IF_ERROR(q_heads->handle->wait());
-      DSACP_ASSIGN_OR_RETURN(full_qn, heads_to_rows(s, q_heads->nope_blocks, order, T_dec, c.Dl));
-      DSACP_ASSIGN_OR_RETURN(full_qr, heads_to_rows(s, q_heads->rope_blocks, order, T_dec, c.Dr));
-      qn = full_qn.get();
-      qr = full_qr.get();
+    if (!decodes) {
+      DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
     }
-    std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + T_dec);
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_dec * H * c.Dl * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_dec * H * sizeof(float)));
-    DSACP_RETURN_IF_ERROR(local_partial_attention(s, T_dec, qn, qr, s.d_row_request.as<const int32_t>(), key_len,
-                                                  out.topk, part_out.as<float>(), part_lse.as<float>()));
-    // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
-    const int64_t block = T_dec * Hr;
-    std::vector<int64_t> index;
-    index.reserve(static_cast<size_t>(Pt * block));
-    for (int32_t k = 0; k < Pt; ++k) {
-      const int64_t h0 = (k % D) * Hr;
-      for (int64_t t = 0; t < T_dec; ++t)
-        for (int64_t h = 0; h < Hr; ++h) index.push_back(t * H + h0 + h);
-    }
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer send_lse, backend.allocate(Pt * block * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_index, upload_vector(backend, index));
-    const int64_t n_index = static_cast<int64_t>(index.size());
-    DSACP_RETURN_IF_ERROR(gather_dev(backend, part_out.get(), DType::kF32, T_dec * H, c.Dl, d_index.as<const int64_t>(),
-                                     n_index, send_out.get(), DType::kF32, "pack partial outputs by head"));
-    DSACP_RETURN_IF_ERROR(gather_dev(backend, part_lse.get(), DType::kF32, T_dec * H, 1, d_index.as<const int64_t>(),
-                                     n_index, send_lse.get(), DType::kF32, "pack partial LSE by head"));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(Pt * block * c.Dl * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(Pt * block * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(auto h, comms.world->all_to_all_group_async({{send_out.get(), recv_out.get(), block * c.Dl * sizeof(float)},
-                                                                         {send_lse.get(), recv_lse.get(), block * sizeof(float)}}));
-    DSACP_RETURN_IF_ERROR(h->wait());
-    DSACP_RETURN_IF_ERROR(merge_into(s, Pt, block, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
-                                     out.lse));
+    DSACP_RETURN_IF_ERROR(run_local_decodes(s, *decodes));
   }
 
   // 5. Graph-bucket rows past the local rows: topk -1, out 0, lse -inf.

@@ -210,6 +210,16 @@ TEST(LseMergeKernel, SplitKeySetsMergeToTheWhole) {
   std::vector<float> out(static_cast<size_t>(rows * c.dl), 7.f), lse(static_cast<size_t>(rows), 7.f);
   LseMergeParams p{parts, rows, c.dl, part_out.data(), part_lse.data(), out.data(), lse.data()};
   ASSERT_TRUE(lse_merge_run(*backend, p).ok());
+  // A bf16 out is the f32 merge rounded once (to nearest even); the lse is unchanged.
+  std::vector<bf16> out_bf(static_cast<size_t>(rows * c.dl));
+  std::vector<float> lse_bf(static_cast<size_t>(rows));
+  LseMergeParams pb = p;
+  pb.out = out_bf.data();
+  pb.out_dtype = DType::kBF16;
+  pb.lse = lse_bf.data();
+  ASSERT_TRUE(lse_merge_run(*backend, pb).ok());
+  for (size_t i = 0; i < out_bf.size(); ++i) ASSERT_EQ(bf16_to_f32(out_bf[i]), round_to_bf16(out[i])) << i;
+  EXPECT_TRUE(bit_equal(lse_bf, lse));
   // In place (out and lse over part 0) gives the same bits.
   LseMergeParams in_place{parts, rows, c.dl, part_out.data(), part_lse.data(), part_out.data(), part_lse.data()};
   ASSERT_TRUE(lse_merge_run(*backend, in_place).ok());

@@ -128,6 +128,24 @@ TEST(KernelValidate, CacheWriteAndLseMerge) {
   lm.num_parts = 2;
   lm.part_lse = nullptr;
   EXPECT_NE(validate(lm).message().find("part_lse must not be null"), std::string::npos);
+  lm.part_lse = g_f;
+  lm.out_dtype = DType::kI32;
+  EXPECT_NE(validate(lm).message().find("out_dtype must be F32 or BF16, got I32"), std::string::npos);
+}
+
+TEST(KernelValidate, TopkRemapRefusesOverlappingBuffers) {
+  int32_t row[16] = {};
+  TopkRemapParams p;
+  p.num_rows = 2;
+  p.K = 4;
+  p.topk = row;
+  p.local = row + 8;  // adjacent, not overlapping
+  p.Pt = 2;
+  EXPECT_TRUE(validate(p).ok()) << validate(p).to_string();
+  p.local = row + 7;
+  EXPECT_NE(validate(p).message().find("topk_remap: topk and local overlap"), std::string::npos);
+  p.local = row;
+  EXPECT_EQ(validate(p).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(KernelValidate, RunRefusesBeforeTheBackendSeesAnything) {

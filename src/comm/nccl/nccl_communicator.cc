@@ -2,6 +2,8 @@
 // ncclCommGetAsyncError; creation, split and finalization bounded on helper threads.
 #include "dsacp/nccl_communicator.h"
 
+#include "kernels/cuda/common/timeline.h"
+
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -230,14 +232,15 @@ class NcclComm;
 
 class NcclHandle final : public CollectiveHandle {
  public:
-  NcclHandle(NcclComm* comm, cudaEvent_t start, cudaEvent_t end, std::string what)
-      : comm_(comm), start_(start), end_(end), what_(std::move(what)) {}
+  NcclHandle(NcclComm* comm, cudaEvent_t start, cudaEvent_t end, const char* what)
+      : comm_(comm), start_(start), end_(end), label_(what), what_(what) {}
   ~NcclHandle() override;
   Status wait() override;
 
  private:
   NcclComm* comm_;
   cudaEvent_t start_, end_;
+  const char* label_;  // a literal
   std::string what_;
   bool waited_ = false;
   Status result_;
@@ -403,8 +406,9 @@ class NcclComm final : public NcclCommunicator {
 
   // Called by NcclHandle::wait: polls the end event; fails on an async NCCL error, the shared abort signal or
   // the timeout (then aborts the communicator).
-  Status wait_for(cudaEvent_t start, cudaEvent_t end, const std::string& what) {
+  Status wait_for(cudaEvent_t start, cudaEvent_t end, const std::string& what, const char* label) {
     const auto t0 = Clock::now();
+    const double tl0 = cuda::timeline::host_now_us(options_.device);
     const auto deadline = t0 + options_.timeout;
     Status result;
     for (int i = 0;; ++i) {
@@ -436,6 +440,7 @@ class NcclComm final : public NcclCommunicator {
       backoff(i);
     }
     stats_.wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    cuda::timeline::host_span(options_.device, tl0, label, "wait");
     if (!result.ok()) {
       fail(result.message());
       return result;
@@ -501,6 +506,7 @@ class NcclComm final : public NcclCommunicator {
     }
     const std::string name = std::string("rank ") + std::to_string(rank_) + ": " + what;
     Status s;
+    const cuda::timeline::Span span = cuda::timeline::open(options_.device, stream_);
     if (!empty) {
       const ncclResult_t r = enqueue();
       if (r == ncclInProgress) {
@@ -513,6 +519,7 @@ class NcclComm final : public NcclCommunicator {
       e = cudaEventRecord(end, stream_);
       if (e != cudaSuccess) s = cuda_error(e, name);
     }
+    cuda::timeline::close(options_.device, span, stream_, what, "nccl");
     if (!s.ok()) {
       fail(s.message());
       give_back_events(start, end);
@@ -543,7 +550,7 @@ NcclHandle::~NcclHandle() {
 Status NcclHandle::wait() {
   if (!waited_) {
     waited_ = true;
-    result_ = comm_->wait_for(start_, end_, what_);
+    result_ = comm_->wait_for(start_, end_, what_, label_);
   }
   return result_;
 }

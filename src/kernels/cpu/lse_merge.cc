@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "dsacp/dtype.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 namespace dsacp::cpu {
@@ -23,9 +24,8 @@ Status lse_merge(const LseMergeParams& p, int num_threads) {
         const float l = p.part_lse[s * rows + r];
         if (std::isfinite(l)) max_lse = std::max(max_lse, static_cast<double>(l));
       }
-      float* out = p.out + r * dl;
       if (max_lse == neg_inf) {
-        for (int64_t d = 0; d < dl; ++d) out[d] = 0.f;
+        for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, r * dl + d, 0.f);
         p.lse[r] = -std::numeric_limits<float>::infinity();
         continue;
       }
@@ -43,7 +43,7 @@ Status lse_merge(const LseMergeParams& p, int num_threads) {
         const float* part = p.part_out + (s * rows + r) * dl;
         for (int64_t d = 0; d < dl; ++d) acc[d] += w * part[d];
       }
-      std::copy(acc.begin(), acc.end(), out);
+      for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, r * dl + d, acc[d]);
       p.lse[r] = static_cast<float>(max_lse + std::log(sum));
     }
   });

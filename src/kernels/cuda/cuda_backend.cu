@@ -24,6 +24,7 @@
 
 #include "dsacp/backend.h"
 #include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/timeline.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
 
@@ -152,6 +153,7 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     trace_.print(device_);
+    cuda::timeline::print_last(device_);
     (void)cudaSetDevice(device_);
     (void)cudaStreamSynchronize(stream_);
     for (Scratch* s : {&plan_items_, &plan_groups_, &plan_offsets_, &scores_, &mla_ws_}) s->release();
@@ -176,6 +178,7 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* p = nullptr;
+    const double t0 = cuda::timeline::host_now_us(device_);
     cudaError_t err = cudaMallocAsync(&p, std::max<size_t>(bytes, 1), stream_);
     if (err == cudaSuccess && deferred_ == 0) err = cudaStreamSynchronize(stream_);
     if (err != cudaSuccess) {
@@ -183,6 +186,7 @@ class CudaBackend final : public Backend {
       return resource_exhausted("CUDA backend: allocation of " + std::to_string(bytes) + " bytes on device " +
                                 std::to_string(device_) + " failed: " + cudaGetErrorName(err));
     }
+    cuda::timeline::host_span(device_, t0, "allocate", "host");
     std::shared_ptr<StreamBox> box = box_;
     return DeviceBuffer(p, bytes, [box](void* q) {
       (void)cudaSetDevice(box->device);
@@ -209,7 +213,9 @@ class CudaBackend final : public Backend {
         ring_used_ += (bytes + 255) / 256 * 256;
         src = slot;
       }
+      const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
       DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+      cuda::timeline::close(device_, span, stream_, "upload", "copy");
       return Status::ok_status();
     }
     if (bytes <= kStageBytes && stage_ != nullptr) {
@@ -229,7 +235,9 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     const bool staged = bytes <= kStageBytes && stage_ != nullptr;
+    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged ? stage_ : dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    cuda::timeline::close(device_, span, stream_, "download (waits)", "copy");
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     if (staged) std::memcpy(dst, stage_, bytes);
     return Status::ok_status();
@@ -240,7 +248,9 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    cuda::timeline::close(device_, span, stream_, "device copy", "copy");
     if (deferred_ == 0) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::ok_status();
   }
@@ -253,13 +263,16 @@ class CudaBackend final : public Backend {
     TraceScope trace(trace_, "synchronize");
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    return collect_deferred();
+    const double t0 = cuda::timeline::host_now_us(device_);
+    Status s = collect_deferred();
+    cuda::timeline::host_span(device_, t0, "synchronize", "wait");
+    return s;
   }
 
   void defer_errors(bool on) override {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     if (on) {
-      ++deferred_;
+      if (deferred_++ == 0) cuda::timeline::begin_step(device_, stream_);
       return;
     }
     if (deferred_ == 0) return;
@@ -267,6 +280,7 @@ class CudaBackend final : public Backend {
       // A scope left without synchronize() (an early error): wait for its work, drop its pending errors.
       (void)cudaSetDevice(device_);
       (void)collect_deferred();
+      cuda::timeline::end_step(device_);
     }
   }
 
@@ -318,7 +332,9 @@ class CudaBackend final : public Backend {
     dev.items = static_cast<const cuda::ScoreItem*>(plan_items_.ptr);
     dev.score_offset = static_cast<const int64_t*>(plan_offsets_.ptr);
     dev.scores = static_cast<float*>(scores_.ptr);
+    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
     DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx("indexer_topk")));
+    cuda::timeline::close(device_, span, stream_, "indexer_topk", "kernel");
     return finish("indexer_topk");
   }
 
@@ -362,7 +378,7 @@ class CudaBackend final : public Backend {
   }
 
   Status lse_merge(const LseMergeParams& p) override {
-    return run_kernel("lse_merge", [&](const LaunchContext& c) { return cuda::launch_lse_merge(p, p.out, DType::kF32, c); });
+    return run_kernel("lse_merge", [&](const LaunchContext& c) { return cuda::launch_lse_merge(p, p.out, p.out_dtype, c); });
   }
 
  private:
@@ -372,7 +388,9 @@ class CudaBackend final : public Backend {
     TraceScope trace(trace_, kernel);
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
     DSACP_RETURN_IF_ERROR(launch(ctx(kernel)));
+    cuda::timeline::close(device_, span, stream_, kernel, "kernel");
     return finish(kernel);
   }
 

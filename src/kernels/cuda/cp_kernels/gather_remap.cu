@@ -1,9 +1,10 @@
 // Context-parallel helper kernels: row gather with f32/bf16 conversion (index -1 = a NaN row) and the
-// global-to-local top-k remap (order-preserving compaction, one warp per row). Bad indices are reported through
+// global-to-local top-k remap (order-preserving compaction, one CTA per row). Bad indices are reported through
 // the device error word and skipped; the backend turns them into a Status.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/common/block_scan.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/cuda_kernels.h"
@@ -36,24 +37,34 @@ __global__ void gather_rows_kernel(const GatherRowsParams p, bool src_bf, bool d
   }
 }
 
-__global__ void topk_remap_kernel(const TopkRemapParams p, DeviceErrorWord err) {
-  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (r >= p.num_rows) return;
+// One CTA per row: each thread takes a contiguous chunk of entries, a block scan gives where its kept entries
+// go, so the order is kept. 32-bit arithmetic (positions are int32).
+constexpr int kRemapThreads = 256;
+
+__global__ void __launch_bounds__(kRemapThreads) topk_remap_kernel(const TopkRemapParams p, DeviceErrorWord err) {
+  __shared__ int warp_sums[32];
+  const int64_t r = blockIdx.x;
   const int32_t* in = p.topk + r * p.K;
   int32_t* out = p.local + r * p.K;
-  const int64_t Pt = p.Pt, I = p.I;
-  int32_t kept = 0;
-  for (int32_t i0 = 0; i0 < p.K; i0 += 32) {
-    const int32_t i = i0 + lane;
-    const int64_t e = i < p.K ? in[i] : -1;
+  const int K = p.K;
+  const uint32_t Pt = static_cast<uint32_t>(p.Pt), I = static_cast<uint32_t>(p.I), cr = static_cast<uint32_t>(p.cr);
+  const int chunk = (K + blockDim.x - 1) / blockDim.x;
+  const int begin = min(K, static_cast<int>(threadIdx.x) * chunk), end = min(K, begin + chunk);
+  int count = 0;
+  for (int i = begin; i < end; ++i) {
+    const int32_t e = in[i];
     if (e < -1) report_device_error(err, kDevBadEntry, r);
-    const bool keep = e >= 0 && (e / I) % Pt == p.cr;
-    const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
-    if (keep) out[kept + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int32_t>((e / (Pt * I)) * I + e % I);
-    kept += __popc(ballot);
+    if (e >= 0 && (static_cast<uint32_t>(e) / I) % Pt == cr) ++count;
   }
-  for (int32_t i = kept + lane; i < p.K; i += 32) out[i] = -1;
+  int total = 0;
+  int at = block_exclusive_scan(count, warp_sums, &total);
+  for (int i = begin; i < end; ++i) {
+    const int32_t e = in[i];
+    if (e < 0) continue;
+    const uint32_t u = static_cast<uint32_t>(e), q = u / I;
+    if (q % Pt == cr) out[at++] = static_cast<int32_t>((q / Pt) * I + (u - q * I));
+  }
+  for (int i = total + threadIdx.x; i < K; i += blockDim.x) out[i] = -1;
 }
 
 }  // namespace
@@ -69,8 +80,8 @@ Status launch_gather_rows(const GatherRowsParams& p, const LaunchContext& ctx) {
 
 Status launch_topk_remap(const TopkRemapParams& p, const LaunchContext& ctx) {
   if (p.num_rows == 0) return Status::ok_status();
-  const int64_t blocks = (p.num_rows * 32 + 255) / 256;
-  topk_remap_kernel<<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(p, ctx.error);
+  if (p.num_rows >= (int64_t{1} << 31)) return unsupported("topk_remap: num_rows >= 2^31 (CUDA grid limit)");
+  topk_remap_kernel<<<static_cast<unsigned>(p.num_rows), kRemapThreads, 0, ctx.stream>>>(p, ctx.error);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_remap_kernel");
   return Status::ok_status();
 }
