@@ -28,6 +28,14 @@ class CollectiveHandle {
  public:
   virtual ~CollectiveHandle() = default;
   virtual Status wait() = 0;
+  // Makes work enqueued later on `stream` (a cudaStream_t of this communicator's device) wait on the device
+  // for the collective to finish, without blocking the host. True when done; false when this transport cannot
+  // (host memory): then call wait() before using the result. Either way wait() must still be called (it
+  // bounds the collective and reports its errors), typically at the end of the step.
+  virtual bool order_before(void* stream) {
+    (void)stream;
+    return false;
+  }
 };
 
 // What a communicator has done since it was made (or since reset_stats): collectives, bytes this rank sent,

@@ -133,10 +133,23 @@ struct RankStep {
   const StepOutputs& out;
   std::vector<int64_t> seq_lens;
   DeviceBuffer d_table, d_row_request, d_row_key_len;
+  // Collectives the backend's stream waits for on the device; the host waits for them (bounded) at the end.
+  std::vector<std::unique_ptr<CollectiveHandle>> in_flight;
 
   int32_t B() const { return cache.config().page_size; }
   size_t act() const { return dtype_size(c.act_dtype); }
 };
+
+// Orders the backend's later work after the collective: on the device when the transport can (the host then
+// waits for it at the step's end, bounded), else by waiting now.
+Status after(RankStep& s, std::unique_ptr<CollectiveHandle> h) {
+  void* stream = s.backend.native_stream();
+  if (stream != nullptr && h->order_before(stream)) {
+    s.in_flight.push_back(std::move(h));
+    return Status();
+  }
+  return h->wait();
+}
 
 // Local key lengths of rows with global key lengths `global_key_len`, on the device.
 Result<DeviceBuffer> upload_local_len(RankStep& s, const std::vector<int32_t>& global_key_len,
@@ -197,7 +210,7 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
 }
 
 Status finish_merged_topk(RankStep& s, PendingTopk& pt) {
-  DSACP_RETURN_IF_ERROR(pt.handle->wait());
+  DSACP_RETURN_IF_ERROR(after(s, std::move(pt.handle)));
   TopkMergeParams mp;
   mp.num_parts = s.comms.world->size();
   mp.num_rows = pt.n;
@@ -388,7 +401,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   d.qr = s.in.q_rope;
   if (q_heads) {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer order, heads_to_rows_index(s, n));
-    DSACP_RETURN_IF_ERROR(q_heads->handle->wait());
+    DSACP_RETURN_IF_ERROR(after(s, std::move(q_heads->handle)));
     DSACP_ASSIGN_OR_RETURN(d.full_qn, heads_to_rows(s, q_heads->nope_blocks, order, n, c.Dl));
     DSACP_ASSIGN_OR_RETURN(d.full_qr, heads_to_rows(s, q_heads->rope_blocks, order, n, c.Dr));
     d.qn = d.full_qn.get();
@@ -431,7 +444,7 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   DSACP_ASSIGN_OR_RETURN(auto h, s.comms.world->all_to_all_group_async(
                                      {{d.send_out.get(), d.recv_out.get(), block * c.Dl * sizeof(float)},
                                       {d.send_lse.get(), d.recv_lse.get(), block * sizeof(float)}}));
-  DSACP_RETURN_IF_ERROR(h->wait());
+  DSACP_RETURN_IF_ERROR(after(s, std::move(h)));
   return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.as<const float>(), d.recv_lse.as<const float>(),
                     s.out.out, s.out.lse);
 }
@@ -479,7 +492,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // Kernels, uploads and device copies only enqueue; collectives order themselves after them (NCCL's
   // producer stream) and errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
-  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}};
+  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}};
   std::vector<int64_t> pages(R);
   for (int32_t b = 0; b < R; ++b) {
     s.seq_lens.push_back(requests[b].seq_len());
@@ -546,7 +559,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DSACP_ASSIGN_OR_RETURN(d_all, upload_vector(backend, all));
     }
     const PagedPoolView pools[3] = {cache.latent(), cache.rope(), cache.index_keys()};
-    if (handle) DSACP_RETURN_IF_ERROR(handle->wait());
+    if (handle) DSACP_RETURN_IF_ERROR(after(s, std::move(handle)));
     for (int i = 0; i < 3; ++i) {
       CacheWriteParams w;
       w.rows = kv[i].gathered;
@@ -585,10 +598,16 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(kv_view, start_kv_view(s, view_ids));
   }
   const int32_t D = comms.dcp->size();
+  // The decode queries along heads: started right after this rank's indexer launch (the gather overlaps it,
+  // and the indexer, on the critical path, is not queued behind the collective's host launch).
   std::optional<PendingHeads> q_heads;
-  if (!layout.dsa_cp && local_decodes && T_dec > 0 && D > 1) {
-    DSACP_ASSIGN_OR_RETURN(q_heads, start_head_gather(s, in.q_nope, in.q_rope, T_dec));
-  }
+  const bool want_q_heads = !layout.dsa_cp && local_decodes && T_dec > 0 && D > 1;
+  auto start_q_heads = [&]() -> Status {
+    if (want_q_heads && !q_heads) {
+      DSACP_ASSIGN_OR_RETURN(q_heads, start_head_gather(s, in.q_nope, in.q_rope, T_dec));
+    }
+    return Status();
+  };
   DeviceBuffer all_qn, all_qr;
   std::unique_ptr<CollectiveHandle> h_q;
   if (layout.dsa_cp && decode_only) {
@@ -628,6 +647,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.host_request = plan.row_request.data();
     ip.host_key_len = plan.row_key_len.data();
     DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("replicated indexer top-k"));
+    DSACP_RETURN_IF_ERROR(start_q_heads());
     if (layout.dsa_cp && decode_only) {
       DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
       DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(out.topk, all_topk.get(), rows * c.K * sizeof(int32_t)));
@@ -661,6 +681,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                                              s.d_row_request.as<const int32_t>(),
                                                              plan.row_request.data(), key_len, out.topk));
     }
+    DSACP_RETURN_IF_ERROR(start_q_heads());
     if (shared < rows) {
       DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(backend, *idx_pending));
       DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_vt, upload_vector(backend, idx_plan.view_table.data));
@@ -712,6 +733,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
                                      out.lse));
   } else if (!layout.dsa_cp && local_decodes && T_dec > 0) {
+    DSACP_RETURN_IF_ERROR(start_q_heads());
     if (!decodes) {
       DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
     }
@@ -726,6 +748,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                        c.out_dtype, extra * Hr * c.Dl, 0.f));
     DSACP_RETURN_IF_ERROR(backend.fill(out.lse + rows * Hr, DType::kF32, extra * Hr, -std::numeric_limits<float>::infinity()));
   }
+  for (auto& h : s.in_flight) DSACP_RETURN_IF_ERROR(h->wait());
   DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("CP step, rank " + std::to_string(plan.cr)));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();

@@ -37,8 +37,12 @@ Status check_block_table_pages(const BlockTable& table, const std::vector<int64_
       return out_of_range("request " + std::to_string(b) + " needs " + std::to_string(pages) +
                           " pages, the block table has " + std::to_string(table.max_pages) + " columns");
     }
+    const int32_t* row = table.data.data() + b * static_cast<size_t>(table.max_pages);
+    bool in_range = true;
+    for (int64_t c = 0; c < pages; ++c) in_range &= row[c] >= 0 && row[c] < cache.num_pages;  // vectorizes
+    if (in_range) continue;
     for (int64_t c = 0; c < pages; ++c) {
-      const int32_t p = table.page(static_cast<int32_t>(b), c);
+      const int32_t p = row[c];
       if (p < 0 || p >= cache.num_pages) {
         return out_of_range("block table row " + std::to_string(b) + " column " + std::to_string(c) + " holds page " +
                             std::to_string(p) + ", outside [0, " + std::to_string(cache.num_pages) + ")");

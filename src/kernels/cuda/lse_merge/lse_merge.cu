@@ -1,6 +1,6 @@
 // LSE merge of S partial attention results over disjoint key sets (also the split-K combine of sparse MLA).
-// One CTA per (token, head) row; every thread derives the part weights (fixed order, f64 like the CPU oracle),
-// then scales its columns. A part whose LSE is not finite has weight 0 and its out is never read.
+// One CTA per (token, head) row; thread 0 derives the part weights (fixed order, f64 like the CPU oracle), then
+// every thread scales its columns. A part whose LSE is not finite has weight 0 and its out is never read.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -16,42 +16,43 @@ constexpr int kThreads = 128;
 
 constexpr int kMaxSharedParts = 256;
 
-// Part weights once per row (thread s computes part s's, in f64 like the CPU oracle: the same float weight
-// per part), then every column is the fixed-order sum over parts.
+// Part weights once per row by thread 0 (in f64 and the parts' fixed order, like the CPU oracle: the same float
+// weight per part), then every column is the fixed-order sum over parts.
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __restrict__ part_out,
                                                              const float* __restrict__ part_lse, int num_parts,
                                                              int64_t rows, int dl, OutT* __restrict__ out,
                                                              float* __restrict__ lse) {
   __shared__ float weight[kMaxSharedParts];
+  __shared__ double s_max, s_sum;
   const int64_t r = blockIdx.x;
-  double max_lse = -INFINITY;
-  for (int s = 0; s < num_parts; ++s) {
-    const float l = part_lse[s * rows + r];
-    if (isfinite(l)) max_lse = fmax(max_lse, static_cast<double>(l));
-  }
-  OutT* o = out + r * dl;
-  if (max_lse == -INFINITY) {
-    for (int d = threadIdx.x; d < dl; d += kThreads) o[d] = static_cast<OutT>(0.f);
-    if (threadIdx.x == 0 && lse != nullptr) lse[r] = -INFINITY;
-    return;
-  }
-  double sum = 0.0;
-  for (int s = 0; s < num_parts; ++s) {
-    const float l = part_lse[s * rows + r];
-    if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
-  }
   const bool shared_weights = num_parts <= kMaxSharedParts;
-  if (shared_weights) {
-    for (int s = threadIdx.x; s < num_parts; s += kThreads) {
+  if (threadIdx.x == 0) {
+    double max_lse = -INFINITY;
+    for (int s = 0; s < num_parts; ++s) {
       const float l = part_lse[s * rows + r];
-      weight[s] = isfinite(l) ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
+      if (isfinite(l)) max_lse = fmax(max_lse, static_cast<double>(l));
     }
-    __syncthreads();
+    double sum = 0.0;
+    if (max_lse != -INFINITY) {
+      for (int s = 0; s < num_parts; ++s) {
+        const float l = part_lse[s * rows + r];
+        if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
+      }
+      for (int s = 0; shared_weights && s < num_parts; ++s) {
+        const float l = part_lse[s * rows + r];
+        weight[s] = isfinite(l) ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
+      }
+    }
+    s_max = max_lse;
+    s_sum = sum;
   }
+  __syncthreads();
+  const double max_lse = s_max, sum = s_sum;
+  OutT* o = out + r * dl;
   for (int d = threadIdx.x; d < dl; d += kThreads) {
     float acc = 0.f;
-    for (int s = 0; s < num_parts; ++s) {
+    for (int s = 0; s < num_parts && max_lse != -INFINITY; ++s) {
       const float l = part_lse[s * rows + r];
       if (!isfinite(l)) continue;
       const float w = shared_weights ? weight[s] : static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum);
@@ -59,7 +60,11 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __rest
     }
     o[d] = static_cast<OutT>(acc);
   }
-  if (threadIdx.x == 0 && lse != nullptr) lse[r] = static_cast<float>(max_lse + log(sum));
+  // Last, so that an lse over part 0's (an in-place merge) is not read after it changed.
+  __syncthreads();
+  if (threadIdx.x == 0 && lse != nullptr) {
+    lse[r] = max_lse == -INFINITY ? -INFINITY : static_cast<float>(max_lse + log(sum));
+  }
 }
 
 }  // namespace
