@@ -8,6 +8,7 @@
 //   3. attention: decode rows attend over each rank's own keys, and the partial results are merged by LSE
 //      (all-to-all over the heads, or over the tokens under DSA-CP); prefill rows attend over a gathered view
 //      of the KV with this rank's heads. Decodes never re-gather the KV (unless DecodeMode::kGathered, D = 1).
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -118,6 +119,30 @@ const void* offset_bytes(const void* p, int64_t bytes) {
   return p == nullptr ? nullptr : static_cast<const char*>(p) + bytes;
 }
 
+// Small host vectors sent in one device buffer (one allocation, one copy), each at a 16-byte aligned offset.
+class UploadBatch {
+ public:
+  template <typename T>
+  size_t add(const std::vector<T>& v) {
+    const size_t at = (bytes_.size() + 15) / 16 * 16;
+    bytes_.resize(at + v.size() * sizeof(T));
+    if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size() * sizeof(T));
+    return at;
+  }
+  Result<DeviceBuffer> upload(Backend& backend) const {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d, backend.allocate(std::max<size_t>(bytes_.size(), 1)));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_device(d.get(), bytes_.data(), bytes_.size()));
+    return d;
+  }
+  template <typename T>
+  static const T* at(const DeviceBuffer& d, size_t offset) {
+    return reinterpret_cast<const T*>(static_cast<const char*>(d.get()) + offset);
+  }
+
+ private:
+  std::vector<char> bytes_;
+};
+
 // Everything one rank needs while it runs a step.
 struct RankStep {
   Backend& backend;
@@ -132,9 +157,13 @@ struct RankStep {
   const StepInputs& in;
   const StepOutputs& out;
   std::vector<int64_t> seq_lens;
-  DeviceBuffer d_table, d_row_request, d_row_key_len;
+  DeviceBuffer step_rows;  // one upload: the block table, the rows' requests and key lengths, the KV slots
+  const int32_t* d_table = nullptr;
+  const int32_t* d_row_request = nullptr;
+  const int32_t* d_row_key_len = nullptr;
   // Collectives the backend's stream waits for on the device; the host waits for them (bounded) at the end.
   std::vector<std::unique_ptr<CollectiveHandle>> in_flight;
+  std::vector<DeviceBuffer> kv_rows;  // the step's gathered KV rows (written to the cache after the indexer launch)
 
   int32_t B() const { return cache.config().page_size; }
   size_t act() const { return dtype_size(c.act_dtype); }
@@ -195,7 +224,7 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   ip.q_dtype = s.c.act_dtype;
   ip.w = w;
   ip.keys = s.cache.index_keys();
-  ip.block_table = {s.d_table.as<const int32_t>(), s.table.num_requests, s.table.max_pages};
+  ip.block_table = {s.d_table, s.table.num_requests, s.table.max_pages};
   ip.topk = pt.part_topk.as<int32_t>();
   ip.topk_scores = pt.part_scores.as<float>();
   ip.host_request = host_request;
@@ -257,7 +286,7 @@ Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, co
   ap.q_dtype = s.c.act_dtype;
   ap.latent = s.cache.latent();
   ap.rope = s.cache.rope();
-  ap.block_table = {s.d_table.as<const int32_t>(), s.table.num_requests, s.table.max_pages};
+  ap.block_table = {s.d_table, s.table.num_requests, s.table.max_pages};
   ap.topk = local_topk;
   ap.out = part_out;
   ap.out_dtype = DType::kF32;
@@ -322,7 +351,7 @@ Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& 
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_view_table, upload_vector(s.backend, vp.view_table.data));
   const int64_t Hr = s.plan.num_heads;
   SparseMlaParams ap;
-  ap.rows = {n, d_rows_view.as<const int32_t>(), offset_ptr(s.d_row_key_len.as<const int32_t>(), first)};
+  ap.rows = {n, d_rows_view.as<const int32_t>(), offset_ptr(s.d_row_key_len, first)};
   ap.H = static_cast<int32_t>(Hr);
   ap.Dl = s.c.Dl;
   ap.Dr = s.c.Dr;
@@ -370,15 +399,6 @@ Result<DeviceBuffer> heads_to_rows_index(RankStep& s, int64_t n) {
   return upload_vector(s.backend, index);
 }
 
-Result<DeviceBuffer> heads_to_rows(RankStep& s, const DeviceBuffer& blocks, const DeviceBuffer& index, int64_t n,
-                                   int32_t dim) {
-  const int64_t rows = n * s.comms.dcp->size() * s.plan.num_heads;
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer full, s.backend.allocate(std::max<size_t>(rows * dim * s.act(), 1)));
-  DSACP_RETURN_IF_ERROR(gather_dev(s.backend, blocks.get(), s.c.act_dtype, rows, dim, index.as<const int64_t>(), rows,
-                                   full.get(), s.c.act_dtype, "queries gathered along heads"));
-  return full;
-}
-
 // The local decodes (rows [0, n) attend over each rank's own keys, merged by LSE across the world group) in two
 // halves: prepare_local_decodes does everything that does not need the top-k (the queries along heads, the
 // buffers, the local lengths, the pack order), so that under the sharded indexer it is issued while the
@@ -387,7 +407,8 @@ struct LocalDecodes {
   int64_t n = 0;
   const void* qn = nullptr;
   const void* qr = nullptr;
-  DeviceBuffer full_qn, full_qr, d_local_len, local_topk, part_out, part_lse, d_pack, send_out, send_lse, recv_out,
+  PendingHeads* q_heads = nullptr;  // queries gathered along heads, laid out as rows by run_local_decodes
+  DeviceBuffer heads_order, full_qn, full_qr, d_local_len, local_topk, part_out, part_lse, d_pack, send_out, send_lse, recv_out,
       recv_lse;
 };
 
@@ -399,11 +420,12 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   d.n = n;
   d.qn = s.in.q_nope;
   d.qr = s.in.q_rope;
+  d.q_heads = q_heads ? &*q_heads : nullptr;
   if (q_heads) {
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer order, heads_to_rows_index(s, n));
-    DSACP_RETURN_IF_ERROR(after(s, std::move(q_heads->handle)));
-    DSACP_ASSIGN_OR_RETURN(d.full_qn, heads_to_rows(s, q_heads->nope_blocks, order, n, c.Dl));
-    DSACP_ASSIGN_OR_RETURN(d.full_qr, heads_to_rows(s, q_heads->rope_blocks, order, n, c.Dr));
+    DSACP_ASSIGN_OR_RETURN(d.heads_order, heads_to_rows_index(s, n));
+    const size_t rows_all = static_cast<size_t>(n * D * Hr);
+    DSACP_ASSIGN_OR_RETURN(d.full_qn, be.allocate(std::max<size_t>(rows_all * c.Dl * s.act(), 1)));
+    DSACP_ASSIGN_OR_RETURN(d.full_qr, be.allocate(std::max<size_t>(rows_all * c.Dr * s.act(), 1)));
     d.qn = d.full_qn.get();
     d.qr = d.full_qr.get();
   }
@@ -432,7 +454,18 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
 Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   const StepConfig& c = s.c;
   const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), block = n * s.plan.num_heads;
-  DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request.as<const int32_t>(),
+  if (d.q_heads != nullptr) {
+    // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
+    const int64_t rows_all = n * s.comms.dcp->size() * s.plan.num_heads;
+    DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
+    DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.q_heads->nope_blocks.get(), c.act_dtype, rows_all, c.Dl,
+                                     d.heads_order.as<const int64_t>(), rows_all, d.full_qn.get(), c.act_dtype,
+                                     "queries gathered along heads"));
+    DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.q_heads->rope_blocks.get(), c.act_dtype, rows_all, c.Dr,
+                                     d.heads_order.as<const int64_t>(), rows_all, d.full_qr.get(), c.act_dtype,
+                                     "queries gathered along heads"));
+  }
+  DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
                                                    d.d_local_len.as<const int32_t>(), s.out.topk,
                                                    d.local_topk.as<int32_t>(), d.part_out.as<float>(),
                                                    d.part_lse.as<float>()));
@@ -492,7 +525,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // Kernels, uploads and device copies only enqueue; collectives order themselves after them (NCCL's
   // producer stream) and errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
-  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}};
+  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}, {}, {}};
   std::vector<int64_t> pages(R);
   for (int32_t b = 0; b < R; ++b) {
     s.seq_lens.push_back(requests[b].seq_len());
@@ -503,15 +536,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   const int64_t rows = plan.num_rows;
   const int64_t Hr = plan.num_heads;
   const size_t act = dtype_size(c.act_dtype);
-  DSACP_ASSIGN_OR_RETURN(s.d_table, upload_vector(backend, table.data));
-  DSACP_ASSIGN_OR_RETURN(s.d_row_request, upload_vector(backend, plan.row_request));
-  DSACP_ASSIGN_OR_RETURN(s.d_row_key_len, upload_vector(backend, plan.row_key_len));
   BlockTable rep_table;
   if (replicated) {
     DSACP_ASSIGN_OR_RETURN(rep_table, replicated_index_table(table, s.seq_lens, Pt, B));
   }
-
-  // 1. KV exchange and the owners' cache writes.
   Communicator& ex = layout.dsa_cp ? *comms.dcp : *comms.pcp;
   const int64_t gathered = ex.size() * rows;
   if (static_cast<int64_t>(plan.gathered_pos.size()) != gathered) {
@@ -525,6 +553,48 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                             " expects tokens from " + std::to_string(int64_t{plan.d} * rows) + ", the plan starts at " +
                             std::to_string(plan.row_token[0]));
   }
+  // The slots the gathered rows go to: this rank's own (latent, rope, and the sharded indexer's keys) and,
+  // with the replicated indexer, every rank's indexer-key slots.
+  std::vector<int64_t> owned(static_cast<size_t>(gathered), -1), all(replicated ? static_cast<size_t>(gathered) : 0, -1);
+  for (int64_t j = 0; j < gathered; ++j) {
+    const int32_t b = plan.gathered_request[j];
+    if (b < 0) continue;
+    const int64_t p = plan.gathered_pos[j];
+    DSACP_ASSIGN_OR_RETURN(owned[j], sharded_slot(sharding, plan.cr, table, b, p, B));
+    if (replicated) all[j] = int64_t{rep_table.page(b, p / B)} * B + p % B;
+  }
+  UploadBatch batch;
+  const size_t at_table = batch.add(table.data), at_request = batch.add(plan.row_request),
+               at_key_len = batch.add(plan.row_key_len), at_owned = batch.add(owned), at_all = batch.add(all);
+  DSACP_ASSIGN_OR_RETURN(s.step_rows, batch.upload(backend));
+  s.d_table = UploadBatch::at<int32_t>(s.step_rows, at_table);
+  s.d_row_request = UploadBatch::at<int32_t>(s.step_rows, at_request);
+  s.d_row_key_len = UploadBatch::at<int32_t>(s.step_rows, at_key_len);
+  const int64_t* d_owned = UploadBatch::at<int64_t>(s.step_rows, at_owned);
+  const int64_t* d_all = UploadBatch::at<int64_t>(s.step_rows, at_all);
+
+  // Rows [first_gathered, rows) attend over the gathered KV of `view_ids` (the rest: local decodes).
+  const bool decode_only = plan.layout.num_prefills == 0;
+  const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
+  const int64_t T_dec = layout.dsa_cp ? 0 : plan.pcp.num_local_decode_tokens;
+  const int64_t T_all = static_cast<int64_t>(plan.gathered_pos.size());  // DSA-CP: the padded batch
+  std::vector<int32_t> all_ids(R);
+  std::iota(all_ids.begin(), all_ids.end(), 0);
+  int64_t first_gathered = rows;
+  std::vector<int32_t> view_ids;
+  if (layout.dsa_cp) {
+    if (!decode_only) {
+      first_gathered = 0;
+      view_ids = all_ids;
+    }
+  } else {
+    first_gathered = local_decodes ? T_dec : 0;
+    view_ids.assign(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
+  }
+
+  // 1. KV exchange and the owners' cache writes. The indexer keys go first; the latent and rope rows, which
+  //    only attention reads, are written after the indexer launch unless a gathered KV view packs them now.
+  std::function<Status()> write_latent_rope;
   {
     struct Exchange {
       const void* local;
@@ -545,54 +615,33 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       }
       DSACP_ASSIGN_OR_RETURN(handle, ex.all_gather_group_async(parts));
     }
-    std::vector<int64_t> owned(static_cast<size_t>(gathered), -1), all(static_cast<size_t>(gathered), -1);
-    for (int64_t j = 0; j < gathered; ++j) {
-      const int32_t b = plan.gathered_request[j];
-      if (b < 0) continue;
-      const int64_t p = plan.gathered_pos[j];
-      DSACP_ASSIGN_OR_RETURN(owned[j], sharded_slot(sharding, plan.cr, table, b, p, B));
-      if (replicated) all[j] = int64_t{rep_table.page(b, p / B)} * B + p % B;
-    }
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_owned, upload_vector(backend, owned));
-    DeviceBuffer d_all;
-    if (replicated) {
-      DSACP_ASSIGN_OR_RETURN(d_all, upload_vector(backend, all));
-    }
-    const PagedPoolView pools[3] = {cache.latent(), cache.rope(), cache.index_keys()};
     if (handle) DSACP_RETURN_IF_ERROR(after(s, std::move(handle)));
-    for (int i = 0; i < 3; ++i) {
+    auto write = [&backend, &c, gathered](const void* rows, const int64_t* slots, const PagedPoolView& pool) {
       CacheWriteParams w;
-      w.rows = kv[i].gathered;
+      w.rows = rows;
       w.rows_dtype = c.act_dtype;
       w.num_rows = gathered;
-      w.slots = (i == 2 && replicated ? d_all : d_owned).as<const int64_t>();
-      w.pool = pools[i];
-      DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("CP cache write"));
-    }
+      w.slots = slots;
+      w.pool = pool;
+      return cache_write_run(backend, w).with_context("CP cache write");
+    };
+    DSACP_RETURN_IF_ERROR(write(kv[2].gathered, replicated ? d_all : d_owned, cache.index_keys()));
+    // The gathered rows stay alive until the step ends (kv_rows), for the deferred writes.
+    for (auto& e : kv) s.kv_rows.push_back(std::move(e.rows));
+    write_latent_rope = [write, latent = kv[0].gathered, rope = kv[1].gathered, d_owned, &cache,
+                         done = false]() mutable -> Status {
+      if (done) return Status();
+      done = true;
+      DSACP_RETURN_IF_ERROR(write(latent, d_owned, cache.latent()));
+      return write(rope, d_owned, cache.rope());
+    };
+    if (first_gathered < rows) DSACP_RETURN_IF_ERROR(write_latent_rope());
   }
 
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
 
   // 2. Collectives that depend only on the cache write start now and overlap the indexer (reference-design
   //    4.6): the gathered KV views, the decode queries along heads (or tokens under DSA-CP).
-  const bool decode_only = plan.layout.num_prefills == 0;
-  const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
-  const int64_t T_dec = layout.dsa_cp ? 0 : plan.pcp.num_local_decode_tokens;
-  const int64_t T_all = static_cast<int64_t>(plan.gathered_pos.size());  // DSA-CP: the padded batch
-  std::vector<int32_t> all_ids(R);
-  std::iota(all_ids.begin(), all_ids.end(), 0);
-  // Rows [first_gathered, rows) attend over the gathered KV of `view_ids`.
-  int64_t first_gathered = rows;
-  std::vector<int32_t> view_ids;
-  if (layout.dsa_cp) {
-    if (!decode_only) {
-      first_gathered = 0;
-      view_ids = all_ids;
-    }
-  } else {
-    first_gathered = local_decodes ? T_dec : 0;
-    view_ids.assign(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
-  }
   std::optional<PendingKvView> kv_view;
   if (first_gathered < rows) {
     DSACP_ASSIGN_OR_RETURN(kv_view, start_kv_view(s, view_ids));
@@ -634,7 +683,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   if (replicated) {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rep, upload_vector(backend, rep_table.data));
     IndexerTopkParams ip;
-    ip.rows = {rows, s.d_row_request.as<const int32_t>(), s.d_row_key_len.as<const int32_t>()};
+    ip.rows = {rows, s.d_row_request, s.d_row_key_len};
     ip.Hi = c.Hi;
     ip.Di = c.Di;
     ip.K = c.K;
@@ -647,6 +696,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.host_request = plan.row_request.data();
     ip.host_key_len = plan.row_key_len.data();
     DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("replicated indexer top-k"));
+    DSACP_RETURN_IF_ERROR(write_latent_rope());
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (layout.dsa_cp && decode_only) {
       DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
@@ -678,16 +728,17 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     if (shared > 0) {
       std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + shared);
       DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w,
-                                                             s.d_row_request.as<const int32_t>(),
+                                                             s.d_row_request,
                                                              plan.row_request.data(), key_len, out.topk));
     }
+    DSACP_RETURN_IF_ERROR(write_latent_rope());
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (shared < rows) {
       DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(backend, *idx_pending));
       DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_vt, upload_vector(backend, idx_plan.view_table.data));
       IndexerTopkParams ip;
-      ip.rows = {rows - shared, offset_ptr(s.d_row_request.as<const int32_t>(), shared),
-                 offset_ptr(s.d_row_key_len.as<const int32_t>(), shared)};
+      ip.rows = {rows - shared, offset_ptr(s.d_row_request, shared),
+                 offset_ptr(s.d_row_key_len, shared)};
       ip.Hi = c.Hi;
       ip.Di = c.Di;
       ip.K = c.K;
@@ -714,6 +765,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
   // 4. Attention: rows over the gathered KV with this rank's heads (no merge) ...
+  DSACP_RETURN_IF_ERROR(write_latent_rope());
   if (kv_view) DSACP_RETURN_IF_ERROR(gathered_attention(s, first_gathered, rows - first_gathered, *kv_view));
   // ... and decode rows over each rank's own keys, merged by LSE.
   if (layout.dsa_cp && decode_only) {
