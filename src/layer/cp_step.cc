@@ -119,30 +119,6 @@ const void* offset_bytes(const void* p, int64_t bytes) {
   return p == nullptr ? nullptr : static_cast<const char*>(p) + bytes;
 }
 
-// Small host vectors sent in one device buffer (one allocation, one copy), each at a 16-byte aligned offset.
-class UploadBatch {
- public:
-  template <typename T>
-  size_t add(const std::vector<T>& v) {
-    const size_t at = (bytes_.size() + 15) / 16 * 16;
-    bytes_.resize(at + v.size() * sizeof(T));
-    if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size() * sizeof(T));
-    return at;
-  }
-  Result<DeviceBuffer> upload(Backend& backend) const {
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d, backend.allocate(std::max<size_t>(bytes_.size(), 1)));
-    DSACP_RETURN_IF_ERROR(backend.copy_to_device(d.get(), bytes_.data(), bytes_.size()));
-    return d;
-  }
-  template <typename T>
-  static const T* at(const DeviceBuffer& d, size_t offset) {
-    return reinterpret_cast<const T*>(static_cast<const char*>(d.get()) + offset);
-  }
-
- private:
-  std::vector<char> bytes_;
-};
-
 // Everything one rank needs while it runs a step.
 struct RankStep {
   Backend& backend;

@@ -1,7 +1,8 @@
-// Checks shared by the single-device and context-parallel step executors.
+// Checks and upload helpers shared by the single-device and context-parallel step executors.
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -28,5 +29,29 @@ Result<DeviceBuffer> upload_vector(Backend& backend, const std::vector<T>& v) {
   if (!v.empty()) DSACP_RETURN_IF_ERROR(backend.copy_to_device(buf.get(), v.data(), v.size() * sizeof(T)));
   return buf;
 }
+
+// Small host vectors sent in one device buffer (one allocation, one copy), each at a 16-byte aligned offset.
+class UploadBatch {
+ public:
+  template <typename T>
+  size_t add(const std::vector<T>& v) {
+    const size_t at = (bytes_.size() + 15) / 16 * 16;
+    bytes_.resize(at + v.size() * sizeof(T));
+    if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size() * sizeof(T));
+    return at;
+  }
+  Result<DeviceBuffer> upload(Backend& backend) const {
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d, backend.allocate(std::max<size_t>(bytes_.size(), 1)));
+    DSACP_RETURN_IF_ERROR(backend.copy_to_device(d.get(), bytes_.data(), bytes_.size()));
+    return d;
+  }
+  template <typename T>
+  static const T* at(const DeviceBuffer& d, size_t offset) {
+    return reinterpret_cast<const T*>(static_cast<const char*>(d.get()) + offset);
+  }
+
+ private:
+  std::vector<char> bytes_;
+};
 
 }  // namespace dsacp

@@ -67,22 +67,17 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   // Kernels and uploads only enqueue; errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
 
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, upload_vector(backend, plan.slots));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_request, upload_vector(backend, plan.token_request));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_key_len, upload_vector(backend, plan.token_key_len));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, upload_vector(backend, table.data));
+  UploadBatch batch;
+  const size_t at_slots = batch.add(plan.slots), at_request = batch.add(plan.token_request),
+               at_key_len = batch.add(plan.token_key_len), at_table = batch.add(table.data);
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows, batch.upload(backend));
 
-  // 1. The new tokens' KV goes into the caches first: every token sees its own key.
+  // 1. The new tokens' KV goes into the caches first: every token sees its own key. The indexer keys first;
+  //    latent and rope (read only by attention) after the indexer launch.
   CacheWriteParams w;
   w.rows_dtype = config.act_dtype;
   w.num_rows = T;
-  w.slots = d_slots.as<const int64_t>();
-  w.rows = in.kv_latent;
-  w.pool = cache.latent();
-  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (latent)"));
-  w.rows = in.k_rope;
-  w.pool = cache.rope();
-  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (rope)"));
+  w.slots = UploadBatch::at<int64_t>(d_rows, at_slots);
   w.rows = in.idx_k;
   w.pool = cache.index_keys();
   DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (indexer keys)"));
@@ -90,9 +85,9 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
 
   QueryRowsView rows;
   rows.num_tokens = T;
-  rows.request = d_request.as<const int32_t>();
-  rows.key_len = d_key_len.as<const int32_t>();
-  BlockTableView bt{d_table.as<const int32_t>(), table.num_requests, table.max_pages};
+  rows.request = UploadBatch::at<int32_t>(d_rows, at_request);
+  rows.key_len = UploadBatch::at<int32_t>(d_rows, at_key_len);
+  BlockTableView bt{UploadBatch::at<int32_t>(d_rows, at_table), table.num_requests, table.max_pages};
 
   // 2. Indexer scores and the exact top-k.
   IndexerTopkParams ip;
@@ -109,6 +104,12 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ip.host_request = plan.token_request.data();
   ip.host_key_len = plan.token_key_len.data();
   DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
+  w.rows = in.kv_latent;
+  w.pool = cache.latent();
+  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (latent)"));
+  w.rows = in.k_rope;
+  w.pool = cache.rope();
+  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (rope)"));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
   // 3. Sparse MLA attention over the chosen keys.
