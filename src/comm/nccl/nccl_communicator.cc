@@ -36,14 +36,22 @@ Status cuda_error(cudaError_t e, const std::string& what) {
                 what + ": CUDA " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
-// Short spins first (collectives of a decode step take tens of microseconds), then sleeps.
-void backoff(int iteration) {
-  if (iteration < 2000) {
-    std::this_thread::yield();
-  } else {
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+// Polling policy of every wait: yield (no sleep) for the first millisecond, since the collectives of a step
+// finish within tens to hundreds of microseconds and a sleep's wake-up latency (50-100 us) would add to the
+// step and skew the ranks; sleep between polls after that.
+class Backoff {
+ public:
+  void operator()() {
+    if (Clock::now() - start_ < std::chrono::milliseconds(1)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
-}
+
+ private:
+  Clock::time_point start_ = Clock::now();
+};
 
 std::atomic<int> g_background{0};  // helper threads still inside NCCL (nccl_background_threads)
 
@@ -64,7 +72,8 @@ void abort_comm(ncclComm_t comm) {
 Status settle(ncclComm_t* comm, const std::string& what, std::chrono::milliseconds timeout,
               const std::shared_ptr<AbortSignal>& signal) {
   const auto deadline = Clock::now() + timeout;
-  for (int i = 0;; ++i) {
+  Backoff backoff;
+  for (;;) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t r = ncclCommGetAsyncError(*comm, &state);
     if (r != ncclSuccess) state = r;
@@ -83,7 +92,7 @@ Status settle(ncclComm_t* comm, const std::string& what, std::chrono::millisecon
       *comm = nullptr;
       return failure;
     }
-    backoff(i);
+    backoff();
   }
 }
 
@@ -125,7 +134,8 @@ ncclResult_t connect_peers(ncclComm_t comm, const std::atomic<bool>& abandoned) 
   if (r == ncclSuccess) r = ncclGroupEnd();
   // Wait for the kernels by polling: a caller that gave up (abandoned) gets the communicator aborted, which
   // ends kernels that wait for a missing peer.
-  for (int i = 0; r == ncclSuccess; ++i) {
+  Backoff backoff;
+  while (r == ncclSuccess) {
     const cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
@@ -136,7 +146,7 @@ ncclResult_t connect_peers(ncclComm_t comm, const std::atomic<bool>& abandoned) 
     (void)ncclCommGetAsyncError(comm, &state);
     if (state != ncclSuccess && state != ncclInProgress) r = state;
     if (abandoned.load()) r = ncclInternalError;
-    backoff(i);
+    backoff();
   }
   if (r != ncclSuccess) return r;  // the caller aborts the communicator; buf and stream are left to it
   (void)cudaStreamDestroy(stream);
@@ -430,7 +440,8 @@ class NcclComm final : public NcclCommunicator {
     const double tl0 = cuda::timeline::host_now_us(options_.device);
     const auto deadline = t0 + options_.timeout;
     Status result;
-    for (int i = 0;; ++i) {
+    Backoff backoff;
+    for (;;) {
       const cudaError_t q = cudaEventQuery(end);
       if (q == cudaSuccess) break;
       if (q != cudaErrorNotReady) {
@@ -456,7 +467,7 @@ class NcclComm final : public NcclCommunicator {
                                                   std::to_string(options_.timeout.count()) + " ms (a peer did not arrive)");
         break;
       }
-      backoff(i);
+      backoff();
     }
     stats_.wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     cuda::timeline::host_span(options_.device, tl0, label, "wait");
