@@ -7,7 +7,10 @@
 // group's timeout and turns into a kTimeout error instead of a hang. A rank that fails calls abort(): every
 // rank waiting in (or later entering) a collective of that group gets an error naming the failed rank.
 // Buffers are in the backend's memory (host memory for the CPU backend) and must hold their data when the
-// collective is called (the backends finish every call before returning).
+// collective is called: on host transports the producing calls have finished by then; a device transport
+// (NCCL) orders its collectives after the work already enqueued on the producer's stream
+// (NcclOptions::producer_stream), and its consumers can order themselves after a collective on the device
+// (CollectiveHandle::order_before).
 #pragma once
 
 #include <chrono>

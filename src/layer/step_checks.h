@@ -2,7 +2,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -36,8 +35,9 @@ class UploadBatch {
   template <typename T>
   size_t add(const std::vector<T>& v) {
     const size_t at = (bytes_.size() + 15) / 16 * 16;
-    bytes_.resize(at + v.size() * sizeof(T));
-    if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size() * sizeof(T));
+    bytes_.resize(at);  // alignment padding only: the data is appended without a zero fill first
+    const char* p = reinterpret_cast<const char*>(v.data());
+    bytes_.insert(bytes_.end(), p, p + v.size() * sizeof(T));
     return at;
   }
   Result<DeviceBuffer> upload(Backend& backend) const {

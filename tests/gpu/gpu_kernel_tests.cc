@@ -403,6 +403,7 @@ struct IdxCase {
   int page_size = 64;
   std::vector<int64_t> ctx;
   std::vector<int> qlen;
+  int64_t first_page = 0;  // pages from this id up (to push key element offsets past 2^31)
 };
 
 void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
@@ -417,7 +418,7 @@ void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
     }
   }
   const int64_t T = static_cast<int64_t>(request.size());
-  Paging pg = make_paging(lens, c.page_size, 4, 77);
+  Paging pg = make_paging(lens, c.page_size, 4, 77, c.first_page);
   std::vector<uint16_t> keys = make_pool(pg, lens, Di, 600);
   // duplicate a few key rows so exact ties occur (ties must go to the lower position)
   for (int32_t b = 0; b < pg.num_requests; ++b) {
@@ -819,7 +820,11 @@ int main(int argc, char** argv) {
   idx.push_back({"MTP b=2 x3 page61 K=512", 512, 61, {3000, 1200}, {3, 3}});
   idx.push_back({"prefill 600 causal page1 K=256", 256, 1, {0}, {600}});
   idx.push_back({"chunked prefill ctx 1000 + 333 page64 K=2048", 2048, 64, {1000}, {333}});
-  if (!quick) idx.push_back({"decode ctx 140000 (128K+) page64", 2048, 64, {140000, 131072}, {1, 1}});
+  if (!quick) {
+    idx.push_back({"decode ctx 140000 (128K+) page64", 2048, 64, {140000, 131072}, {1, 1}});
+    // element offsets past 2^31 in the indexer pool: pages from 16.8M rows up (row offset * 128 > 2^31)
+    idx.push_back({"decode, key offsets past 2^31", 2048, 64, {5000, 3000}, {1, 2}, (int64_t{1} << 31) / 128 / 64 + 10});
+  }
   for (const IdxCase& c : idx) run_indexer_case(*gpu, *cpu, c);
 
   std::printf("\n%d checks, %d failures\n", g_checks, g_failures);
