@@ -133,7 +133,8 @@ struct RankStep {
   const StepInputs& in;
   const StepOutputs& out;
   std::vector<int64_t> seq_lens;
-  DeviceBuffer step_rows;  // one upload: the block table, the rows' requests and key lengths, the KV slots
+  DeviceBuffer step_table;  // the block table
+  DeviceBuffer step_rows;   // one upload: the rows' requests and key lengths, the KV slots
   const int32_t* d_table = nullptr;
   const int32_t* d_row_request = nullptr;
   const int32_t* d_row_key_len = nullptr;
@@ -501,7 +502,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // Kernels, uploads and device copies only enqueue; collectives order themselves after them (NCCL's
   // producer stream) and errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
-  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}, {}, {}};
+  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}, {}, {}, {}};
   std::vector<int64_t> pages(R);
   for (int32_t b = 0; b < R; ++b) {
     s.seq_lens.push_back(requests[b].seq_len());
@@ -539,11 +540,14 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(owned[j], sharded_slot(sharding, plan.cr, table, b, p, B));
     if (replicated) all[j] = int64_t{rep_table.page(b, p / B)} * B + p % B;
   }
+  // The block table goes on its own, straight from its vector (copying it into the batch first would touch
+  // fresh pages of a large temporary every step); the small vectors go in one batch.
+  DSACP_ASSIGN_OR_RETURN(s.step_table, upload_vector(backend, table.data));
+  s.d_table = s.step_table.as<const int32_t>();
   UploadBatch batch;
-  const size_t at_table = batch.add(table.data), at_request = batch.add(plan.row_request),
-               at_key_len = batch.add(plan.row_key_len), at_owned = batch.add(owned), at_all = batch.add(all);
+  const size_t at_request = batch.add(plan.row_request), at_key_len = batch.add(plan.row_key_len),
+               at_owned = batch.add(owned), at_all = batch.add(all);
   DSACP_ASSIGN_OR_RETURN(s.step_rows, batch.upload(backend));
-  s.d_table = UploadBatch::at<int32_t>(s.step_rows, at_table);
   s.d_row_request = UploadBatch::at<int32_t>(s.step_rows, at_request);
   s.d_row_key_len = UploadBatch::at<int32_t>(s.step_rows, at_key_len);
   const int64_t* d_owned = UploadBatch::at<int64_t>(s.step_rows, at_owned);

@@ -67,9 +67,11 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   // Kernels and uploads only enqueue; errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
 
+  // The block table on its own, straight from its vector; the small vectors in one batch.
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, upload_vector(backend, table.data));
   UploadBatch batch;
   const size_t at_slots = batch.add(plan.slots), at_request = batch.add(plan.token_request),
-               at_key_len = batch.add(plan.token_key_len), at_table = batch.add(table.data);
+               at_key_len = batch.add(plan.token_key_len);
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows, batch.upload(backend));
 
   // 1. The new tokens' KV goes into the caches first: every token sees its own key. The indexer keys first;
@@ -87,7 +89,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   rows.num_tokens = T;
   rows.request = UploadBatch::at<int32_t>(d_rows, at_request);
   rows.key_len = UploadBatch::at<int32_t>(d_rows, at_key_len);
-  BlockTableView bt{UploadBatch::at<int32_t>(d_rows, at_table), table.num_requests, table.max_pages};
+  BlockTableView bt{d_table.as<const int32_t>(), table.num_requests, table.max_pages};
 
   // 2. Indexer scores and the exact top-k.
   IndexerTopkParams ip;
