@@ -82,7 +82,17 @@ struct SparseMlaParams {
   void* out = nullptr;           // [T, H, Dl], f32 or bf16
   DType out_dtype = DType::kF32;
   float* lse = nullptr;          // [T, H], f32
+  // q_nope, q_rope, out and lse as head_blocks blocks of [T, H / head_blocks, ...] (head slices, block-major:
+  // the layout of a gather along heads, and of an all-to-all by head slice) instead of [T, H, ...]. H must be a
+  // multiple of head_blocks. 1 = the plain layout.
+  int32_t head_blocks = 1;
 };
+
+// The row of (token t, head h) in a SparseMlaParams' q / out / lse layout.
+inline int64_t mla_head_row(const SparseMlaParams& p, int64_t t, int32_t h) {
+  const int32_t per_block = p.H / p.head_blocks;
+  return (static_cast<int64_t>(h / per_block) * p.rows.num_tokens + t) * per_block + h % per_block;
+}
 
 // Exact merge of S partial attention results over disjoint key sets (reference-design 4.4 step 6):
 //   L_s = lse_s if finite else -inf; w_s = exp(L_s - logsumexp L) (0 when every L_s is -inf);

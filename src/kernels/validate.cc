@@ -105,6 +105,11 @@ Status validate(const SparseMlaParams& p) {
   DSACP_RETURN_IF_ERROR(check_positive(k, "Dl", p.Dl));
   DSACP_RETURN_IF_ERROR(check_positive(k, "Dr", p.Dr));
   DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "head_blocks", p.head_blocks));
+  if (p.H % p.head_blocks != 0) {
+    return invalid_argument(std::string(k) + ": H=" + str(p.H) + " must be a multiple of head_blocks=" +
+                            str(p.head_blocks));
+  }
   if (!std::isfinite(p.scale)) {
     return invalid_argument(std::string(k) + ": scale must be finite, got " + std::to_string(p.scale));
   }

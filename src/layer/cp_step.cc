@@ -8,6 +8,8 @@
 //   3. attention: decode rows attend over each rank's own keys, and the partial results are merged by LSE
 //      (all-to-all over the heads, or over the tokens under DSA-CP); prefill rows attend over a gathered view
 //      of the KV with this rank's heads. Decodes never re-gather the KV (unless DecodeMode::kGathered, D = 1).
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -239,7 +241,7 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
 // lse [n, H].
 Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
                                   const int32_t* d_local_len, const int32_t* global_topk, int32_t* local_topk,
-                                  float* part_out, float* part_lse) {
+                                  float* part_out, float* part_lse, int32_t head_blocks = 1) {
   TopkRemapParams rp;
   rp.num_rows = n;
   rp.K = s.c.K;
@@ -268,6 +270,7 @@ Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, co
   ap.out = part_out;
   ap.out_dtype = DType::kF32;
   ap.lse = part_lse;
+  ap.head_blocks = head_blocks;
   return sparse_mla_run(s.backend, ap).with_context("local sparse MLA");
 }
 
@@ -382,6 +385,9 @@ Result<DeviceBuffer> heads_to_rows_index(RankStep& s, int64_t n) {
 // candidates are still being computed; run_local_decodes remaps the top-k, attends, exchanges and merges.
 struct LocalDecodes {
   int64_t n = 0;
+  // One PCP rank (the all-to-all's blocks are the DCP head slices): attention reads the head-gathered queries
+  // in their block layout and writes its partials straight in the all-to-all's send layout (no reordering).
+  bool direct = false;
   const void* qn = nullptr;
   const void* qr = nullptr;
   PendingHeads* q_heads = nullptr;  // queries gathered along heads, laid out as rows by run_local_decodes
@@ -398,6 +404,22 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   d.qn = s.in.q_nope;
   d.qr = s.in.q_rope;
   d.q_heads = q_heads ? &*q_heads : nullptr;
+  // Direct needs head slices the CUDA kernels take whole (a multiple of their 64-head group, or all heads).
+  const char* knob = std::getenv("DSACP_CP_HEAD_BLOCKS");
+  d.direct = q_heads && Pt == D && Hr % std::min<int64_t>(H, 64) == 0 && !(knob != nullptr && std::string(knob) == "0");
+  const int64_t block = n * Hr;
+  if (d.direct) {
+    d.qn = q_heads->nope_blocks.get();
+    d.qr = q_heads->rope_blocks.get();
+    const std::vector<int32_t> key_len(s.plan.row_key_len.begin(), s.plan.row_key_len.begin() + n);
+    DSACP_ASSIGN_OR_RETURN(d.d_local_len, upload_local_len(s, key_len));
+    DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
+    DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
+    return d;
+  }
   if (q_heads) {
     DSACP_ASSIGN_OR_RETURN(d.heads_order, heads_to_rows_index(s, n));
     const size_t rows_all = static_cast<size_t>(n * D * Hr);
@@ -412,7 +434,6 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   DSACP_ASSIGN_OR_RETURN(d.part_out, be.allocate(n * H * c.Dl * sizeof(float)));
   DSACP_ASSIGN_OR_RETURN(d.part_lse, be.allocate(n * H * sizeof(float)));
   // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
-  const int64_t block = n * Hr;
   std::vector<int64_t> pack;
   pack.reserve(static_cast<size_t>(Pt * block));
   for (int64_t k = 0; k < Pt; ++k) {
@@ -431,7 +452,12 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
 Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   const StepConfig& c = s.c;
   const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), block = n * s.plan.num_heads;
-  if (d.q_heads != nullptr) {
+  if (d.direct) {
+    DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
+    DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
+        s, n, d.qn, d.qr, s.d_row_request, d.d_local_len.as<const int32_t>(), s.out.topk, d.local_topk.as<int32_t>(),
+        d.send_out.as<float>(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size())));
+  } else if (d.q_heads != nullptr) {
     // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
     const int64_t rows_all = n * s.comms.dcp->size() * s.plan.num_heads;
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
@@ -442,15 +468,18 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
                                      d.heads_order.as<const int64_t>(), rows_all, d.full_qr.get(), c.act_dtype,
                                      "queries gathered along heads"));
   }
-  DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
-                                                   d.d_local_len.as<const int32_t>(), s.out.topk,
-                                                   d.local_topk.as<int32_t>(), d.part_out.as<float>(),
-                                                   d.part_lse.as<float>()));
-  const int64_t packed = Pt * block;
-  DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_out.get(), DType::kF32, n * H, c.Dl, d.d_pack.as<const int64_t>(),
-                                   packed, d.send_out.get(), DType::kF32, "pack partial outputs by head"));
-  DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_lse.get(), DType::kF32, n * H, 1, d.d_pack.as<const int64_t>(),
-                                   packed, d.send_lse.get(), DType::kF32, "pack partial LSE by head"));
+  if (!d.direct) {
+    DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
+                                                     d.d_local_len.as<const int32_t>(), s.out.topk,
+                                                     d.local_topk.as<int32_t>(), d.part_out.as<float>(),
+                                                     d.part_lse.as<float>()));
+    const int64_t packed = Pt * block;
+    DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_out.get(), DType::kF32, n * H, c.Dl,
+                                     d.d_pack.as<const int64_t>(), packed, d.send_out.get(), DType::kF32,
+                                     "pack partial outputs by head"));
+    DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_lse.get(), DType::kF32, n * H, 1, d.d_pack.as<const int64_t>(),
+                                     packed, d.send_lse.get(), DType::kF32, "pack partial LSE by head"));
+  }
   DSACP_ASSIGN_OR_RETURN(auto h, s.comms.world->all_to_all_group_async(
                                      {{d.send_out.get(), d.recv_out.get(), block * c.Dl * sizeof(float)},
                                       {d.send_lse.get(), d.recv_lse.get(), block * sizeof(float)}}));

@@ -44,12 +44,8 @@ struct MlaProblem {
   std::vector<int32_t> topk;  // [T, K]
   float scale = 0.f;
 
-  // Runs the kernel for `topk_rows` (default: the problem's) with out in out_dtype; returns out as f32.
-  Status run(Backend& backend, std::vector<float>& out, std::vector<float>& lse, DType out_dtype,
-             const std::vector<int32_t>* topk_rows = nullptr) const {
-    const int64_t t = rows.size();
-    std::vector<uint8_t> raw(static_cast<size_t>(t * c.h * c.dl) * dtype_size(out_dtype), 0xCD);
-    lse.assign(static_cast<size_t>(t * c.h), 12345.f);
+  // The problem's parameters, without out and lse.
+  SparseMlaParams params() const {
     SparseMlaParams p;
     p.rows = rows.view();
     p.H = c.h;
@@ -64,6 +60,17 @@ struct MlaProblem {
     p.latent = latent_pool.view;
     p.rope = rope_pool.view;
     p.block_table = layout.view();
+    p.topk = topk.data();
+    return p;
+  }
+
+  // Runs the kernel for `topk_rows` (default: the problem's) with out in out_dtype; returns out as f32.
+  Status run(Backend& backend, std::vector<float>& out, std::vector<float>& lse, DType out_dtype,
+             const std::vector<int32_t>* topk_rows = nullptr) const {
+    const int64_t t = rows.size();
+    std::vector<uint8_t> raw(static_cast<size_t>(t * c.h * c.dl) * dtype_size(out_dtype), 0xCD);
+    lse.assign(static_cast<size_t>(t * c.h), 12345.f);
+    SparseMlaParams p = params();
     p.topk = (topk_rows != nullptr ? topk_rows : &topk)->data();
     p.out = raw.data();
     p.out_dtype = out_dtype;
@@ -181,6 +188,46 @@ INSTANTIATE_TEST_SUITE_P(Cases, SparseMlaKernel,
                          case_name);
 
 // Splitting each row's keys over S parts, attending per part and merging by LSE reproduces the whole.
+// head_blocks = B lays q, out and lse out as B blocks of [T, H / B]: the same numbers, permuted.
+TEST(SparseMlaKernel, HeadBlocksArePermutedRowsOfThePlainLayout) {
+  auto backend = make_cpu_backend(2);
+  const MlaCase c{8, 24, 8, 40, 7, DType::kF32, DType::kF32, {{90, 5}, {33, 3}}};
+  MlaProblem pr = make_problem(*backend, c, 91);
+  std::vector<float> plain_out, plain_lse;
+  ASSERT_TRUE(pr.run(*backend, plain_out, plain_lse, DType::kF32).ok());
+  const int64_t T = static_cast<int64_t>(pr.rows.size());
+  for (int32_t blocks : {2, 4, 8}) {
+    const int32_t per = c.h / blocks;
+    auto row = [&](int64_t t, int32_t h) { return (static_cast<int64_t>(h / per) * T + t) * per + h % per; };
+    std::vector<float> qn(pr.q_nope.size()), qr(pr.q_rope.size());
+    for (int64_t t = 0; t < T; ++t) {
+      for (int32_t h = 0; h < c.h; ++h) {
+        std::copy_n(pr.q_nope.begin() + (t * c.h + h) * c.dl, c.dl, qn.begin() + row(t, h) * c.dl);
+        std::copy_n(pr.q_rope.begin() + (t * c.h + h) * c.dr, c.dr, qr.begin() + row(t, h) * c.dr);
+      }
+    }
+    std::vector<float> out(plain_out.size(), 7.f), lse(plain_lse.size(), 7.f);
+    SparseMlaParams p = pr.params();
+    p.q_nope = qn.data();
+    p.q_rope = qr.data();
+    p.out = out.data();
+    p.out_dtype = DType::kF32;
+    p.lse = lse.data();
+    p.head_blocks = blocks;
+    ASSERT_TRUE(sparse_mla_run(*backend, p).ok());
+    for (int64_t t = 0; t < T; ++t) {
+      for (int32_t h = 0; h < c.h; ++h) {
+        ASSERT_EQ(lse[row(t, h)], plain_lse[t * c.h + h]) << "blocks " << blocks << " t " << t << " h " << h;
+        ASSERT_EQ(0, std::memcmp(out.data() + row(t, h) * c.dl, plain_out.data() + (t * c.h + h) * c.dl,
+                                 c.dl * sizeof(float)));
+      }
+    }
+  }
+  SparseMlaParams bad = pr.params();
+  bad.head_blocks = 3;
+  EXPECT_NE(validate(bad).message().find("H=8 must be a multiple of head_blocks=3"), std::string::npos);
+}
+
 TEST(LseMergeKernel, SplitKeySetsMergeToTheWhole) {
   auto backend = make_cpu_backend(2);
   const MlaCase c{4, 24, 8, 40, 7, DType::kF32, DType::kF32, {{90, 5}, {33, 3}}};

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <string>
@@ -54,6 +55,34 @@ TEST_P(CpLayoutTest, SameResultsAsOneDevice) {
   cp.layout = lc.layout;
   cp.page_shuffle_seed = seed * 7 + 1;
   testing::expect_same_as_one_device(*c, one, cp);
+}
+
+// H = 128 over D = 2: 64 heads per rank, so the local decodes take the direct path (attention reads the
+// head-gathered queries in their block layout and writes its partials in the all-to-all's layout). Also with
+// the direct path off (DSACP_CP_HEAD_BLOCKS=0): both match one device.
+TEST(CpLayoutDirect, HeadBlockLayoutMatchesOneDeviceAndThePackedPath) {
+  const uint64_t seed = testing::test_seed(977);
+  CaseGenSpec spec;
+  spec.topk = 24;
+  spec.requests = testing::random_cp_batch(seed, 1, spec.topk, /*decode_only=*/true);
+  spec.dims = CaseDims{128, 24, 8, 2, 16};
+  spec.scale = 0.3f;
+  spec.dtype = DType::kF32;
+  spec.seed = seed;
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  ReplayOptions one;
+  one.page_size = 4;
+  for (IndexerMode mode : {IndexerMode::kSharded, IndexerMode::kReplicated}) {
+    ReplayOptions cp = one;
+    cp.layout.D = 2;
+    cp.layout.indexer = mode;
+    cp.page_shuffle_seed = seed * 7 + 1;
+    testing::expect_same_as_one_device(*c, one, cp);
+    setenv("DSACP_CP_HEAD_BLOCKS", "0", 1);
+    testing::expect_same_as_one_device(*c, one, cp);
+    unsetenv("DSACP_CP_HEAD_BLOCKS");
+  }
 }
 
 std::vector<LayoutCase> layout_cases() {

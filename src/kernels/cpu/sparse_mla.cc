@@ -79,11 +79,11 @@ void attend(const SparseMlaParams& p, int64_t t, int32_t h0, int32_t h1, int32_t
   const int64_t dl = p.Dl, dr = p.Dr;
   const int32_t nh = h1 - h0;
   const int32_t b = p.rows.request[t];
-  float* lse = p.lse + t * p.H;
   if (n == 0) {
     for (int32_t h = h0; h < h1; ++h) {
-      for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, (t * p.H + h) * dl + d, 0.f);
-      lse[h] = -std::numeric_limits<float>::infinity();
+      const int64_t r = mla_head_row(p, t, h);
+      for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, r * dl + d, 0.f);
+      p.lse[r] = -std::numeric_limits<float>::infinity();
     }
     return;
   }
@@ -98,8 +98,11 @@ void attend(const SparseMlaParams& p, int64_t t, int32_t h0, int32_t h1, int32_t
   }
   s.qn.resize(static_cast<size_t>(nh * dl));
   s.qr.resize(static_cast<size_t>(nh * dr));
-  load_row_f32(p.q_nope, p.q_dtype, (t * p.H + h0) * dl, nh * dl, s.qn.data());
-  load_row_f32(p.q_rope, p.q_dtype, (t * p.H + h0) * dr, nh * dr, s.qr.data());
+  for (int32_t m = 0; m < nh; ++m) {
+    const int64_t r = mla_head_row(p, t, h0 + m);
+    load_row_f32(p.q_nope, p.q_dtype, r * dl, dl, s.qn.data() + m * dl);
+    load_row_f32(p.q_rope, p.q_dtype, r * dr, dr, s.qr.data() + m * dr);
+  }
   s.logits.resize(static_cast<size_t>(nh) * n);
   s.acc.resize(static_cast<size_t>(kHeadBlock * dl));
 
@@ -143,8 +146,9 @@ void attend(const SparseMlaParams& p, int64_t t, int32_t h0, int32_t h1, int32_t
       const int32_t h = h0 + mb + m;
       const float inv = static_cast<float>(1.0 / sum[m]);
       const float* a = s.acc.data() + m * dl;
-      for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, (t * p.H + h) * dl + d, a[d] * inv);
-      lse[h] = static_cast<float>(static_cast<double>(maxl[m]) + std::log(sum[m]));
+      const int64_t r = mla_head_row(p, t, h);
+      for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, r * dl + d, a[d] * inv);
+      p.lse[r] = static_cast<float>(static_cast<double>(maxl[m]) + std::log(sum[m]));
     }
   }
 }

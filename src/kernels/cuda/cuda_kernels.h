@@ -24,8 +24,15 @@ struct LaunchContext {
 Status cache_write_supported(const CacheWriteParams& p);
 Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx);
 Status launch_fill(void* dst, DType dtype, int64_t count, float value, const LaunchContext& ctx);
+// Where merged row r = t * H + h goes in out / lse: head blocks of [T, block_heads] (sparse MLA's head_blocks
+// layout); the default (block_heads == H == 1, T = rows) is row r itself.
+struct LseMergeRows {
+  int64_t T = 0;
+  int32_t H = 1, block_heads = 1;
+};
 // out (f32 or bf16) = LSE merge of num_parts partial (f32) results; lse may be null.
-Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx);
+Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx,
+                        const LseMergeRows& rows = LseMergeRows{});
 
 // ---- context-parallel helpers ----
 Status launch_gather_rows(const GatherRowsParams& p, const LaunchContext& ctx);

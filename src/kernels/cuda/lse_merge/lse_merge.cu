@@ -22,7 +22,7 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __restrict__ part_out,
                                                              const float* __restrict__ part_lse, int num_parts,
                                                              int64_t rows, int dl, OutT* __restrict__ out,
-                                                             float* __restrict__ lse) {
+                                                             float* __restrict__ lse, LseMergeRows map) {
   __shared__ float weight[kMaxSharedParts];
   __shared__ double s_max, s_sum;
   const int64_t r = blockIdx.x;
@@ -49,7 +49,14 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __rest
   }
   __syncthreads();
   const double max_lse = s_max, sum = s_sum;
-  OutT* o = out + r * dl;
+  // Destination row: r = t * H + h into head blocks of [T, block_heads] (r itself for the plain layout).
+  int64_t dst = r;
+  if (map.block_heads != map.H) {
+    const int64_t t = r / map.H;
+    const int h = static_cast<int>(r - t * map.H);
+    dst = (static_cast<int64_t>(h / map.block_heads) * map.T + t) * map.block_heads + h % map.block_heads;
+  }
+  OutT* o = out + dst * dl;
   for (int d = threadIdx.x; d < dl; d += kThreads) {
     float acc = 0.f;
     for (int s = 0; s < num_parts && max_lse != -INFINITY; ++s) {
@@ -63,22 +70,25 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __rest
   // Last, so that an lse over part 0's (an in-place merge) is not read after it changed.
   __syncthreads();
   if (threadIdx.x == 0 && lse != nullptr) {
-    lse[r] = max_lse == -INFINITY ? -INFINITY : static_cast<float>(max_lse + log(sum));
+    lse[dst] = max_lse == -INFINITY ? -INFINITY : static_cast<float>(max_lse + log(sum));
   }
 }
 
 }  // namespace
 
-Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx) {
+Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx,
+                        const LseMergeRows& rows) {
   if (p.num_rows == 0) return Status::ok_status();
   if (p.num_rows >= (int64_t{1} << 31)) return unsupported("lse_merge: num_rows >= 2^31 (CUDA grid limit)");
+  LseMergeRows map = rows;
+  if (map.H <= 1 || map.block_heads < 1) map = LseMergeRows{p.num_rows, 1, 1};  // the plain layout
   const dim3 grid(static_cast<unsigned>(p.num_rows));
   if (out_dtype == DType::kBF16) {
     lse_merge_kernel<__nv_bfloat16><<<grid, kThreads, 0, ctx.stream>>>(
-        p.part_out, p.part_lse, p.num_parts, p.num_rows, p.Dl, static_cast<__nv_bfloat16*>(out), p.lse);
+        p.part_out, p.part_lse, p.num_parts, p.num_rows, p.Dl, static_cast<__nv_bfloat16*>(out), p.lse, map);
   } else if (out_dtype == DType::kF32) {
     lse_merge_kernel<float><<<grid, kThreads, 0, ctx.stream>>>(p.part_out, p.part_lse, p.num_parts, p.num_rows,
-                                                               p.Dl, static_cast<float*>(out), p.lse);
+                                                               p.Dl, static_cast<float*>(out), p.lse, map);
   } else {
     return unsupported(std::string("lse_merge: out dtype ") + dtype_name(out_dtype) + " (supported: F32, BF16)");
   }

@@ -26,11 +26,18 @@ struct MlaArgs {
   float* part_lse;              // [S, T, H]
   int64_t T;
   int32_t H, K, page_size, max_pages, num_requests, splits, split_len;
+  int32_t block_heads;          // heads per block of the q / out / lse layout (H: the plain [T, H] layout)
   int64_t num_pages;
   float scale_log2;             // scale * log2(e)
   bool out_bf16;
   DeviceErrorWord err;
 };
+
+// The row of (token t, head h) in the caller's q / out / lse layout (SparseMlaParams::head_blocks blocks of
+// [T, block_heads]); the split-K workspace keeps the plain t * H + h.
+__device__ __forceinline__ int64_t mla_head_row(const MlaArgs& a, int64_t t, int h) {
+  return (static_cast<int64_t>(h / a.block_heads) * a.T + t) * a.block_heads + h % a.block_heads;
+}
 
 // The Hopper warpgroup-MMA kernel for 64-head groups (H = 64, 128): one CTA per (token, head group, split).
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx);

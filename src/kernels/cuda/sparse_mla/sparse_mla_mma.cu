@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
   // ---- Q [HG, 576] ----
   for (int idx = tid; idx < HG * kChunks; idx += kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const int64_t qrow = t * a.H + h0 + r;
+    const int64_t qrow = mla_head_row(a, t, h0 + r);
     const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
                              : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
     cp_async_16(sQ + swz(r, c), src, 16);
@@ -324,7 +324,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
   const float l0 = sL[r0], l1 = sL[r0 + 8];
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
   const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const int64_t row0 = t * a.H + h0 + r0;  // (token, head) row of r0; r0 + 8 is row0 + 8
+  // (token, head) row of r0 in the caller's layout (splits == 1) or the split-K workspace; r0 + 8 is row0 + 8
+  // (a head group never straddles a head block).
+  const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
   if (a.splits == 1) {
 #pragma unroll
     for (int i = 0; i < kNT; ++i) {
@@ -351,11 +353,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
   if (tid < HG) {
     const float l = sL[tid];
     const float v = l > 0.f ? (sM[tid] + log2f(l)) * kLn2 : -INFINITY;
-    const int64_t r = t * a.H + h0 + tid;
     if (a.splits == 1) {
-      a.lse[r] = v;
+      a.lse[mla_head_row(a, t, h0 + tid)] = v;
     } else {
-      a.part_lse[static_cast<int64_t>(split) * a.T * a.H + r] = v;
+      a.part_lse[static_cast<int64_t>(split) * a.T * a.H + t * a.H + h0 + tid] = v;
     }
   }
 }
@@ -407,6 +408,12 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
                        supported);
   }
   if (p.rows.num_tokens >= (int64_t{1} << 31)) return unsupported("sparse_mla: T >= 2^31" + supported);
+  const int hg = p.H > 64 ? 64 : p.H;
+  if (p.head_blocks < 1 || p.H % p.head_blocks != 0 || (p.H / p.head_blocks) % hg != 0) {
+    return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +
+                       " (each block's heads must be a multiple of " + std::to_string(hg) +
+                       ", the kernel's head group)");
+  }
   return Status::ok_status();
 }
 
@@ -443,6 +450,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   a.lse = p.lse;
   a.T = p.rows.num_tokens;
   a.H = p.H;
+  a.block_heads = p.H / p.head_blocks;
   a.K = p.K;
   a.page_size = p.latent.page_size;
   a.max_pages = p.block_table.max_pages;
@@ -482,7 +490,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
     m.part_lse = a.part_lse;
     m.out = nullptr;
     m.lse = p.lse;
-    DSACP_RETURN_IF_ERROR(launch_lse_merge(m, p.out, p.out_dtype, ctx));
+    DSACP_RETURN_IF_ERROR(launch_lse_merge(m, p.out, p.out_dtype, ctx, LseMergeRows{a.T, a.H, a.block_heads}));
   }
   return Status::ok_status();
 }

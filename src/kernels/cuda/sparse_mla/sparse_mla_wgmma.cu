@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   }
   for (int idx = tid; idx < 64 * kChunks; idx += kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const int64_t qrow = t * a.H + h0 + r;
+    const int64_t qrow = mla_head_row(a, t, h0 + r);
     const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
                              : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
     cp_async_16(sQ + tile_off(r, c), src, 16);
@@ -236,7 +236,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   __syncthreads();
   const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
   const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
-  const int64_t row0 = t * a.H + h0 + r0, row1 = t * a.H + h0 + r1;
+  // Rows in the caller's layout (splits == 1) and in the split-K workspace (plain [T, H]).
+  const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
+  const int64_t row1 = a.splits == 1 ? mla_head_row(a, t, h0 + r1) : t * a.H + h0 + r1;
   if (a.splits == 1) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
