@@ -250,6 +250,8 @@ struct MlaCase {
   bool hostile_rows = true;      // -1 rows, garbage after -1, an all-invalid row
   int64_t first_page = 0;        // pages from this id up (to push offsets past 2^31)
   int64_t extra_pages = 5;
+  int head_blocks = 1;           // SparseMlaParams::head_blocks (the CPU oracle takes the same layout)
+  int splits = 0;                // DSACP_MLA_SPLITS for this case (0: the backend's choice)
 };
 
 void run_mla_case(Backend& gpu, Backend& cpu, const MlaCase& c) {
@@ -300,6 +302,7 @@ void run_mla_case(Backend& gpu, Backend& cpu, const MlaCase& c) {
   p.rope = {nullptr, DType::kBF16, pg.num_pages, pg.page_size, Dr};
   p.block_table = {nullptr, pg.num_requests, pg.max_pages};
   p.out_dtype = DType::kF32;
+  p.head_blocks = c.head_blocks;
   SparseMlaParams pc = p;
   pc.rows.request = request.data();
   pc.rows.key_len = key_len.data();
@@ -765,6 +768,16 @@ void test_unsupported(Backend& gpu) {
   q.keys.dtype = DType::kBF16;
   s = gpu.indexer_topk(q);
   report(s.code() == StatusCode::kUnsupported, "indexer_topk Hi=32 -> unsupported", s.to_string());
+  SparseMlaParams hb;
+  hb.H = 128;
+  hb.Dl = 512;
+  hb.Dr = 64;
+  hb.latent = {nullptr, DType::kBF16, 4, 64, 512};
+  hb.rope = {nullptr, DType::kBF16, 4, 64, 64};
+  hb.head_blocks = 4;  // 32 heads per block: not a whole 64-head group
+  s = gpu.sparse_mla(hb);
+  report(s.code() == StatusCode::kUnsupported && s.message().find("head_blocks=4") != std::string::npos,
+         "sparse_mla H=128 head_blocks=4 -> unsupported", s.to_string());
 }
 
 }  // namespace
@@ -797,6 +810,16 @@ int main(int argc, char** argv) {
   mla.push_back({"decode H=128 page64 K=2048 bf16 out", 128, 2048, 64, {4096, 3000}, {2, 1}, DType::kBF16});
   mla.push_back({"prefill H=128 page64 K=2048", 128, 2048, 64, {0}, {quick ? 300 : 700}});
   mla.push_back({"prefill H=16 page61 K=300 chunked", 16, 300, 61, {900, 0}, {200, 150}});
+  {
+    // The DCP head-block layout (2 blocks of 64 heads), through the split-K combine and without splits.
+    MlaCase hb{"decode H=128 head_blocks=2 split-K", 128, 2048, 64, {3000, 2100}, {2, 1}};
+    hb.head_blocks = 2;
+    mla.push_back(hb);
+    hb.name = "decode H=128 head_blocks=2 no split";
+    hb.splits = 1;
+    hb.out_dtype = DType::kBF16;
+    mla.push_back(hb);
+  }
   if (!quick) {
     // element offsets past 2^31: pages from 4.2M rows up (latent row offset * 512 > 2^31)
     MlaCase big{"decode H=64 offsets past 2^31", 64, 2048, 64, {5000, 3000}, {1, 1}};
@@ -805,6 +828,7 @@ int main(int argc, char** argv) {
     mla.push_back(big);
   }
   for (const MlaCase& c : mla) {
+    if (c.splits > 0) setenv("DSACP_MLA_SPLITS", std::to_string(c.splits).c_str(), 1);
     run_mla_case(*gpu, *cpu, c);  // default kernels (wgmma for 64-head groups)
     if (c.H >= 64) {
       setenv("DSACP_MLA_KERNEL", "mma", 1);
@@ -813,6 +837,7 @@ int main(int argc, char** argv) {
       run_mla_case(*gpu, *cpu, m);
       unsetenv("DSACP_MLA_KERNEL");
     }
+    unsetenv("DSACP_MLA_SPLITS");
   }
 
   std::vector<IdxCase> idx;
