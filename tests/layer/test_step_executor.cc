@@ -150,6 +150,10 @@ TEST(StepExecutor, BlockTableThatMissesAPageIsAnError) {
   Status s = step_run(*backend, sc, {{2, 4}}, t, *cache, in, out);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("holds page 9, outside [0, 4)"), std::string::npos) << s.message();
+  t.data = {-2, 1};  // a negative id is out of range too
+  s = step_run(*backend, sc, {{2, 4}}, t, *cache, in, out);
+  EXPECT_NE(s.message().find("column 0 holds page -2, outside [0, 4)"), std::string::npos) << s.message();
+  t.data = {0, 9};
   sc.Dl = 9;
   s = step_run(*backend, sc, {{2, 4}}, t, *cache, in, out);
   EXPECT_NE(s.message().find("do not match the cache"), std::string::npos) << s.message();

@@ -1,0 +1,240 @@
+// The host side of a step, alone: step_run (one device) and cp_step_run (DCP, ranks as threads) for the decode
+// shape of dsacp_bench_cp (b=64, one query each, 128K context, H=128, K=2048, page 64) with a backend whose
+// kernels do nothing. Its memory is untouched address space (so an 11 GiB cache costs nothing) and its copies
+// are memcpy, which is what a device backend's host does with an upload too (into its pinned ring). What is
+// left is planning, validation, host vectors, allocations and the thread communicator: the host work that a
+// GPU step cannot hide (docs/design/gpu-notes.md, session 3). Run it under `perf record` to see where it goes.
+// Usage: dsacp_bench_host_step [--S TOKENS] [--reps N] [--D ranks]
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/communicator.h"
+#include "dsacp/cp_step.h"
+#include "dsacp/step.h"
+
+namespace {
+
+using namespace dsacp;
+using Clock = std::chrono::steady_clock;
+
+// Memory from the address space (pages appear only where written), kept in a pool by size once freed, as the
+// CUDA backend's stream-ordered pool keeps it (so later steps touch no new pages); kernels return at once.
+class NullBackend final : public Backend {
+ public:
+  ~NullBackend() override {
+    for (auto& [n, list] : *pool_)
+      for (void* p : list) munmap(p, n);
+  }
+  std::string name() const override { return "null"; }
+  Result<DeviceBuffer> allocate(size_t bytes) override {
+    const size_t n = std::max<size_t>(bytes, 1);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(*mu_);
+      auto& list = (*pool_)[n];
+      if (!list.empty()) {
+        p = list.back();
+        list.pop_back();
+      }
+    }
+    if (p == nullptr) {
+      p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) return resource_exhausted("null backend: mmap of " + std::to_string(n) + " bytes");
+    }
+    auto pool = pool_;
+    auto mu = mu_;
+    return DeviceBuffer(p, bytes, [pool, mu, n](void* q) {
+      std::lock_guard<std::mutex> lock(*mu);
+      (*pool)[n].push_back(q);
+    });
+  }
+  Status copy_to_device(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return Status();
+  }
+  Status copy_to_host(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return Status();
+  }
+  Status copy_on_device(void* dst, const void* src, size_t bytes) override {
+    std::memmove(dst, src, bytes);
+    return Status();
+  }
+  Status fill(void*, DType, int64_t, float) override { return Status(); }
+  Status synchronize() override { return Status(); }
+  Status cache_write(const CacheWriteParams&) override { return Status(); }
+  Status indexer_topk(const IndexerTopkParams&) override { return Status(); }
+  Status sparse_mla(const SparseMlaParams&) override { return Status(); }
+  Status lse_merge(const LseMergeParams&) override { return Status(); }
+  Status gather_rows(const GatherRowsParams&) override { return Status(); }
+  Status topk_remap(const TopkRemapParams&) override { return Status(); }
+  Status topk_merge(const TopkMergeParams&) override { return Status(); }
+
+ private:
+  std::shared_ptr<std::map<size_t, std::vector<void*>>> pool_ = std::make_shared<std::map<size_t, std::vector<void*>>>();
+  std::shared_ptr<std::mutex> mu_ = std::make_shared<std::mutex>();
+};
+
+template <typename T>
+T take(Result<T> r, const char* what) {
+  if (!r.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, r.status().to_string().c_str());
+    std::exit(1);
+  }
+  return std::move(r).value();
+}
+
+void check(const Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+struct Buffers {
+  DeviceBuffer q_nope, q_rope, kv, kr, iq, iw, ik, topk, out, lse;
+  StepInputs in() const {
+    return {q_nope.get(), q_rope.get(), kv.get(), kr.get(), iq.get(), iw.as<const float>(), ik.get()};
+  }
+  StepOutputs outs() const { return {topk.as<int32_t>(), out.get(), lse.as<float>()}; }
+};
+
+Buffers buffers(Backend& be, const StepConfig& c, int64_t rows, int64_t heads, int64_t out_rows) {
+  auto a = [&](size_t n) { return take(be.allocate(n), "allocate"); };
+  Buffers b;
+  b.q_nope = a(rows * heads * c.Dl * 2);
+  b.q_rope = a(rows * heads * c.Dr * 2);
+  b.kv = a(rows * c.Dl * 2);
+  b.kr = a(rows * c.Dr * 2);
+  b.iq = a(rows * c.Hi * c.Di * 2);
+  b.iw = a(rows * c.Hi * 4);
+  b.ik = a(rows * c.Di * 2);
+  b.topk = a(std::max<int64_t>(out_rows, 1) * c.K * 4);
+  b.out = a(std::max<int64_t>(out_rows, 1) * heads * c.Dl * 2);
+  b.lse = a(std::max<int64_t>(out_rows, 1) * heads * 4);
+  return b;
+}
+
+BlockTable ordered_table(int32_t R, int32_t pages) {
+  BlockTable t;
+  t.num_requests = R;
+  t.max_pages = pages;
+  t.data.resize(static_cast<size_t>(R) * pages);
+  std::iota(t.data.begin(), t.data.end(), 0);
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t S = 131072;
+  int reps = 50;
+  int D = 2;
+  for (int i = 1; i + 1 < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--S") S = std::atoll(argv[++i]);
+    if (a == "--reps") reps = std::atoi(argv[++i]);
+    if (a == "--D") D = std::atoi(argv[++i]);
+  }
+  StepConfig c;
+  c.H = 128;
+  c.Dl = 512;
+  c.Dr = 64;
+  c.Hi = 64;
+  c.Di = 128;
+  c.K = 2048;
+  c.scale = 0.0723f;
+  c.act_dtype = DType::kBF16;
+  c.out_dtype = DType::kBF16;
+  const std::vector<Request> req(64, Request{1, static_cast<int32_t>(S - 1)});
+  const int32_t page = 64;
+
+  // One device.
+  {
+    NullBackend be;
+    const int32_t pages = static_cast<int32_t>((S + page - 1) / page);
+    const BlockTable table = ordered_table(64, pages);
+    PagedCacheConfig cc{int64_t{64} * pages, page, c.Dl, c.Dr, c.Di, DType::kBF16};
+    PagedKvCache cache = take(PagedKvCache::create(be, cc, false), "cache");
+    Buffers b = buffers(be, c, 64, c.H, 64);
+    std::vector<double> ms;
+    for (int i = 0; i <= reps; ++i) {
+      const auto t0 = Clock::now();
+      check(step_run(be, c, req, table, cache, b.in(), b.outs()), "step_run");
+      if (i > 0) ms.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    std::printf("host side of step_run, b=64 decode, %lldK context: %.1f us (median of %d)\n",
+                static_cast<long long>(S / 1024), median(ms), reps);
+  }
+
+  // DCP over D ranks as threads (sharded indexer), each with its own null backend.
+  {
+    CpLayout layout;
+    layout.D = D;
+    const KvSharding sharding = cp_kv_sharding(layout, page);
+    const int32_t pages = static_cast<int32_t>(sharding.pages_needed(S, page));
+    const BlockTable table = ordered_table(64, pages);
+    PagedCacheConfig per_rank{int64_t{64} * pages, page, c.Dl, c.Dr, c.Di, DType::kBF16};
+    const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
+    std::vector<NullBackend> be(static_cast<size_t>(D));
+    std::vector<PagedKvCache> caches;
+    std::vector<CpRankPlan> plans;
+    std::vector<Buffers> bufs;
+    for (int d = 0; d < D; ++d) {
+      caches.push_back(take(PagedKvCache::create(be[d], cc, false), "cache"));
+      plans.push_back(take(cp_rank_plan(req, layout, 0, d, table, page, c.decode_threshold, c.H), "plan"));
+      bufs.push_back(buffers(be[d], c, plans[d].num_rows, plans[d].num_heads, plans[d].output_rows));
+    }
+    // Thread groups whose copies do nothing: the collectives' synchronization stays, their bytes do not move
+    // (NCCL moves them on the GPUs, not on the host).
+    const CopyFn no_copy = [](void*, const void*, size_t) { return Status(); };
+    const auto timeout = std::chrono::seconds(60);
+    auto world = LocalGroup::create(D, timeout, no_copy), dcp = LocalGroup::create(D, timeout, no_copy);
+    std::vector<std::shared_ptr<LocalGroup>> pcp;
+    std::vector<OwnedCpComms> comms(static_cast<size_t>(D));
+    for (int d = 0; d < D; ++d) {
+      pcp.push_back(LocalGroup::create(1, timeout, no_copy));
+      comms[d].world = world->make_communicator(d);
+      comms[d].pcp = pcp[d]->make_communicator(0);
+      comms[d].dcp = dcp->make_communicator(d);
+    }
+    std::vector<std::vector<double>> ms(static_cast<size_t>(D));
+    std::vector<std::thread> threads;
+    for (int d = 0; d < D; ++d) {
+      threads.emplace_back([&, d] {
+        for (int i = 0; i <= reps; ++i) {
+          check(comms[d].world->barrier(), "barrier");
+          const auto t0 = Clock::now();
+          check(cp_step_run(be[d], comms[d].view(), c, req, plans[d], layout, sharding, table, caches[d], bufs[d].in(),
+                            bufs[d].outs()),
+                "cp_step_run");
+          if (i > 0) ms[d].push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int d = 0; d < D; ++d) {
+      std::printf("host side of cp_step_run, D=%d sharded, rank %d: %.1f us (median of %d)\n", D, d, median(ms[d]),
+                  reps);
+    }
+  }
+  return 0;
+}
