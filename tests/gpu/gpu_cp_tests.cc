@@ -21,23 +21,15 @@
 #include "dsacp/nccl_communicator.h"
 #include "dsacp/random.h"
 #include "dsacp/replay.h"
+#include "gpu/check_log.h"
 
 using namespace dsacp;
 
 namespace {
 
-int g_failures = 0;
-int g_checks = 0;
-std::vector<std::string> g_log;
+testing::CheckLog g_log;
 
-void report(bool ok, const std::string& name, const std::string& detail = "") {
-  ++g_checks;
-  if (!ok) ++g_failures;
-  std::string line = std::string(ok ? "[  OK  ] " : "[ FAIL ] ") + name + (detail.empty() ? "" : "  " + detail);
-  std::printf("%s\n", line.c_str());
-  std::fflush(stdout);
-  g_log.push_back(line);
-}
+void report(bool ok, const std::string& name, const std::string& detail = "") { g_log.report(ok, name, detail); }
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -425,25 +417,9 @@ int main(int argc, char** argv) {
     std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
   }
   test_layouts(seed, *count);
-  std::printf("%d checks, %d failed\n", g_checks, g_failures);
-  if (!json.empty()) {
-    FILE* f = std::fopen(json.c_str(), "w");
-    if (f != nullptr) {
-      std::fprintf(f, "{\"gpus\":%d,\"seed\":%llu,\"checks\":%d,\"failures\":%d,\"log\":[", *count,
-                   static_cast<unsigned long long>(seed), g_checks, g_failures);
-      for (size_t i = 0; i < g_log.size(); ++i) {
-        std::string e;
-        for (char ch : g_log[i]) {
-          if (ch == '"' || ch == '\\') e += '\\';
-          e += ch;
-        }
-        std::fprintf(f, "%s\"%s\"", i ? "," : "", e.c_str());
-      }
-      std::fprintf(f, "]}\n");
-      std::fclose(f);
-    }
-  }
+  std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());
+  g_log.write_json(json, "\"gpus\":" + std::to_string(*count) + ",\"seed\":" + std::to_string(seed) + ",");
   // Aborted NCCL communicators are released by detached threads; end without waiting for them in teardown.
   std::fflush(stdout);
-  std::_Exit(g_failures == 0 ? 0 : 1);
+  std::_Exit(g_log.failures() == 0 ? 0 : 1);
 }

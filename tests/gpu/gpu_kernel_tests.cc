@@ -18,23 +18,15 @@
 
 #include "dsacp/backend.h"
 #include "dsacp/dtype.h"
+#include "gpu/check_log.h"
 
 using namespace dsacp;
 
 namespace {
 
-int g_failures = 0;
-int g_checks = 0;
-std::vector<std::string> g_log;
+testing::CheckLog g_log;
 
-void report(bool ok, const std::string& name, const std::string& detail) {
-  ++g_checks;
-  if (!ok) ++g_failures;
-  std::string line = std::string(ok ? "[  OK  ] " : "[ FAIL ] ") + name + (detail.empty() ? "" : "  " + detail);
-  std::printf("%s\n", line.c_str());
-  std::fflush(stdout);
-  g_log.push_back(line);
-}
+void report(bool ok, const std::string& name, const std::string& detail = "") { g_log.report(ok, name, detail); }
 
 // Counter-based generator: value = f(seed, index).
 uint64_t mix(uint64_t x) {
@@ -852,22 +844,7 @@ int main(int argc, char** argv) {
   }
   for (const IdxCase& c : idx) run_indexer_case(*gpu, *cpu, c);
 
-  std::printf("\n%d checks, %d failures\n", g_checks, g_failures);
-  if (json != nullptr) {
-    FILE* f = std::fopen(json, "w");
-    if (f != nullptr) {
-      std::fprintf(f, "{\"checks\": %d, \"failures\": %d, \"log\": [\n", g_checks, g_failures);
-      for (size_t i = 0; i < g_log.size(); ++i) {
-        std::string s;
-        for (char ch : g_log[i]) {
-          if (ch == '"' || ch == '\\') s += '\\';
-          s += ch;
-        }
-        std::fprintf(f, "  \"%s\"%s\n", s.c_str(), i + 1 < g_log.size() ? "," : "");
-      }
-      std::fprintf(f, "]}\n");
-      std::fclose(f);
-    }
-  }
-  return g_failures == 0 ? 0 : 1;
+  std::printf("\n%d checks, %d failures\n", g_log.checks(), g_log.failures());
+  g_log.write_json(json != nullptr ? json : "");
+  return g_log.failures() == 0 ? 0 : 1;
 }
