@@ -29,6 +29,7 @@
 #include "dsacp/random.h"
 #include "dsacp/step.h"
 #include "dsacp/step_timing.h"
+#include "step_shape.h"
 
 using namespace dsacp;
 
@@ -82,62 +83,25 @@ void fill_random(Backend& be, void* p, size_t bytes) {
   }
 }
 
-DeviceBuffer random_buffer(Backend& be, size_t bytes) {
-  DeviceBuffer b = take(be.allocate(std::max<size_t>(bytes, 2)), "allocate");
-  fill_random(be, b.get(), bytes);
-  return b;
-}
+using bench::StepBuffers;
+using bench::ordered_table;
 
-StepConfig config() {
-  StepConfig c;
-  c.H = 128;
-  c.Dl = 512;
-  c.Dr = 64;
-  c.Hi = 64;
-  c.Di = 128;
-  c.K = 2048;
-  c.scale = 0.0723f;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
-  return c;
-}
+StepConfig config() { return bench::decode_step_config(); }
 
-// A rank's (or the one GPU's) step buffers: rows of `heads` heads, out_rows output rows.
-struct StepBuffers {
-  DeviceBuffer q_nope, q_rope, kv, kr, iq, iw, ik, topk, out, lse;
-  StepInputs in() const {
-    return {q_nope.get(), q_rope.get(), kv.get(), kr.get(), iq.get(), iw.as<const float>(), ik.get()};
-  }
-  StepOutputs outs() const { return {topk.as<int32_t>(), out.get(), lse.as<float>()}; }
-};
-
+// A rank's (or the one GPU's) step buffers, filled: random bf16 rows, head weights in [0, 1).
 StepBuffers step_buffers(Backend& be, const StepConfig& c, int64_t rows, int64_t heads, int64_t out_rows) {
-  StepBuffers b;
+  StepBuffers b = take(bench::allocate_step_buffers(be, c, rows, heads, out_rows), "allocate");
   const size_t bf = 2;
-  b.q_nope = random_buffer(be, rows * heads * c.Dl * bf);
-  b.q_rope = random_buffer(be, rows * heads * c.Dr * bf);
-  b.kv = random_buffer(be, rows * c.Dl * bf);
-  b.kr = random_buffer(be, rows * c.Dr * bf);
-  b.iq = random_buffer(be, rows * c.Hi * c.Di * bf);
+  fill_random(be, b.q_nope.get(), rows * heads * c.Dl * bf);
+  fill_random(be, b.q_rope.get(), rows * heads * c.Dr * bf);
+  fill_random(be, b.kv.get(), rows * c.Dl * bf);
+  fill_random(be, b.kr.get(), rows * c.Dr * bf);
+  fill_random(be, b.iq.get(), rows * c.Hi * c.Di * bf);
+  fill_random(be, b.ik.get(), rows * c.Di * bf);
   std::vector<float> w(static_cast<size_t>(std::max<int64_t>(rows * c.Hi, 1)));
   for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((counter_hash(9, 2, i) >> 40) / 16777216.0);
-  b.iw = take(be.allocate(w.size() * sizeof(float)), "allocate");
   die_if(be.copy_to_device(b.iw.get(), w.data(), w.size() * sizeof(float)), "upload weights");
-  b.ik = random_buffer(be, rows * c.Di * bf);
-  b.topk = take(be.allocate(std::max<int64_t>(out_rows, 1) * c.K * 4), "allocate");
-  b.out = take(be.allocate(std::max<int64_t>(out_rows, 1) * heads * c.Dl * bf), "allocate");
-  b.lse = take(be.allocate(std::max<int64_t>(out_rows, 1) * heads * 4), "allocate");
   return b;
-}
-
-// Every request's pages in order: request b owns pages [b * pages, (b + 1) * pages).
-BlockTable ordered_table(int32_t R, int32_t pages) {
-  BlockTable t;
-  t.num_requests = R;
-  t.max_pages = pages;
-  t.data.resize(static_cast<size_t>(R) * pages);
-  std::iota(t.data.begin(), t.data.end(), 0);
-  return t;
 }
 
 void fill_cache(Backend& be, const PagedKvCache& cache) {

@@ -15,7 +15,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +23,7 @@
 #include "dsacp/communicator.h"
 #include "dsacp/cp_step.h"
 #include "dsacp/step.h"
+#include "step_shape.h"
 
 namespace {
 
@@ -109,39 +109,6 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-struct Buffers {
-  DeviceBuffer q_nope, q_rope, kv, kr, iq, iw, ik, topk, out, lse;
-  StepInputs in() const {
-    return {q_nope.get(), q_rope.get(), kv.get(), kr.get(), iq.get(), iw.as<const float>(), ik.get()};
-  }
-  StepOutputs outs() const { return {topk.as<int32_t>(), out.get(), lse.as<float>()}; }
-};
-
-Buffers buffers(Backend& be, const StepConfig& c, int64_t rows, int64_t heads, int64_t out_rows) {
-  auto a = [&](size_t n) { return take(be.allocate(n), "allocate"); };
-  Buffers b;
-  b.q_nope = a(rows * heads * c.Dl * 2);
-  b.q_rope = a(rows * heads * c.Dr * 2);
-  b.kv = a(rows * c.Dl * 2);
-  b.kr = a(rows * c.Dr * 2);
-  b.iq = a(rows * c.Hi * c.Di * 2);
-  b.iw = a(rows * c.Hi * 4);
-  b.ik = a(rows * c.Di * 2);
-  b.topk = a(std::max<int64_t>(out_rows, 1) * c.K * 4);
-  b.out = a(std::max<int64_t>(out_rows, 1) * heads * c.Dl * 2);
-  b.lse = a(std::max<int64_t>(out_rows, 1) * heads * 4);
-  return b;
-}
-
-BlockTable ordered_table(int32_t R, int32_t pages) {
-  BlockTable t;
-  t.num_requests = R;
-  t.max_pages = pages;
-  t.data.resize(static_cast<size_t>(R) * pages);
-  std::iota(t.data.begin(), t.data.end(), 0);
-  return t;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -154,16 +121,7 @@ int main(int argc, char** argv) {
     if (a == "--reps") reps = std::atoi(argv[++i]);
     if (a == "--D") D = std::atoi(argv[++i]);
   }
-  StepConfig c;
-  c.H = 128;
-  c.Dl = 512;
-  c.Dr = 64;
-  c.Hi = 64;
-  c.Di = 128;
-  c.K = 2048;
-  c.scale = 0.0723f;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
+  const StepConfig c = bench::decode_step_config();
   const std::vector<Request> req(64, Request{1, static_cast<int32_t>(S - 1)});
   const int32_t page = 64;
 
@@ -171,10 +129,10 @@ int main(int argc, char** argv) {
   {
     NullBackend be;
     const int32_t pages = static_cast<int32_t>((S + page - 1) / page);
-    const BlockTable table = ordered_table(64, pages);
+    const BlockTable table = bench::ordered_table(64, pages);
     PagedCacheConfig cc{int64_t{64} * pages, page, c.Dl, c.Dr, c.Di, DType::kBF16};
     PagedKvCache cache = take(PagedKvCache::create(be, cc, false), "cache");
-    Buffers b = buffers(be, c, 64, c.H, 64);
+    bench::StepBuffers b = take(bench::allocate_step_buffers(be, c, 64, c.H, 64), "buffers");
     std::vector<double> ms;
     for (int i = 0; i <= reps; ++i) {
       const auto t0 = Clock::now();
@@ -191,17 +149,17 @@ int main(int argc, char** argv) {
     layout.D = D;
     const KvSharding sharding = cp_kv_sharding(layout, page);
     const int32_t pages = static_cast<int32_t>(sharding.pages_needed(S, page));
-    const BlockTable table = ordered_table(64, pages);
+    const BlockTable table = bench::ordered_table(64, pages);
     PagedCacheConfig per_rank{int64_t{64} * pages, page, c.Dl, c.Dr, c.Di, DType::kBF16};
     const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
     std::vector<NullBackend> be(static_cast<size_t>(D));
     std::vector<PagedKvCache> caches;
     std::vector<CpRankPlan> plans;
-    std::vector<Buffers> bufs;
+    std::vector<bench::StepBuffers> bufs;
     for (int d = 0; d < D; ++d) {
       caches.push_back(take(PagedKvCache::create(be[d], cc, false), "cache"));
       plans.push_back(take(cp_rank_plan(req, layout, 0, d, table, page, c.decode_threshold, c.H), "plan"));
-      bufs.push_back(buffers(be[d], c, plans[d].num_rows, plans[d].num_heads, plans[d].output_rows));
+      bufs.push_back(take(bench::allocate_step_buffers(be[d], c, plans[d].num_rows, plans[d].num_heads, plans[d].output_rows), "buffers"));
     }
     // Thread groups whose copies do nothing: the collectives' synchronization stays, their bytes do not move
     // (NCCL moves them on the GPUs, not on the host).
