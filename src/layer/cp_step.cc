@@ -395,7 +395,10 @@ struct LocalDecodes {
       recv_lse;
 };
 
-Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads) {
+// `local_len`: rows [0, n)'s local key lengths already on the device (the sharded indexer's upload for the same
+// rows), or empty to upload them here.
+Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads,
+                                           DeviceBuffer local_len = {}) {
   const StepConfig& c = s.c;
   const int64_t H = c.H, Hr = s.plan.num_heads, Pt = s.comms.world->size(), D = s.comms.dcp->size();
   Backend& be = s.backend;
@@ -407,17 +410,21 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   // Direct needs head slices the CUDA kernels take whole (a multiple of their 64-head group, or all heads).
   const char* knob = std::getenv("DSACP_CP_HEAD_BLOCKS");
   d.direct = q_heads && Pt == D && Hr % std::min<int64_t>(H, 64) == 0 && !(knob != nullptr && std::string(knob) == "0");
+  if (local_len.get() != nullptr) {
+    d.d_local_len = std::move(local_len);
+  } else {
+    const std::vector<int32_t> key_len(s.plan.row_key_len.begin(), s.plan.row_key_len.begin() + n);
+    DSACP_ASSIGN_OR_RETURN(d.d_local_len, upload_local_len(s, key_len));
+  }
   const int64_t block = n * Hr;
+  DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
   if (d.direct) {
     d.qn = q_heads->nope_blocks.get();
     d.qr = q_heads->rope_blocks.get();
-    const std::vector<int32_t> key_len(s.plan.row_key_len.begin(), s.plan.row_key_len.begin() + n);
-    DSACP_ASSIGN_OR_RETURN(d.d_local_len, upload_local_len(s, key_len));
-    DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
-    DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
     return d;
   }
   if (q_heads) {
@@ -428,9 +435,6 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
     d.qn = d.full_qn.get();
     d.qr = d.full_qr.get();
   }
-  const std::vector<int32_t> key_len(s.plan.row_key_len.begin(), s.plan.row_key_len.begin() + n);
-  DSACP_ASSIGN_OR_RETURN(d.d_local_len, upload_local_len(s, key_len));
-  DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(d.part_out, be.allocate(n * H * c.Dl * sizeof(float)));
   DSACP_ASSIGN_OR_RETURN(d.part_lse, be.allocate(n * H * sizeof(float)));
   // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
@@ -442,10 +446,6 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
       for (int64_t h = 0; h < Hr; ++h) pack.push_back(t * H + h0 + h);
   }
   DSACP_ASSIGN_OR_RETURN(d.d_pack, upload_vector(be, pack));
-  DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
-  DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
-  DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
-  DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
   return d;
 }
 
@@ -765,7 +765,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       // While the candidates are computed and exchanged, issue what the local decodes need that does not
       // depend on them; then wait for the candidates and merge.
       if (local_decodes && T_dec > 0) {
-        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
+        // Rows [0, T_dec) are among the merged rows [0, shared): their local key lengths are uploaded already.
+        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads,
+                                                              T_dec <= shared ? std::move(pending_topk->d_local_len)
+                                                                              : DeviceBuffer{}));
       }
       DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk));
     }
