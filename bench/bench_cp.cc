@@ -7,7 +7,7 @@
 // separate passes with a StepPhaseRecorder (it synchronizes at phase boundaries). Median of the timed reps
 // after one warm-up; a step's time is the slowest rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
-//        [--quick]
+//        [--quick] [--host-table]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -88,6 +88,10 @@ using bench::ordered_table;
 
 StepConfig config() { return bench::decode_step_config(); }
 
+// The steps read a block table kept on the device (StepInputs::block_table), as a serving engine keeps it;
+// --host-table uploads the host table every step instead.
+bool g_device_table = true;
+
 // A rank's (or the one GPU's) step buffers, filled: random bf16 rows, head weights in [0, 1).
 StepBuffers step_buffers(Backend& be, const StepConfig& c, int64_t rows, int64_t heads, int64_t out_rows) {
   StepBuffers b = take(bench::allocate_step_buffers(be, c, rows, heads, out_rows), "allocate");
@@ -150,6 +154,7 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
   PagedKvCache cache = take(PagedKvCache::create(be, cc, false), "cache");
   if (fill) fill_cache(be, cache);
   StepBuffers b = step_buffers(be, c, T, c.H, T);
+  if (g_device_table) die_if(bench::keep_table_on_device(be, table, b), "device block table");
   Measure m;
   m.kv_bytes_per_gpu = cache.bytes();
   std::vector<double> times;
@@ -218,6 +223,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   on_ranks(Pt, [&](int cr) {
     if (fill) fill_cache(*gpus[cr], caches[cr]);
     bufs[cr] = step_buffers(*gpus[cr], c, plans[cr].num_rows, plans[cr].num_heads, plans[cr].output_rows);
+    if (g_device_table) die_if(bench::keep_table_on_device(*gpus[cr], table, bufs[cr]), "device block table");
   });
   Measure m;
   m.kv_bytes_per_gpu = caches[0].bytes();
@@ -362,6 +368,7 @@ int main(int argc, char** argv) {
     else if (a == "--quick") quick = true;
     else if (a == "--S" && i + 1 < argc) only_S = std::atoll(argv[++i]);
     else if (a == "--mode" && i + 1 < argc) only_mode = argv[++i];
+    else if (a == "--host-table") g_device_table = false;
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {
@@ -374,7 +381,8 @@ int main(int argc, char** argv) {
   for (int g = 0; g < n; ++g) gpus.push_back(take(make_cuda_backend(g), "backend"));
   const StepConfig c = config();
   std::vector<std::string> cases, bus;
-  std::printf("dsacp CP scaling: %d GPUs, %s, H=%d K=%d, %d timed reps\n", n, nccl_version().c_str(), c.H, c.K, reps);
+  std::printf("dsacp CP scaling: %d GPUs, %s, H=%d K=%d, %d timed reps, block table %s\n", n, nccl_version().c_str(),
+              c.H, c.K, reps, g_device_table ? "kept on the device" : "uploaded every step");
   auto add = [&](const std::string& name, int64_t S, const char* layout, const Measure& one, const Measure& cp) {
     print_case(name.c_str(), one, cp);
     cases.push_back("{\"case\":\"" + name + "\",\"tokens\":" + std::to_string(S) + ",\"layout\":\"" + layout +
@@ -417,7 +425,8 @@ int main(int argc, char** argv) {
   if (!json.empty()) {
     FILE* f = std::fopen(json.c_str(), "w");
     if (f == nullptr) return 2;
-    std::fprintf(f, "{\"gpus\":%d,\"nccl\":\"%s\",\"reps\":%d,\"cases\":[", n, nccl_version().c_str(), reps);
+    std::fprintf(f, "{\"gpus\":%d,\"nccl\":\"%s\",\"reps\":%d,\"device_block_table\":%s,\"cases\":[", n,
+                 nccl_version().c_str(), reps, g_device_table ? "true" : "false");
     for (size_t i = 0; i < cases.size(); ++i) std::fprintf(f, "%s\n%s", i ? "," : "", cases[i].c_str());
     std::fprintf(f, "],\"busbw\":[");
     for (size_t i = 0; i < bus.size(); ++i) std::fprintf(f, "%s\n%s", i ? "," : "", bus[i].c_str());

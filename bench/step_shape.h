@@ -39,10 +39,12 @@ inline BlockTable ordered_table(int32_t R, int32_t pages) {
 }
 
 // A rank's (or the one GPU's) step buffers: `rows` rows of `heads` heads, `out_rows` output rows (bf16 acts).
+// `table`, when set, is the block table kept on the device between steps (StepInputs::block_table).
 struct StepBuffers {
-  DeviceBuffer q_nope, q_rope, kv, kr, iq, iw, ik, topk, out, lse;
+  DeviceBuffer q_nope, q_rope, kv, kr, iq, iw, ik, topk, out, lse, table;
   StepInputs in() const {
-    return {q_nope.get(), q_rope.get(), kv.get(), kr.get(), iq.get(), iw.as<const float>(), ik.get()};
+    return {q_nope.get(), q_rope.get(), kv.get(), kr.get(), iq.get(), iw.as<const float>(), ik.get(),
+            table.as<const int32_t>()};
   }
   StepOutputs outs() const { return {topk.as<int32_t>(), out.get(), lse.as<float>()}; }
 };
@@ -63,6 +65,12 @@ inline Result<StepBuffers> allocate_step_buffers(Backend& be, const StepConfig& 
   DSACP_ASSIGN_OR_RETURN(b.out, be.allocate(out_n * heads * c.Dl * bf));
   DSACP_ASSIGN_OR_RETURN(b.lse, be.allocate(out_n * heads * 4));
   return b;
+}
+
+// Puts `table` on the device as the buffers' device block table.
+inline Status keep_table_on_device(Backend& be, const BlockTable& table, StepBuffers& b) {
+  DSACP_ASSIGN_OR_RETURN(b.table, be.allocate(std::max<size_t>(table.data.size() * sizeof(int32_t), 4)));
+  return be.copy_to_device(b.table.get(), table.data.data(), table.data.size() * sizeof(int32_t));
 }
 
 }  // namespace dsacp::bench

@@ -101,11 +101,12 @@ struct LseMergeParams {
   int32_t num_parts = 0;         // S
   int64_t num_rows = 0;          // T * H
   int32_t Dl = 0;
-  const float* part_out = nullptr;  // [S, T*H, Dl]
+  const void* part_out = nullptr;   // [S, T*H, Dl] of part_dtype
   const float* part_lse = nullptr;  // [S, T*H]
-  void* out = nullptr;              // [T*H, Dl] of out_dtype (f32 may alias part_out: an in-place merge)
+  void* out = nullptr;              // [T*H, Dl] of out_dtype (may alias part_out when the dtypes match: in place)
   float* lse = nullptr;             // [T*H]
   DType out_dtype = DType::kF32;    // f32 or bf16
+  DType part_dtype = DType::kF32;   // f32 or bf16 (bf16 partials: half the bytes to exchange; sums stay f32)
 };
 
 // Row gather with dtype conversion: dst[i, :] = src[index[i], :] for i < num_rows; index -1 fills the row

@@ -31,6 +31,12 @@ struct StepInputs {
   const void* idx_q = nullptr;      // [T, Hi, Di], act_dtype
   const float* idx_w = nullptr;     // [T, Hi], f32
   const void* idx_k = nullptr;      // [T, Di], act_dtype
+  // Optional: the step's block table already in the backend's memory ([num_requests, max_pages] int32, the
+  // same entries as the host BlockTable passed with it), as a serving engine keeps it between steps and
+  // layers. When set, the step reads it instead of uploading the host table, and the host checks only the
+  // pages of the step's new tokens (the pages it writes); every other page is checked by the kernels that read
+  // it (an entry outside the pool fails the step at its end, naming the kernel and the token).
+  const int32_t* block_table = nullptr;
 };
 
 struct StepOutputs {
@@ -50,7 +56,7 @@ Result<SingleDevicePlan> single_device_plan(const std::vector<Request>& requests
                                             int32_t page_size, int32_t decode_threshold = kMaxDecodeThreshold);
 
 // Checks the config against the cache and the block table against the batch (every position of every
-// request has a page in range), then runs the step.
+// request has a page in range; with inputs.block_table, the new tokens' positions), then runs the step.
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& inputs, const StepOutputs& outputs);
 

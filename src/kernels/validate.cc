@@ -137,8 +137,14 @@ Status validate(const LseMergeParams& p) {
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
   DSACP_RETURN_IF_ERROR(check_positive(k, "Dl", p.Dl));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "out_dtype", p.out_dtype));
+  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "part_dtype", p.part_dtype));
   if (p.num_rows == 0) return Status::ok_status();
   DSACP_RETURN_IF_ERROR(check_pointer(k, "part_out", p.part_out));
+  if (p.out == p.part_out && p.out_dtype != p.part_dtype) {
+    return invalid_argument(std::string(k) + ": out aliases part_out with a different dtype (out " +
+                            dtype_name(p.out_dtype) + ", parts " + dtype_name(p.part_dtype) +
+                            "); an in-place merge needs the same dtype");
+  }
   DSACP_RETURN_IF_ERROR(check_pointer(k, "part_lse", p.part_lse));
   DSACP_RETURN_IF_ERROR(check_pointer(k, "out", p.out));
   return check_pointer(k, "lse", p.lse);

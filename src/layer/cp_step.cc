@@ -241,7 +241,8 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
 // lse [n, H].
 Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
                                   const int32_t* d_local_len, const int32_t* global_topk, int32_t* local_topk,
-                                  float* part_out, float* part_lse, int32_t head_blocks = 1) {
+                                  void* part_out, float* part_lse, int32_t head_blocks = 1,
+                                  DType part_dtype = DType::kF32) {
   TopkRemapParams rp;
   rp.num_rows = n;
   rp.K = s.c.K;
@@ -268,7 +269,7 @@ Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, co
   ap.block_table = {s.d_table, s.table.num_requests, s.table.max_pages};
   ap.topk = local_topk;
   ap.out = part_out;
-  ap.out_dtype = DType::kF32;
+  ap.out_dtype = part_dtype;
   ap.lse = part_lse;
   ap.head_blocks = head_blocks;
   return sparse_mla_run(s.backend, ap).with_context("local sparse MLA");
@@ -283,13 +284,15 @@ Status local_partial_attention(RankStep& s, int64_t n, const void* q_nope, const
                                     local_topk.as<int32_t>(), part_out, part_lse);
 }
 
-// LSE merge of `parts` partial results [parts, rows, Dl] into out (out_dtype, converted by the merge) and lse.
-Status merge_into(RankStep& s, int32_t parts, int64_t rows, const float* part_out, const float* part_lse, void* out,
-                  float* lse) {
+// LSE merge of `parts` partial results [parts, rows, Dl] (part_dtype) into out (out_dtype, converted by the
+// merge) and lse.
+Status merge_into(RankStep& s, int32_t parts, int64_t rows, const void* part_out, const float* part_lse, void* out,
+                  float* lse, DType part_dtype = DType::kF32) {
   LseMergeParams mp;
   mp.num_parts = parts;
   mp.num_rows = rows;
   mp.Dl = s.c.Dl;
+  mp.part_dtype = part_dtype;
   mp.part_out = part_out;
   mp.part_lse = part_lse;
   mp.out = out;
@@ -385,6 +388,9 @@ Result<DeviceBuffer> heads_to_rows_index(RankStep& s, int64_t n) {
 // candidates are still being computed; run_local_decodes remaps the top-k, attends, exchanges and merges.
 struct LocalDecodes {
   int64_t n = 0;
+  // The partial outputs' dtype: the step's output dtype when that is bf16 (the result is rounded to bf16
+  // anyway; half the all-to-all's bytes), else f32.
+  DType part_dtype = DType::kF32;
   // One PCP rank (the all-to-all's blocks are the DCP head slices): attention reads the head-gathered queries
   // in their block layout and writes its partials straight in the all-to-all's send layout (no reordering).
   bool direct = false;
@@ -417,10 +423,12 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
     DSACP_ASSIGN_OR_RETURN(d.d_local_len, upload_local_len(s, key_len));
   }
   const int64_t block = n * Hr;
+  d.part_dtype = c.out_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  const size_t part = dtype_size(d.part_dtype);
   DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
-  DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * part));
   DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
-  DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * part));
   DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
   if (d.direct) {
     d.qn = q_heads->nope_blocks.get();
@@ -435,7 +443,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
     d.qn = d.full_qn.get();
     d.qr = d.full_qr.get();
   }
-  DSACP_ASSIGN_OR_RETURN(d.part_out, be.allocate(n * H * c.Dl * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.part_out, be.allocate(n * H * c.Dl * part));
   DSACP_ASSIGN_OR_RETURN(d.part_lse, be.allocate(n * H * sizeof(float)));
   // All-to-all over the world: rank (r', d') receives heads slice d' of every rank's partials.
   std::vector<int64_t> pack;
@@ -456,7 +464,7 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
         s, n, d.qn, d.qr, s.d_row_request, d.d_local_len.as<const int32_t>(), s.out.topk, d.local_topk.as<int32_t>(),
-        d.send_out.as<float>(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size())));
+        d.send_out.get(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype));
   } else if (d.q_heads != nullptr) {
     // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
     const int64_t rows_all = n * s.comms.dcp->size() * s.plan.num_heads;
@@ -471,21 +479,21 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   if (!d.direct) {
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
                                                      d.d_local_len.as<const int32_t>(), s.out.topk,
-                                                     d.local_topk.as<int32_t>(), d.part_out.as<float>(),
-                                                     d.part_lse.as<float>()));
+                                                     d.local_topk.as<int32_t>(), d.part_out.get(),
+                                                     d.part_lse.as<float>(), 1, d.part_dtype));
     const int64_t packed = Pt * block;
-    DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_out.get(), DType::kF32, n * H, c.Dl,
-                                     d.d_pack.as<const int64_t>(), packed, d.send_out.get(), DType::kF32,
+    DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_out.get(), d.part_dtype, n * H, c.Dl,
+                                     d.d_pack.as<const int64_t>(), packed, d.send_out.get(), d.part_dtype,
                                      "pack partial outputs by head"));
     DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_lse.get(), DType::kF32, n * H, 1, d.d_pack.as<const int64_t>(),
                                      packed, d.send_lse.get(), DType::kF32, "pack partial LSE by head"));
   }
   DSACP_ASSIGN_OR_RETURN(auto h, s.comms.world->all_to_all_group_async(
-                                     {{d.send_out.get(), d.recv_out.get(), block * c.Dl * sizeof(float)},
+                                     {{d.send_out.get(), d.recv_out.get(), block * c.Dl * dtype_size(d.part_dtype)},
                                       {d.send_lse.get(), d.recv_lse.get(), block * sizeof(float)}}));
   DSACP_RETURN_IF_ERROR(after(s, std::move(h)));
-  return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.as<const float>(), d.recv_lse.as<const float>(),
-                    s.out.out, s.out.lse);
+  return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.get(), d.recv_lse.as<const float>(), s.out.out,
+                    s.out.lse, d.part_dtype);
 }
 
 Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
@@ -532,12 +540,17 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // producer stream) and errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
   RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}, {}, {}, {}};
-  std::vector<int64_t> pages(R);
+  std::vector<int64_t> pages(R), first_new(R);
   for (int32_t b = 0; b < R; ++b) {
     s.seq_lens.push_back(requests[b].seq_len());
     pages[b] = sharding.pages_needed(s.seq_lens[b], cc.page_size);
+    // This rank's first new position has local position local_len(context_len).
+    first_new[b] = sharding.local_len(requests[b].context_len, plan.cr) / cc.page_size;
   }
-  DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc));
+  // With the table on the device already, the host checks the pages this rank writes (its new tokens'); the
+  // kernels check every page they read.
+  DSACP_RETURN_IF_ERROR(
+      check_block_table_pages(table, pages, cc, in.block_table != nullptr ? first_new : std::vector<int64_t>{}));
   const int32_t B = cc.page_size;
   const int64_t rows = plan.num_rows;
   const int64_t Hr = plan.num_heads;
@@ -571,8 +584,12 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   }
   // The block table goes on its own, straight from its vector (copying it into the batch first would touch
   // fresh pages of a large temporary every step); the small vectors go in one batch.
-  DSACP_ASSIGN_OR_RETURN(s.step_table, upload_vector(backend, table.data));
-  s.d_table = s.step_table.as<const int32_t>();
+  if (in.block_table != nullptr) {
+    s.d_table = in.block_table;
+  } else {
+    DSACP_ASSIGN_OR_RETURN(s.step_table, upload_vector(backend, table.data));
+    s.d_table = s.step_table.as<const int32_t>();
+  }
   UploadBatch batch;
   const size_t at_request = batch.add(plan.row_request), at_key_len = batch.add(plan.row_key_len),
                at_owned = batch.add(owned), at_all = batch.add(all);

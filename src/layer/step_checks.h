@@ -14,9 +14,10 @@ namespace dsacp {
 // The config's dims and dtypes against the cache's.
 Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache);
 
-// Every request's first `pages_per_request[b]` block-table entries are pages inside the pool.
+// Every request's block-table entries [first_page[b], pages_per_request[b]) are pages inside the pool (from
+// entry 0 when first_page is empty).
 Status check_block_table_pages(const BlockTable& table, const std::vector<int64_t>& pages_per_request,
-                               const PagedCacheConfig& cache);
+                               const PagedCacheConfig& cache, const std::vector<int64_t>& first_page = {});
 
 // The host tensors of a step's inputs: names, dtypes and shapes against the config and T.
 Status check_host_step_inputs(const StepConfig& c, int64_t T, const HostStepInputs& in);

@@ -31,9 +31,18 @@ Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache) {
 }
 
 Status check_block_table_pages(const BlockTable& table, const std::vector<int64_t>& pages_per_request,
-                               const PagedCacheConfig& cache) {
+                               const PagedCacheConfig& cache, const std::vector<int64_t>& first_page) {
+  if (table.num_requests < static_cast<int64_t>(pages_per_request.size()) ||
+      table.data.size() < static_cast<size_t>(table.num_requests) * std::max(table.max_pages, 0)) {
+    return invalid_argument("block table: " + std::to_string(table.num_requests) + " rows of " +
+                            std::to_string(table.max_pages) + " pages need " +
+                            std::to_string(int64_t{table.num_requests} * table.max_pages) + " entries, it holds " +
+                            std::to_string(table.data.size()) + " (and the batch has " +
+                            std::to_string(pages_per_request.size()) + " requests)");
+  }
   for (size_t b = 0; b < pages_per_request.size(); ++b) {
     const int64_t pages = pages_per_request[b];
+    const int64_t first = first_page.empty() ? 0 : std::max<int64_t>(0, first_page[b]);
     if (pages > table.max_pages) {
       return out_of_range("request " + std::to_string(b) + " needs " + std::to_string(pages) +
                           " pages, the block table has " + std::to_string(table.max_pages) + " columns");
@@ -43,9 +52,9 @@ Status check_block_table_pages(const BlockTable& table, const std::vector<int64_
     // This runs over every page of every request each step (65K-130K entries at 128K contexts).
     const uint32_t limit = static_cast<uint32_t>(std::min<int64_t>(cache.num_pages, INT32_MAX));
     uint32_t out_of_range_seen = 0;
-    for (int64_t c = 0; c < pages; ++c) out_of_range_seen |= static_cast<uint32_t>(static_cast<uint32_t>(row[c]) >= limit);
+    for (int64_t c = first; c < pages; ++c) out_of_range_seen |= static_cast<uint32_t>(static_cast<uint32_t>(row[c]) >= limit);
     if (out_of_range_seen == 0) continue;
-    for (int64_t c = 0; c < pages; ++c) {
+    for (int64_t c = first; c < pages; ++c) {
       const int32_t p = row[c];
       if (p < 0 || p >= cache.num_pages) {
         return out_of_range("block table row " + std::to_string(b) + " column " + std::to_string(c) + " holds page " +
@@ -64,15 +73,25 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   DSACP_RETURN_IF_ERROR(check_step_config(config, cc));
   DSACP_ASSIGN_OR_RETURN(SingleDevicePlan plan,
                          single_device_plan(requests, table, cc.page_size, config.decode_threshold));
-  std::vector<int64_t> pages;
-  for (const Request& r : requests) pages.push_back((r.seq_len() + cc.page_size - 1) / cc.page_size);
-  DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc));
+  std::vector<int64_t> pages, first_new;
+  for (const Request& r : requests) {
+    pages.push_back((r.seq_len() + cc.page_size - 1) / cc.page_size);
+    first_new.push_back(r.context_len / cc.page_size);
+  }
+  // With the table on the device already, the host checks the pages it writes (the new tokens'); the kernels
+  // check every page they read.
+  DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc, in.block_table != nullptr ? first_new
+                                                                                           : std::vector<int64_t>{}));
   const int64_t T = plan.layout.num_tokens;
   // Kernels and uploads only enqueue; errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
 
   // The block table on its own, straight from its vector; the small vectors in one batch.
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, upload_vector(backend, table.data));
+  DeviceBuffer uploaded_table;
+  if (in.block_table == nullptr) {
+    DSACP_ASSIGN_OR_RETURN(uploaded_table, upload_vector(backend, table.data));
+  }
+  const int32_t* d_table = in.block_table != nullptr ? in.block_table : uploaded_table.as<const int32_t>();
   UploadBatch batch;
   const size_t at_slots = batch.add(plan.slots), at_request = batch.add(plan.token_request),
                at_key_len = batch.add(plan.token_key_len);
@@ -93,7 +112,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   rows.num_tokens = T;
   rows.request = UploadBatch::at<int32_t>(d_rows, at_request);
   rows.key_len = UploadBatch::at<int32_t>(d_rows, at_key_len);
-  BlockTableView bt{d_table.as<const int32_t>(), table.num_requests, table.max_pages};
+  BlockTableView bt{d_table, table.num_requests, table.max_pages};
 
   // 2. Indexer scores and the exact top-k.
   IndexerTopkParams ip;

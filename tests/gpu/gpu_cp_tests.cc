@@ -380,6 +380,27 @@ void test_layouts(uint64_t seed, int num_gpus) {
              describe(cc) + " (" + std::to_string(seconds_since(t0)) + " s)");
     }
   }
+  // A bf16 output: the local decodes' partials travel in bf16 (the direct head-block path at H=128 over D=2).
+  {
+    const CaseFile c = make_case(seed * 31 + 2, 128, true);
+    ReplayOptions one;
+    one.page_size = 64;
+    one.out_dtype = DType::kBF16;
+    auto want = replay_case(*gpus[0], c, one);
+    ReplayOptions o = one;
+    o.layout = make_layout(1, 2);
+    const bool two = num_gpus >= 2;
+    auto got = replay_case(std::vector<Backend*>{gpus[0].get(), gpus[two ? 1 : 0].get()}, c, o);
+    if (!want.ok() || !got.ok()) {
+      report(false, "decode-only H=128 bf16 out: D2 sharded", (want.ok() ? got : want).status().to_string());
+    } else {
+      const Compare cc = compare(*got, *want);
+      report(cc.topk_same && cc.out_rel < 1e-2 && cc.lse_abs < 2e-2,
+             std::string("decode-only H=128 bf16 out (bf16 partials): D2 sharded") + (two ? " (NCCL)" : " on one GPU") +
+                 " vs one GPU",
+             describe(cc));
+    }
+  }
   // Two different backends on one GPU cannot be NCCL ranks: refused with the reason, not hung.
   {
     CaseFile c = make_case(seed + 5, 64, false);

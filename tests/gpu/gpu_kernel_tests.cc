@@ -228,6 +228,36 @@ void test_lse_merge(Backend& gpu, Backend& cpu) {
   const double e2 = rel_norm(download<float>(gpu, l, rows), lse_c, &nm2);
   report(sc.ok() && sg.ok() && !nm1 && !nm2 && e1 < 1e-6 && e2 < 1e-6, "lse_merge 3 parts, -inf/NaN parts, empty row",
          "rel err out " + std::to_string(e1) + " lse " + std::to_string(e2) + (sg.ok() ? "" : " " + sg.to_string()));
+  // bf16 parts (DCP's partials when the output is bf16), bf16 out: against the CPU oracle on the same parts.
+  std::vector<bf16> part_bf(part_out.size());
+  for (size_t i = 0; i < part_out.size(); ++i) part_bf[i] = f32_to_bf16(part_out[i]);
+  std::vector<bf16> outb_c(rows * Dl);
+  std::vector<float> lseb_c(rows);
+  LseMergeParams qc = pc;
+  qc.part_out = part_bf.data();
+  qc.part_dtype = DType::kBF16;
+  qc.out = outb_c.data();
+  qc.out_dtype = DType::kBF16;
+  qc.lse = lseb_c.data();
+  Status sbc = lse_merge_run(cpu, qc);
+  Dev pob = upload(gpu, part_bf), ob = upload(gpu, outb_c), lb = upload(gpu, lseb_c);
+  LseMergeParams qg = qc;
+  qg.part_out = pob.ptr<bf16>();
+  qg.out = ob.ptr<bf16>();
+  qg.lse = lb.ptr<float>();
+  qg.part_lse = pl.ptr<float>();
+  Status sbg = lse_merge_run(gpu, qg);
+  const std::vector<bf16> got_b = download<bf16>(gpu, ob, rows * Dl);
+  int64_t differ = 0;
+  for (size_t i = 0; i < got_b.size(); ++i) {
+    const float a = bf16_to_f32(got_b[i]), b = bf16_to_f32(outb_c[i]);
+    if (!(a == b || std::fabs(a - b) <= 1e-2f * std::fabs(b))) ++differ;  // one bf16 ulp at most
+  }
+  bool nm3 = false;
+  const double e3 = rel_norm(download<float>(gpu, lb, rows), lseb_c, &nm3);
+  report(sbc.ok() && sbg.ok() && differ == 0 && !nm3 && e3 < 1e-6, "lse_merge bf16 parts -> bf16 out",
+         std::to_string(differ) + " elements beyond one bf16 ulp, lse rel err " + std::to_string(e3) +
+             (sbg.ok() ? "" : " " + sbg.to_string()));
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -745,6 +775,50 @@ void test_deferred_errors(Backend& gpu) {
          std::to_string(wrong) + " words wrong " + up.to_string());
 }
 
+// The backend's block cache: a freed block comes back for the next allocation of its size class (in stream
+// order, so data written through the new buffer is never overwritten by work queued for the old one); an
+// allocation the device cannot hold fails with resource_exhausted after the cache is given back.
+void test_block_cache(Backend& gpu) {
+  void* first = nullptr;
+  {
+    auto a = gpu.allocate(3u << 20);
+    if (!a.ok()) return report(false, "block cache", a.status().to_string());
+    first = a->get();
+  }
+  auto b = gpu.allocate((3u << 20) - 1000);  // the same size class
+  report(b.ok() && b->get() == first, "block cache: a freed block is reused by the next allocation of its class",
+         b.ok() ? "" : b.status().to_string());
+  // Stream order: fill through buffer x, free it, reuse its block as y in the same deferred scope, fill y;
+  // x's fill is queued before y's, so y reads back its own bytes.
+  const size_t n = 1 << 18;
+  std::vector<int32_t> ones(n, 1), twos(n, 2), got(n, 0);
+  Status s1, s2, sync;
+  void* reused = nullptr;
+  {
+    DeferredErrors defer(gpu);
+    auto x = gpu.allocate(n * sizeof(int32_t));
+    if (!x.ok()) return report(false, "block cache order", x.status().to_string());
+    s1 = gpu.copy_to_device(x->get(), ones.data(), n * sizeof(int32_t));
+    void* xp = x->get();
+    *x = DeviceBuffer{};
+    auto y = gpu.allocate(n * sizeof(int32_t));
+    if (!y.ok()) return report(false, "block cache order", y.status().to_string());
+    reused = y->get() == xp ? y->get() : nullptr;
+    s2 = gpu.copy_to_device(y->get(), twos.data(), n * sizeof(int32_t));
+    sync = gpu.synchronize();
+    if (sync.ok()) sync = gpu.copy_to_host(got.data(), y->get(), n * sizeof(int32_t));
+  }
+  report(s1.ok() && s2.ok() && sync.ok() && reused != nullptr && got == twos,
+         "block cache: reuse within a deferred scope is stream-ordered", sync.to_string());
+  auto huge = gpu.allocate(size_t{1} << 42);  // 4 TiB
+  report(!huge.ok() && huge.status().code() == StatusCode::kResourceExhausted &&
+             huge.status().message().find("allocation of 4398046511104 bytes") != std::string::npos,
+         "block cache: an allocation past the device fails with resource_exhausted",
+         huge.ok() ? "allocated" : huge.status().to_string());
+  auto after = gpu.allocate(1u << 20);
+  report(after.ok(), "block cache: allocations work after a failed one", after.ok() ? "" : after.status().to_string());
+}
+
 void test_unsupported(Backend& gpu) {
   SparseMlaParams p;
   p.H = 8;
@@ -794,6 +868,7 @@ int main(int argc, char** argv) {
   test_lse_merge(*gpu, *cpu);
   test_cp_kernels(*gpu, *cpu);
   test_deferred_errors(*gpu);
+  test_block_cache(*gpu);
 
   std::vector<MlaCase> mla;
   mla.push_back({"decode H=16 page64 K=2048 split-K", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});

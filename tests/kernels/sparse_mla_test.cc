@@ -285,6 +285,45 @@ TEST(LseMergeKernel, SplitKeySetsMergeToTheWhole) {
   }
 }
 
+// bf16 partials (what DCP exchanges when the output is bf16): the merge reads each element as the f32 it
+// rounds to, so it equals the f32 merge of the rounded parts bit for bit, with f32 or bf16 out.
+TEST(LseMergeKernel, Bf16PartsMergeAsTheirF32Values) {
+  auto backend = make_cpu_backend(2);
+  const int32_t parts = 3, dl = 40;
+  const int64_t rows = 23;
+  std::vector<float> part_f32(static_cast<size_t>(parts * rows * dl)), part_lse(static_cast<size_t>(parts * rows));
+  std::vector<bf16> part_bf(part_f32.size());
+  for (size_t i = 0; i < part_f32.size(); ++i) {
+    const float v = static_cast<float>(static_cast<int64_t>(counter_hash(41, 1, i) % 20001) - 10000) / 997.f;
+    part_bf[i] = f32_to_bf16(v);
+    part_f32[i] = bf16_to_f32(part_bf[i]);
+  }
+  for (size_t i = 0; i < part_lse.size(); ++i) {
+    part_lse[i] = i % 7 == 3 ? -std::numeric_limits<float>::infinity()
+                             : static_cast<float>(counter_hash(41, 2, i) % 1000) / 100.f;
+  }
+  for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+    const size_t n = static_cast<size_t>(rows * dl) * dtype_size(out_dtype);
+    std::vector<char> want(n), got(n);
+    std::vector<float> lse_want(static_cast<size_t>(rows)), lse_got(static_cast<size_t>(rows));
+    LseMergeParams p{parts, rows, dl, part_f32.data(), part_lse.data(), want.data(), lse_want.data(), out_dtype};
+    ASSERT_TRUE(lse_merge_run(*backend, p).ok());
+    LseMergeParams pb = p;
+    pb.part_out = part_bf.data();
+    pb.part_dtype = DType::kBF16;
+    pb.out = got.data();
+    pb.lse = lse_got.data();
+    ASSERT_TRUE(lse_merge_run(*backend, pb).ok());
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), n)) << dtype_name(out_dtype);
+    EXPECT_TRUE(bit_equal(lse_want, lse_got));
+  }
+  // An in-place merge needs the same dtype on both sides.
+  LseMergeParams alias{parts, rows, dl, part_bf.data(), part_lse.data(), part_bf.data(), part_lse.data()};
+  alias.part_dtype = DType::kBF16;
+  const Status st = lse_merge_run(*backend, alias);
+  EXPECT_NE(st.message().find("out aliases part_out with a different dtype"), std::string::npos) << st.to_string();
+}
+
 TEST(LseMergeKernel, EmptyOrBrokenPartsContributeExactlyNothing) {
   auto backend = make_cpu_backend(2);
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();

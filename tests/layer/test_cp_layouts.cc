@@ -85,6 +85,34 @@ TEST(CpLayoutDirect, HeadBlockLayoutMatchesOneDeviceAndThePackedPath) {
   }
 }
 
+// With a bf16 output the local decodes' partials travel in bf16 (half the all-to-all's bytes): both paths stay
+// within the contract's bf16 tolerance of one device, the top-k rows identical, the LSE (f32) within 1e-5.
+// The one-device output is bf16 too, so this measures the partials' extra rounding, not the output's.
+TEST(CpLayoutDirect, Bf16PartialsStayWithinBf16Tolerance) {
+  const uint64_t seed = testing::test_seed(979);
+  CaseGenSpec spec;
+  spec.topk = 24;
+  spec.requests = testing::random_cp_batch(seed, 1, spec.topk, /*decode_only=*/true);
+  spec.dims = CaseDims{128, 24, 8, 2, 16};
+  spec.scale = 0.3f;
+  spec.dtype = DType::kBF16;
+  spec.seed = seed;
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  ReplayOptions one;
+  one.page_size = 4;
+  one.out_dtype = DType::kBF16;
+  for (int32_t D : {2, 4}) {
+    ReplayOptions cp = one;
+    cp.layout.D = D;
+    cp.page_shuffle_seed = seed * 7 + 1;
+    testing::expect_same_as_one_device(*c, one, cp, 1e-2);
+    setenv("DSACP_CP_HEAD_BLOCKS", "0", 1);
+    testing::expect_same_as_one_device(*c, one, cp, 1e-2);
+    unsetenv("DSACP_CP_HEAD_BLOCKS");
+  }
+}
+
 std::vector<LayoutCase> layout_cases() {
   std::vector<LayoutCase> v;
   uint64_t seed = 101;

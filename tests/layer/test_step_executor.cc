@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dsacp/case_file.h"
+#include "dsacp/paged_cache.h"
 #include "dsacp/replay.h"
 #include "support/test_seed.h"
 #include "dsacp/step.h"
@@ -157,6 +158,69 @@ TEST(StepExecutor, BlockTableThatMissesAPageIsAnError) {
   sc.Dl = 9;
   s = step_run(*backend, sc, {{2, 4}}, t, *cache, in, out);
   EXPECT_NE(s.message().find("do not match the cache"), std::string::npos) << s.message();
+}
+
+// StepInputs::block_table: the same step over a table already in the backend's memory gives the same bits; the
+// host then checks only the new tokens' pages, and a bad page elsewhere is caught by the kernels that read it.
+TEST(StepExecutor, DeviceBlockTableMatchesTheHostTableAndIsCheckedWhereRead) {
+  auto backend = make_cpu_backend(2);
+  CaseGenSpec spec;
+  spec.dims = CaseDims{4, 16, 8, 2, 8};
+  spec.topk = 6;
+  spec.scale = 0.25f;
+  spec.dtype = DType::kF32;
+  spec.seed = testing::test_seed(4242);
+  spec.requests = {{2, 10}, {1, 5}};
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  PagedCacheConfig cc{8, 4, 16, 8, 8, DType::kF32};
+  auto cache = PagedKvCache::create(*backend, cc);
+  ASSERT_TRUE(cache.ok());
+  BlockTable t;
+  t.num_requests = 2;
+  t.max_pages = 3;
+  t.data = {5, 2, 0, 7, 1, -1};  // request 0: 12 positions on pages 5, 2, 0; request 1: 6 on pages 7, 1
+  ASSERT_TRUE(cache_load_context(*backend, *cache, c->requests, t, c->ctx_kv_latent, c->ctx_k_rope, c->ctx_idx_k).ok());
+  StepConfig sc;
+  sc.H = 4;
+  sc.Dl = 16;
+  sc.Dr = 8;
+  sc.Hi = 2;
+  sc.Di = 8;
+  sc.K = 6;
+  sc.scale = 0.25f;
+  sc.act_dtype = DType::kF32;
+  const int64_t T = 3;
+  struct Out {
+    std::vector<int32_t> topk = std::vector<int32_t>(T * 6);
+    std::vector<float> out = std::vector<float>(T * 4 * 16), lse = std::vector<float>(T * 4);
+    StepOutputs view() { return {topk.data(), out.data(), lse.data()}; }
+  } host_run, device_run, bad_run;
+  StepInputs in{c->q_nope.data(), c->q_rope.data(), c->kv_latent.data(), c->k_rope.data(), c->idx_q.data(),
+                c->idx_w.data_as<float>(), c->idx_k.data()};
+  ASSERT_TRUE(step_run(*backend, sc, c->requests, t, *cache, in, host_run.view()).ok());
+  const std::vector<int32_t> device_table = t.data;  // "device" memory of the CPU backend
+  in.block_table = device_table.data();
+  ASSERT_TRUE(step_run(*backend, sc, c->requests, t, *cache, in, device_run.view()).ok());
+  EXPECT_EQ(host_run.topk, device_run.topk);
+  EXPECT_EQ(0, std::memcmp(host_run.out.data(), device_run.out.data(), host_run.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(host_run.lse.data(), device_run.lse.data(), host_run.lse.size() * sizeof(float)));
+
+  // A context page of the device table outside the pool: the indexer reading it fails the step.
+  std::vector<int32_t> bad_device = t.data;
+  bad_device[0] = 99;
+  in.block_table = bad_device.data();
+  Status s = step_run(*backend, sc, c->requests, t, *cache, in, bad_run.view());
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kOutOfRange) << s.to_string();
+  EXPECT_NE(s.message().find("block_table"), std::string::npos) << s.to_string();
+  // A new token's page (request 0's positions 10 and 11 are on its third page) is checked on the host.
+  in.block_table = device_table.data();
+  BlockTable bad_host = t;
+  bad_host.data[2] = 8;
+  s = step_run(*backend, sc, c->requests, bad_host, *cache, in, bad_run.view());
+  EXPECT_NE(s.message().find("block table row 0 column 2 holds page 8, outside [0, 8)"), std::string::npos)
+      << s.to_string();
 }
 
 }  // namespace

@@ -40,8 +40,13 @@ Status lse_merge(const LseMergeParams& p, int num_threads) {
         const float l = p.part_lse[s * rows + r];
         if (!std::isfinite(l)) continue;
         const float w = static_cast<float>(std::exp(static_cast<double>(l) - max_lse) / sum);
-        const float* part = p.part_out + (s * rows + r) * dl;
-        for (int64_t d = 0; d < dl; ++d) acc[d] += w * part[d];
+        const int64_t base = (s * rows + r) * dl;
+        if (p.part_dtype == DType::kF32) {
+          const float* part = static_cast<const float*>(p.part_out) + base;
+          for (int64_t d = 0; d < dl; ++d) acc[d] += w * part[d];
+        } else {
+          for (int64_t d = 0; d < dl; ++d) acc[d] += w * load_as_f32(p.part_out, p.part_dtype, base + d);
+        }
       }
       for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, r * dl + d, acc[d]);
       p.lse[r] = static_cast<float>(max_lse + std::log(sum));

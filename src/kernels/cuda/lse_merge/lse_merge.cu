@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -18,8 +19,11 @@ constexpr int kMaxSharedParts = 256;
 
 // Part weights once per row by thread 0 (in f64 and the parts' fixed order, like the CPU oracle: the same float
 // weight per part), then every column is the fixed-order sum over parts.
-template <typename OutT>
-__global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __restrict__ part_out,
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename OutT, typename PartT>
+__global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __restrict__ part_out,
                                                              const float* __restrict__ part_lse, int num_parts,
                                                              int64_t rows, int dl, OutT* __restrict__ out,
                                                              float* __restrict__ lse, LseMergeRows map) {
@@ -63,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const float* __rest
       const float l = part_lse[s * rows + r];
       if (!isfinite(l)) continue;
       const float w = shared_weights ? weight[s] : static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum);
-      acc += w * part_out[(s * rows + r) * dl + d];
+      acc += w * to_f32(part_out[(s * rows + r) * dl + d]);
     }
     o[d] = static_cast<OutT>(acc);
   }
@@ -83,12 +87,24 @@ Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, con
   LseMergeRows map = rows;
   if (map.H <= 1 || map.block_heads < 1) map = LseMergeRows{p.num_rows, 1, 1};  // the plain layout
   const dim3 grid(static_cast<unsigned>(p.num_rows));
+  auto launch = [&](auto* typed_out, auto* typed_parts) {
+    using OutT = std::remove_pointer_t<decltype(typed_out)>;
+    using PartT = std::remove_const_t<std::remove_pointer_t<decltype(typed_parts)>>;
+    lse_merge_kernel<OutT, PartT><<<grid, kThreads, 0, ctx.stream>>>(typed_parts, p.part_lse, p.num_parts,
+                                                                     p.num_rows, p.Dl, typed_out, p.lse, map);
+  };
+  const bool bf16_parts = p.part_dtype == DType::kBF16;
+  if (!bf16_parts && p.part_dtype != DType::kF32) {
+    return unsupported(std::string("lse_merge: part dtype ") + dtype_name(p.part_dtype) + " (supported: F32, BF16)");
+  }
   if (out_dtype == DType::kBF16) {
-    lse_merge_kernel<__nv_bfloat16><<<grid, kThreads, 0, ctx.stream>>>(
-        p.part_out, p.part_lse, p.num_parts, p.num_rows, p.Dl, static_cast<__nv_bfloat16*>(out), p.lse, map);
+    auto* o = static_cast<__nv_bfloat16*>(out);
+    if (bf16_parts) launch(o, static_cast<const __nv_bfloat16*>(p.part_out));
+    else launch(o, static_cast<const float*>(p.part_out));
   } else if (out_dtype == DType::kF32) {
-    lse_merge_kernel<float><<<grid, kThreads, 0, ctx.stream>>>(p.part_out, p.part_lse, p.num_parts, p.num_rows,
-                                                               p.Dl, static_cast<float*>(out), p.lse, map);
+    auto* o = static_cast<float*>(out);
+    if (bf16_parts) launch(o, static_cast<const __nv_bfloat16*>(p.part_out));
+    else launch(o, static_cast<const float*>(p.part_out));
   } else {
     return unsupported(std::string("lse_merge: out dtype ") + dtype_name(out_dtype) + " (supported: F32, BF16)");
   }
