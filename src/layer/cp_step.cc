@@ -140,6 +140,8 @@ struct RankStep {
   const int32_t* d_table = nullptr;
   const int32_t* d_row_request = nullptr;
   const int32_t* d_row_key_len = nullptr;
+  std::vector<int32_t> row_local_len;      // the rows' key lengths over this rank's own keys
+  const int32_t* d_row_local_len = nullptr;
   // Collectives the backend's stream waits for on the device; the host waits for them (bounded) at the end.
   std::vector<std::unique_ptr<CollectiveHandle>> in_flight;
   std::vector<DeviceBuffer> kv_rows;  // the step's gathered KV rows (written to the cache after the indexer launch)
@@ -179,23 +181,35 @@ struct PendingTopk {
   int32_t* topk = nullptr;
   std::vector<int32_t> local_len;
   DeviceBuffer d_local_len, part_topk, part_scores, all_topk, all_scores;
+  const int32_t* local_len_dev = nullptr;
+  const int32_t* local_len_host = nullptr;
   std::unique_ptr<CollectiveHandle> handle;
 };
 
+// The rows' local key lengths are computed and uploaded here, unless the caller has them on the device and the
+// host already (d_local_len, h_local_len).
 Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
                                       const int32_t* host_request, const std::vector<int32_t>& global_key_len,
-                                      int32_t* topk) {
+                                      int32_t* topk, const int32_t* d_local_len = nullptr,
+                                      const int32_t* h_local_len = nullptr) {
   Communicator& world = *s.comms.world;
   const int64_t Pt = world.size();
   const int64_t K = s.c.K;
   PendingTopk pt;
   pt.n = n;
   pt.topk = topk;
-  DSACP_ASSIGN_OR_RETURN(pt.d_local_len, upload_local_len(s, global_key_len, &pt.local_len));
+  if (d_local_len != nullptr && h_local_len != nullptr) {
+    pt.local_len_dev = d_local_len;
+    pt.local_len_host = h_local_len;
+  } else {
+    DSACP_ASSIGN_OR_RETURN(pt.d_local_len, upload_local_len(s, global_key_len, &pt.local_len));
+    pt.local_len_dev = pt.d_local_len.as<const int32_t>();
+    pt.local_len_host = pt.local_len.data();
+  }
   DSACP_ASSIGN_OR_RETURN(pt.part_topk, s.backend.allocate(n * K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(pt.part_scores, s.backend.allocate(n * K * sizeof(float)));
   IndexerTopkParams ip;
-  ip.rows = {n, request, pt.d_local_len.as<const int32_t>()};
+  ip.rows = {n, request, pt.local_len_dev};
   ip.Hi = s.c.Hi;
   ip.Di = s.c.Di;
   ip.K = s.c.K;
@@ -207,7 +221,7 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   ip.topk = pt.part_topk.as<int32_t>();
   ip.topk_scores = pt.part_scores.as<float>();
   ip.host_request = host_request;
-  ip.host_key_len = pt.local_len.data();
+  ip.host_key_len = pt.local_len_host;
   DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
   DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(pt.all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
@@ -397,14 +411,12 @@ struct LocalDecodes {
   const void* qn = nullptr;
   const void* qr = nullptr;
   PendingHeads* q_heads = nullptr;  // queries gathered along heads, laid out as rows by run_local_decodes
-  DeviceBuffer heads_order, full_qn, full_qr, d_local_len, local_topk, part_out, part_lse, d_pack, send_out, send_lse, recv_out,
+  const int32_t* local_len = nullptr;  // rows [0, n)'s local key lengths (the step's upload)
+  DeviceBuffer heads_order, full_qn, full_qr, local_topk, part_out, part_lse, d_pack, send_out, send_lse, recv_out,
       recv_lse;
 };
 
-// `local_len`: rows [0, n)'s local key lengths already on the device (the sharded indexer's upload for the same
-// rows), or empty to upload them here.
-Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads,
-                                           DeviceBuffer local_len = {}) {
+Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads) {
   const StepConfig& c = s.c;
   const int64_t H = c.H, Hr = s.plan.num_heads, Pt = s.comms.world->size(), D = s.comms.dcp->size();
   Backend& be = s.backend;
@@ -416,12 +428,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   // Direct needs head slices the CUDA kernels take whole (a multiple of their 64-head group, or all heads).
   const char* knob = std::getenv("DSACP_CP_HEAD_BLOCKS");
   d.direct = q_heads && Pt == D && Hr % std::min<int64_t>(H, 64) == 0 && !(knob != nullptr && std::string(knob) == "0");
-  if (local_len.get() != nullptr) {
-    d.d_local_len = std::move(local_len);
-  } else {
-    const std::vector<int32_t> key_len(s.plan.row_key_len.begin(), s.plan.row_key_len.begin() + n);
-    DSACP_ASSIGN_OR_RETURN(d.d_local_len, upload_local_len(s, key_len));
-  }
+  d.local_len = s.d_row_local_len;
   const int64_t block = n * Hr;
   d.part_dtype = c.out_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
   const size_t part = dtype_size(d.part_dtype);
@@ -461,9 +468,13 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   const StepConfig& c = s.c;
   const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), block = n * s.plan.num_heads;
   if (d.direct) {
+    // One launch over every head block; attention writes the all-to-all's send layout directly. (Computing the
+    // other ranks' blocks first, then this rank's own block while their all-to-all runs, measured slower on
+    // 2 x H200: 0.92 against 0.85 ms a step; two launches of half the heads take longer than one, and the own
+    // block's CTAs compete with NCCL's kernels for the SMs.)
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
-        s, n, d.qn, d.qr, s.d_row_request, d.d_local_len.as<const int32_t>(), s.out.topk, d.local_topk.as<int32_t>(),
+        s, n, d.qn, d.qr, s.d_row_request, d.local_len, s.out.topk, d.local_topk.as<int32_t>(),
         d.send_out.get(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype));
   } else if (d.q_heads != nullptr) {
     // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
@@ -478,7 +489,7 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   }
   if (!d.direct) {
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
-                                                     d.d_local_len.as<const int32_t>(), s.out.topk,
+                                                     d.local_len, s.out.topk,
                                                      d.local_topk.as<int32_t>(), d.part_out.get(),
                                                      d.part_lse.as<float>(), 1, d.part_dtype));
     const int64_t packed = Pt * block;
@@ -539,7 +550,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // Kernels, uploads and device copies only enqueue; collectives order themselves after them (NCCL's
   // producer stream) and errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
-  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}, {}, {}, {}};
+  RankStep s{backend, comms, c, requests, plan, layout, sharding, table, cache, in, out, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   std::vector<int64_t> pages(R), first_new(R);
   for (int32_t b = 0; b < R; ++b) {
     s.seq_lens.push_back(requests[b].seq_len());
@@ -590,12 +601,17 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(s.step_table, upload_vector(backend, table.data));
     s.d_table = s.step_table.as<const int32_t>();
   }
+  s.row_local_len.resize(plan.row_key_len.size());
+  for (size_t t = 0; t < plan.row_key_len.size(); ++t) {
+    s.row_local_len[t] = static_cast<int32_t>(sharding.local_len(plan.row_key_len[t], plan.cr));
+  }
   UploadBatch batch;
   const size_t at_request = batch.add(plan.row_request), at_key_len = batch.add(plan.row_key_len),
-               at_owned = batch.add(owned), at_all = batch.add(all);
+               at_local_len = batch.add(s.row_local_len), at_owned = batch.add(owned), at_all = batch.add(all);
   DSACP_ASSIGN_OR_RETURN(s.step_rows, batch.upload(backend));
   s.d_row_request = UploadBatch::at<int32_t>(s.step_rows, at_request);
   s.d_row_key_len = UploadBatch::at<int32_t>(s.step_rows, at_key_len);
+  s.d_row_local_len = UploadBatch::at<int32_t>(s.step_rows, at_local_len);
   const int64_t* d_owned = UploadBatch::at<int64_t>(s.step_rows, at_owned);
   const int64_t* d_all = UploadBatch::at<int64_t>(s.step_rows, at_all);
 
@@ -753,9 +769,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     std::optional<PendingTopk> pending_topk;
     if (shared > 0) {
       std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + shared);
-      DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w,
-                                                             s.d_row_request,
-                                                             plan.row_request.data(), key_len, out.topk));
+      DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request,
+                                                             plan.row_request.data(), key_len, out.topk,
+                                                             s.d_row_local_len, s.row_local_len.data()));
     }
     DSACP_RETURN_IF_ERROR(write_latent_rope());
     DSACP_RETURN_IF_ERROR(start_q_heads());
@@ -782,10 +798,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       // While the candidates are computed and exchanged, issue what the local decodes need that does not
       // depend on them; then wait for the candidates and merge.
       if (local_decodes && T_dec > 0) {
-        // Rows [0, T_dec) are among the merged rows [0, shared): their local key lengths are uploaded already.
-        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads,
-                                                              T_dec <= shared ? std::move(pending_topk->d_local_len)
-                                                                              : DeviceBuffer{}));
+        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
       }
       DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk));
     }

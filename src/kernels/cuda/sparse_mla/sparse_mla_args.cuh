@@ -72,9 +72,13 @@ __device__ __forceinline__ MlaSplitKeys mla_split_keys(const MlaArgs& a, int64_t
   }
   __syncthreads();
   const int n_used = row_ok ? *smem_word : 0;
-  const int kb = split * a.split_len;
-  const int ke = min(n_used, kb + a.split_len);
-  return MlaSplitKeys{b, trow + kb, max(0, ke - kb)};
+  // The used entries are split evenly (in whole 64-key tiles) between the splits, so a row with fewer used
+  // entries than K (a short context, or a CP rank's remapped top-k: its own keys first, then -1) still gives
+  // every split work. Both chunk and split_len times splits cover n_used <= K.
+  const int chunk = a.splits == 1 ? a.split_len : min(a.split_len, ((n_used + a.splits - 1) / a.splits + 63) / 64 * 64);
+  const int kb = split * chunk;
+  const int ke = min(n_used, kb + chunk);
+  return MlaSplitKeys{b, trow + min(kb, a.K), max(0, ke - kb)};
 }
 
 }  // namespace dsacp::cuda
