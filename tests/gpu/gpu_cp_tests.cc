@@ -22,6 +22,7 @@
 #include "dsacp/random.h"
 #include "dsacp/replay.h"
 #include "gpu/check_log.h"
+#include "gpu/crash_trace.h"
 
 using namespace dsacp;
 
@@ -416,6 +417,7 @@ void test_layouts(uint64_t seed, int num_gpus) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  dsacp::testing::install_crash_trace();
   uint64_t seed = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) % 1000003;
   std::string json;
   for (int i = 1; i < argc; ++i) {

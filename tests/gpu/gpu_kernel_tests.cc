@@ -19,6 +19,7 @@
 #include "dsacp/backend.h"
 #include "dsacp/dtype.h"
 #include "gpu/check_log.h"
+#include "gpu/crash_trace.h"
 
 using namespace dsacp;
 
@@ -849,6 +850,7 @@ void test_unsupported(Backend& gpu) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  dsacp::testing::install_crash_trace();
   bool quick = false;
   const char* json = nullptr;
   for (int i = 1; i < argc; ++i) {
