@@ -779,7 +779,7 @@ void test_deferred_errors(Backend& gpu) {
 // The backend's block cache: a freed block comes back for the next allocation of its size class (in stream
 // order, so data written through the new buffer is never overwritten by work queued for the old one); an
 // allocation the device cannot hold fails with resource_exhausted after the cache is given back.
-void test_block_cache(Backend& gpu) {
+void test_block_cache(Backend& gpu, bool try_oom) {
   void* first = nullptr;
   {
     auto a = gpu.allocate(3u << 20);
@@ -811,6 +811,8 @@ void test_block_cache(Backend& gpu) {
   }
   report(s1.ok() && s2.ok() && sync.ok() && reused != nullptr && got == twos,
          "block cache: reuse within a deferred scope is stream-ordered", sync.to_string());
+  // Not under --quick (what compute-sanitizer runs): the failing cudaMallocAsync counts as an API error there.
+  if (!try_oom) return;
   auto huge = gpu.allocate(size_t{1} << 42);  // 4 TiB
   report(!huge.ok() && huge.status().code() == StatusCode::kResourceExhausted &&
              huge.status().message().find("allocation of 4398046511104 bytes") != std::string::npos,
@@ -870,7 +872,7 @@ int main(int argc, char** argv) {
   test_lse_merge(*gpu, *cpu);
   test_cp_kernels(*gpu, *cpu);
   test_deferred_errors(*gpu);
-  test_block_cache(*gpu);
+  test_block_cache(*gpu, !quick);
 
   std::vector<MlaCase> mla;
   mla.push_back({"decode H=16 page64 K=2048 split-K", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});

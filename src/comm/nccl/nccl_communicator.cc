@@ -220,6 +220,13 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
   return st->comm;
 }
 
+// Serializes ncclCommDestroy across the process. Communicators of ranks that are threads of one process map
+// each other's buffers; destroying two of them at once (the ranks' threads releasing their communicators
+// together) corrupted the heap inside the driver's cuMemUnmap (glibc "double free or corruption", seen on
+// 2 x H200 with NCCL 2.28.3 about one run in three of dsacp_gpu_cp_tests). After ncclCommFinalize a destroy
+// only frees local resources, so serializing it cannot wait for a peer.
+std::mutex g_destroy_mu;
+
 // Finalizes and destroys a healthy communicator on a helper thread, waiting up to `timeout` (a finalization
 // that waits for a dead peer is left behind).
 void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds timeout) {
@@ -230,7 +237,10 @@ void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds time
     ncclComm_t c = comm;
     const ncclResult_t r = ncclCommFinalize(c);
     if (r == ncclInProgress) (void)settle(&c, "NCCL finalize", timeout, nullptr);
-    if (c != nullptr) (void)ncclCommDestroy(c);
+    if (c != nullptr) {
+      std::lock_guard<std::mutex> lock(g_destroy_mu);
+      (void)ncclCommDestroy(c);
+    }
     done->store(true);
     --g_background;
   }).detach();
