@@ -276,6 +276,8 @@ class NcclComm final : public NcclCommunicator {
     (void)cudaSetDevice(options_.device);
     // Flush and release; a peer that is gone must not hang the destructor.
     if (comm_ != nullptr) bounded_release(comm_, options_.device, std::min(options_.timeout, std::chrono::milliseconds(10000)));
+    // Not concurrently with another rank's ncclCommDestroy (g_destroy_mu): both release device memory.
+    std::lock_guard<std::mutex> lock(g_destroy_mu);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     if (producer_ready_ != nullptr) (void)cudaEventDestroy(producer_ready_);
     (void)cudaFree(flag_);
