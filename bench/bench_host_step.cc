@@ -4,7 +4,8 @@
 // are memcpy, which is what a device backend's host does with an upload too (into its pinned ring). What is
 // left is planning, validation, host vectors, allocations and the thread communicator: the host work that a
 // GPU step cannot hide (docs/design/gpu-notes.md, session 3). Run it under `perf record` to see where it goes.
-// Usage: dsacp_bench_host_step [--S TOKENS] [--reps N] [--D ranks]
+// --device-table: the steps read a block table kept in backend memory (StepInputs::block_table).
+// Usage: dsacp_bench_host_step [--S TOKENS] [--reps N] [--D ranks] [--device-table]
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -115,8 +116,11 @@ int main(int argc, char** argv) {
   int64_t S = 131072;
   int reps = 50;
   int D = 2;
-  for (int i = 1; i + 1 < argc; ++i) {
+  bool device_table = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "--device-table") device_table = true;
+    if (i + 1 >= argc) continue;
     if (a == "--S") S = std::atoll(argv[++i]);
     if (a == "--reps") reps = std::atoi(argv[++i]);
     if (a == "--D") D = std::atoi(argv[++i]);
@@ -133,14 +137,15 @@ int main(int argc, char** argv) {
     PagedCacheConfig cc{int64_t{64} * pages, page, c.Dl, c.Dr, c.Di, DType::kBF16};
     PagedKvCache cache = take(PagedKvCache::create(be, cc, false), "cache");
     bench::StepBuffers b = take(bench::allocate_step_buffers(be, c, 64, c.H, 64), "buffers");
+    if (device_table) check(bench::keep_table_on_device(be, table, b), "device table");
     std::vector<double> ms;
     for (int i = 0; i <= reps; ++i) {
       const auto t0 = Clock::now();
       check(step_run(be, c, req, table, cache, b.in(), b.outs()), "step_run");
       if (i > 0) ms.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
-    std::printf("host side of step_run, b=64 decode, %lldK context: %.1f us (median of %d)\n",
-                static_cast<long long>(S / 1024), median(ms), reps);
+    std::printf("host side of step_run, b=64 decode, %lldK context, block table %s: %.1f us (median of %d)\n",
+                static_cast<long long>(S / 1024), device_table ? "on the device" : "uploaded", median(ms), reps);
   }
 
   // DCP over D ranks as threads (sharded indexer), each with its own null backend.
@@ -160,6 +165,7 @@ int main(int argc, char** argv) {
       caches.push_back(take(PagedKvCache::create(be[d], cc, false), "cache"));
       plans.push_back(take(cp_rank_plan(req, layout, 0, d, table, page, c.decode_threshold, c.H), "plan"));
       bufs.push_back(take(bench::allocate_step_buffers(be[d], c, plans[d].num_rows, plans[d].num_heads, plans[d].output_rows), "buffers"));
+      if (device_table) check(bench::keep_table_on_device(be[d], table, bufs[d]), "device table");
     }
     // Thread groups whose copies do nothing: the collectives' synchronization stays, their bytes do not move
     // (NCCL moves them on the GPUs, not on the host).

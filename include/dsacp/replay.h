@@ -19,6 +19,7 @@ struct ReplayOptions {
   uint64_t page_shuffle_seed = 0x5eed;  // 0 = pages in order
   int32_t spare_pages = 3;              // unused (NaN) pages in the pool besides the ones the batch needs
   CpLayout layout;                      // P = 1: single device
+  bool device_block_table = false;      // the step reads the block table from backend memory (StepInputs)
 };
 
 // The dtype the step computes in: BF16 when every float input of the case is BF16, else F32

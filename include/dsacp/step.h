@@ -71,6 +71,9 @@ struct HostStepInputs {
   const Tensor* idx_q = nullptr;      // [T, Hi, Di]
   const Tensor* idx_w = nullptr;      // [T, Hi]
   const Tensor* idx_k = nullptr;      // [T, Di]
+  // Upload the block table once and pass it as StepInputs::block_table (the serving path: the table kept
+  // in the backend's memory) instead of letting the step upload it.
+  bool device_block_table = false;
 };
 Result<StepResult> step_run_host(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                                  const BlockTable& table, PagedKvCache& cache, const HostStepInputs& inputs);

@@ -31,8 +31,9 @@ struct ReplaySetup {
   Tensor ctx_latent, ctx_rope, ctx_idx_k;
   Tensor q_nope, q_rope, kv_latent, k_rope, idx_q, idx_k;
   StepConfig config;
+  bool device_block_table = false;
   HostStepInputs inputs(const CaseFile& c) const {
-    return HostStepInputs{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k};
+    return HostStepInputs{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k, device_block_table};
   }
 };
 
@@ -85,6 +86,7 @@ Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options
   config.scale = c.scale;
   config.act_dtype = dtype;
   config.out_dtype = options.out_dtype;
+  s.device_block_table = options.device_block_table;
   return s;
 }
 

@@ -113,6 +113,41 @@ TEST(CpLayoutDirect, Bf16PartialsStayWithinBf16Tolerance) {
   }
 }
 
+// StepInputs::block_table (the table kept in backend memory, as a serving engine keeps it): every executor
+// path reads it instead of uploading the host table, with the same results as one device over the host table.
+TEST(CpLayoutDeviceTable, EveryLayoutReadsTheDeviceTable) {
+  const uint64_t seed = testing::test_seed(983);
+  CaseGenSpec spec;
+  spec.topk = 24;
+  spec.requests = testing::random_cp_batch(seed, 2, spec.topk, /*decode_only=*/false);
+  spec.dims = CaseDims{8, 24, 8, 2, 16};
+  spec.scale = 0.3f;
+  spec.dtype = DType::kF32;
+  spec.seed = seed;
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  ReplayOptions one;
+  one.page_size = 4;
+  struct L {
+    int32_t P, D;
+    bool dsa;
+    IndexerMode mode;
+  };
+  for (const L& l : {L{1, 1, false, IndexerMode::kSharded}, L{1, 2, false, IndexerMode::kSharded},
+                     L{1, 2, false, IndexerMode::kReplicated}, L{2, 1, false, IndexerMode::kSharded},
+                     L{2, 2, false, IndexerMode::kSharded}, L{1, 2, true, IndexerMode::kSharded}}) {
+    ReplayOptions cp = one;
+    cp.layout.P = l.P;
+    cp.layout.D = l.D;
+    cp.layout.dsa_cp = l.dsa;
+    cp.layout.indexer = l.mode;
+    cp.page_shuffle_seed = seed * 7 + 1;
+    cp.device_block_table = true;
+    SCOPED_TRACE("P" + std::to_string(l.P) + " D" + std::to_string(l.D) + (l.dsa ? " DSA-CP" : ""));
+    testing::expect_same_as_one_device(*c, one, cp);
+  }
+}
+
 std::vector<LayoutCase> layout_cases() {
   std::vector<LayoutCase> v;
   uint64_t seed = 101;
