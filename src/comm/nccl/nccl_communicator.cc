@@ -220,11 +220,14 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
   return st->comm;
 }
 
-// Serializes ncclCommDestroy across the process. Communicators of ranks that are threads of one process map
-// each other's buffers; destroying two of them at once (the ranks' threads releasing their communicators
-// together) corrupted the heap inside the driver's cuMemUnmap (glibc "double free or corruption", seen on
-// 2 x H200 with NCCL 2.28.3 about one run in three of dsacp_gpu_cp_tests). After ncclCommFinalize a destroy
-// only frees local resources, so serializing it cannot wait for a peer.
+// Serializes the release of device resources by communicators across the process: ncclCommDestroy (after its
+// finalization) and a communicator's own frees (its flag, stream and events). Ranks that are threads of one
+// process release their communicators together; dsacp_gpu_cp_tests then aborted about one run in five with
+// glibc's "double free or corruption" inside ncclCommDestroy -> cuMemUnmap (2 x H200, NCCL 2.28.3, driver
+// 580). Serializing ncclCommDestroy alone still crashed once in six runs; with the frees serialized too, three
+// full runs and ~145 make/use/release cycles (dsacp_gpu_cp_tests --churn) passed. The root cause (driver or
+// NCCL) is not known. Finalization stays concurrent (it may wait for the other ranks); a destroy after it only
+// frees local resources, so holding the lock cannot wait for a peer.
 std::mutex g_destroy_mu;
 
 // Finalizes and destroys a healthy communicator on a helper thread, waiting up to `timeout` (a finalization
