@@ -251,8 +251,8 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
 }
 
 // Partial attention of `n` rows (all `H` heads) over this rank's own keys: the global top-k remapped to local
-// positions (into local_topk), sparse over the local lengths d_local_len. Writes f32 partial out [n, H, Dl] and
-// lse [n, H].
+// positions (into local_topk), sparse over the local lengths d_local_len. Writes the partial out [n, H, Dl] in
+// part_dtype (f32 or bf16) and the lse [n, H] in f32.
 Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
                                   const int32_t* d_local_len, const int32_t* global_topk, int32_t* local_topk,
                                   void* part_out, float* part_lse, int32_t head_blocks = 1,
