@@ -309,10 +309,7 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_topk, backend.allocate(std::max<size_t>(result.topk_indices.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_out, backend.allocate(std::max<size_t>(result.out.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(result.lse.nbytes(), 1)));
-  DeviceBuffer d_table;
-  if (inputs.device_block_table) {
-    DSACP_ASSIGN_OR_RETURN(d_table, upload_vector(backend, table.data));
-  }
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, inputs.device_block_table));
   StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
                 idx_k.get(), d_table.as<const int32_t>()};
   StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};

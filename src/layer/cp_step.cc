@@ -593,14 +593,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(owned[j], sharded_slot(sharding, plan.cr, table, b, p, B));
     if (replicated) all[j] = int64_t{rep_table.page(b, p / B)} * B + p % B;
   }
-  // The block table goes on its own, straight from its vector (copying it into the batch first would touch
-  // fresh pages of a large temporary every step); the small vectors go in one batch.
-  if (in.block_table != nullptr) {
-    s.d_table = in.block_table;
-  } else {
-    DSACP_ASSIGN_OR_RETURN(s.step_table, upload_vector(backend, table.data));
-    s.d_table = s.step_table.as<const int32_t>();
-  }
+  // The block table: the caller's device copy, or uploaded on its own straight from its vector (copying it into
+  // the batch first would touch fresh pages of a large temporary every step); the small vectors go in one batch.
+  DSACP_ASSIGN_OR_RETURN(s.d_table, step_device_table(backend, table, in, &s.step_table));
   s.row_local_len.resize(plan.row_key_len.size());
   for (size_t t = 0; t < plan.row_key_len.size(); ++t) {
     s.row_local_len[t] = static_cast<int32_t>(sharding.local_len(plan.row_key_len[t], plan.cr));

@@ -54,10 +54,7 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_out, backend.allocate(std::max<size_t>(r.out.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(r.lse.nbytes(), 1)));
 
-  DeviceBuffer d_table;
-  if (in.device_block_table) {
-    DSACP_ASSIGN_OR_RETURN(d_table, upload_vector(backend, table.data));
-  }
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, in.device_block_table));
   StepInputs si{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
                 idx_k.get(), d_table.as<const int32_t>()};
   StepOutputs so{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};

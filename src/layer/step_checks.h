@@ -30,6 +30,22 @@ Result<DeviceBuffer> upload_vector(Backend& backend, const std::vector<T>& v) {
   return buf;
 }
 
+// The step's block table in backend memory: `in.block_table` when the caller keeps it there, else `table`
+// uploaded into *storage (which must outlive the step's use of the pointer).
+inline Result<const int32_t*> step_device_table(Backend& backend, const BlockTable& table, const StepInputs& in,
+                                                DeviceBuffer* storage) {
+  if (in.block_table != nullptr) return in.block_table;
+  DSACP_ASSIGN_OR_RETURN(*storage, upload_vector(backend, table.data));
+  return storage->as<const int32_t>();
+}
+
+// For the host-memory helpers (HostStepInputs::device_block_table): `table` uploaded once into a buffer the
+// step then reads as StepInputs::block_table, or an empty buffer (null pointer: the step uploads it itself).
+inline Result<DeviceBuffer> kept_block_table(Backend& backend, const BlockTable& table, bool keep) {
+  if (!keep) return DeviceBuffer{};
+  return upload_vector(backend, table.data);
+}
+
 // Small host vectors sent in one device buffer (one allocation, one copy), each at a 16-byte aligned offset.
 class UploadBatch {
  public:

@@ -86,12 +86,10 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   // Kernels and uploads only enqueue; errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
 
-  // The block table on its own, straight from its vector; the small vectors in one batch.
+  // The block table: the caller's device copy, or uploaded on its own straight from its vector; the small
+  // vectors in one batch.
   DeviceBuffer uploaded_table;
-  if (in.block_table == nullptr) {
-    DSACP_ASSIGN_OR_RETURN(uploaded_table, upload_vector(backend, table.data));
-  }
-  const int32_t* d_table = in.block_table != nullptr ? in.block_table : uploaded_table.as<const int32_t>();
+  DSACP_ASSIGN_OR_RETURN(const int32_t* d_table, step_device_table(backend, table, in, &uploaded_table));
   UploadBatch batch;
   const size_t at_slots = batch.add(plan.slots), at_request = batch.add(plan.token_request),
                at_key_len = batch.add(plan.token_key_len);

@@ -223,8 +223,9 @@ class CudaBackend final : public Backend {
     const size_t cls = StreamBox::size_class(bytes);
     void* p = box_->take(cls);
     cudaError_t err = cudaSuccess;
+    // A cached block needs no CUDA call at all (unless checked mode synchronizes below).
+    if (p == nullptr || deferred_ == 0) DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (p == nullptr) {
-      DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
       err = cudaMallocAsync(&p, cls, stream_);
       if (err != cudaSuccess) {
         // Out of memory with blocks cached: give them back to the pool and try once more.
@@ -234,10 +235,7 @@ class CudaBackend final : public Backend {
         err = cudaMallocAsync(&p, cls, stream_);
       }
     }
-    if (err == cudaSuccess && deferred_ == 0) {
-      DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-      err = cudaStreamSynchronize(stream_);
-    }
+    if (err == cudaSuccess && deferred_ == 0) err = cudaStreamSynchronize(stream_);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       return resource_exhausted("CUDA backend: allocation of " + std::to_string(bytes) + " bytes on device " +
