@@ -35,19 +35,24 @@ std::string layout_case_name(const LayoutCase& c) {
 
 void PrintTo(const LayoutCase& c, std::ostream* os) { *os << layout_case_name(c); }
 
+// A random CP batch of this file's shape (K=24, Dl=24, Dr=8, Hi=2, Di=16) with H heads, for P PCP ranks.
+Result<CaseFile> cp_case(uint64_t seed, int32_t H, int32_t P, bool decode_only, DType dtype) {
+  CaseGenSpec spec;
+  spec.topk = 24;
+  spec.requests = testing::random_cp_batch(seed, P, spec.topk, decode_only);
+  spec.dims = CaseDims{H, 24, 8, 2, 16};
+  spec.scale = 0.3f;
+  spec.dtype = dtype;
+  spec.seed = seed;
+  return case_generate(spec);
+}
+
 class CpLayoutTest : public ::testing::TestWithParam<LayoutCase> {};
 
 TEST_P(CpLayoutTest, SameResultsAsOneDevice) {
   const LayoutCase& lc = GetParam();
   const uint64_t seed = testing::test_seed(lc.seed);
-  CaseGenSpec spec;
-  spec.topk = 24;
-  spec.requests = testing::random_cp_batch(seed, lc.layout.P, spec.topk, lc.decode_only);
-  spec.dims = CaseDims{8, 24, 8, 2, 16};
-  spec.scale = 0.3f;
-  spec.dtype = lc.dtype;
-  spec.seed = seed;
-  auto c = case_generate(spec);
+  auto c = cp_case(seed, 8, lc.layout.P, lc.decode_only, lc.dtype);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   ReplayOptions one;
   one.page_size = lc.page_size;
@@ -62,14 +67,7 @@ TEST_P(CpLayoutTest, SameResultsAsOneDevice) {
 // the direct path off (DSACP_CP_HEAD_BLOCKS=0): both match one device.
 TEST(CpLayoutDirect, HeadBlockLayoutMatchesOneDeviceAndThePackedPath) {
   const uint64_t seed = testing::test_seed(977);
-  CaseGenSpec spec;
-  spec.topk = 24;
-  spec.requests = testing::random_cp_batch(seed, 1, spec.topk, /*decode_only=*/true);
-  spec.dims = CaseDims{128, 24, 8, 2, 16};
-  spec.scale = 0.3f;
-  spec.dtype = DType::kF32;
-  spec.seed = seed;
-  auto c = case_generate(spec);
+  auto c = cp_case(seed, 128, 1, /*decode_only=*/true, DType::kF32);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   ReplayOptions one;
   one.page_size = 4;
@@ -90,14 +88,7 @@ TEST(CpLayoutDirect, HeadBlockLayoutMatchesOneDeviceAndThePackedPath) {
 // The one-device output is bf16 too, so this measures the partials' extra rounding, not the output's.
 TEST(CpLayoutDirect, Bf16PartialsStayWithinBf16Tolerance) {
   const uint64_t seed = testing::test_seed(979);
-  CaseGenSpec spec;
-  spec.topk = 24;
-  spec.requests = testing::random_cp_batch(seed, 1, spec.topk, /*decode_only=*/true);
-  spec.dims = CaseDims{128, 24, 8, 2, 16};
-  spec.scale = 0.3f;
-  spec.dtype = DType::kBF16;
-  spec.seed = seed;
-  auto c = case_generate(spec);
+  auto c = cp_case(seed, 128, 1, /*decode_only=*/true, DType::kBF16);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   ReplayOptions one;
   one.page_size = 4;
@@ -117,14 +108,7 @@ TEST(CpLayoutDirect, Bf16PartialsStayWithinBf16Tolerance) {
 // path reads it instead of uploading the host table, with the same results as one device over the host table.
 TEST(CpLayoutDeviceTable, EveryLayoutReadsTheDeviceTable) {
   const uint64_t seed = testing::test_seed(983);
-  CaseGenSpec spec;
-  spec.topk = 24;
-  spec.requests = testing::random_cp_batch(seed, 2, spec.topk, /*decode_only=*/false);
-  spec.dims = CaseDims{8, 24, 8, 2, 16};
-  spec.scale = 0.3f;
-  spec.dtype = DType::kF32;
-  spec.seed = seed;
-  auto c = case_generate(spec);
+  auto c = cp_case(seed, 8, 2, /*decode_only=*/false, DType::kF32);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   ReplayOptions one;
   one.page_size = 4;

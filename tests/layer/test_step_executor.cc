@@ -9,6 +9,7 @@
 #include "dsacp/case_file.h"
 #include "dsacp/paged_cache.h"
 #include "dsacp/replay.h"
+#include "support/layout_check.h"
 #include "support/test_seed.h"
 #include "dsacp/step.h"
 #include "support/reference_math.h"
@@ -181,15 +182,7 @@ TEST(StepExecutor, DeviceBlockTableMatchesTheHostTableAndIsCheckedWhereRead) {
   t.max_pages = 3;
   t.data = {5, 2, 0, 7, 1, -1};  // request 0: 12 positions on pages 5, 2, 0; request 1: 6 on pages 7, 1
   ASSERT_TRUE(cache_load_context(*backend, *cache, c->requests, t, c->ctx_kv_latent, c->ctx_k_rope, c->ctx_idx_k).ok());
-  StepConfig sc;
-  sc.H = 4;
-  sc.Dl = 16;
-  sc.Dr = 8;
-  sc.Hi = 2;
-  sc.Di = 8;
-  sc.K = 6;
-  sc.scale = 0.25f;
-  sc.act_dtype = DType::kF32;
+  const StepConfig sc = testing::f32_step_config(*c);
   const int64_t T = 3;
   struct Out {
     std::vector<int32_t> topk = std::vector<int32_t>(T * 6);
