@@ -411,7 +411,6 @@ struct LocalDecodes {
   const void* qn = nullptr;
   const void* qr = nullptr;
   PendingHeads* q_heads = nullptr;  // queries gathered along heads, laid out as rows by run_local_decodes
-  const int32_t* local_len = nullptr;  // rows [0, n)'s local key lengths (the step's upload)
   DeviceBuffer heads_order, full_qn, full_qr, local_topk, part_out, part_lse, d_pack, send_out, send_lse, recv_out,
       recv_lse;
 };
@@ -428,7 +427,6 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   // Direct needs head slices the CUDA kernels take whole (a multiple of their 64-head group, or all heads).
   const char* knob = std::getenv("DSACP_CP_HEAD_BLOCKS");
   d.direct = q_heads && Pt == D && Hr % std::min<int64_t>(H, 64) == 0 && !(knob != nullptr && std::string(knob) == "0");
-  d.local_len = s.d_row_local_len;
   const int64_t block = n * Hr;
   d.part_dtype = c.out_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
   const size_t part = dtype_size(d.part_dtype);
@@ -474,7 +472,7 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     // block's CTAs compete with NCCL's kernels for the SMs.)
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
-        s, n, d.qn, d.qr, s.d_row_request, d.local_len, s.out.topk, d.local_topk.as<int32_t>(),
+        s, n, d.qn, d.qr, s.d_row_request, s.d_row_local_len, s.out.topk, d.local_topk.as<int32_t>(),
         d.send_out.get(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype));
   } else if (d.q_heads != nullptr) {
     // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
@@ -489,7 +487,7 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   }
   if (!d.direct) {
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
-                                                     d.local_len, s.out.topk,
+                                                     s.d_row_local_len, s.out.topk,
                                                      d.local_topk.as<int32_t>(), d.part_out.get(),
                                                      d.part_lse.as<float>(), 1, d.part_dtype));
     const int64_t packed = Pt * block;
