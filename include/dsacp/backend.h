@@ -73,9 +73,24 @@ class Backend {
   // a step then runs without a host round trip per call. Calls nest (on while any caller holds it); use the
   // DeferredErrors scope. Backends without device work ignore it.
   virtual void defer_errors(bool on) { (void)on; }
-  // The CUDA stream (cudaStream_t) this backend's work runs on, or null (host backends). Collectives on other
-  // streams order themselves after it (NcclOptions::producer_stream).
+  // The CUDA stream (cudaStream_t) the calling thread's work runs on (its current lane, below), or null (host
+  // backends). Collectives on other streams order themselves after it (NcclOptions::producer_stream,
+  // Communicator::set_producer_stream).
   virtual void* native_stream() const { return nullptr; }
+
+  // Lanes: a second in-order queue of work (a higher-priority CUDA stream), so that independent parts of a step
+  // overlap on the device. Backends without device work have one lane, and these calls do nothing (the work
+  // runs in call order, which is a valid order for any use of the lanes).
+  //   begin_lanes(): a lane session starts for the calling thread; the side lane (1) is ordered after the work
+  //     enqueued so far.
+  //   set_lane(l): the thread's later calls go to lane l (0 = main, 1 = side) until the session ends.
+  //   end_lanes(): the main lane is ordered after the work of both, and the thread is back on it.
+  // Work on one lane must not use what the other lane writes in the same session. Buffers freed during a session
+  // are reused only after every session ends. Use the LaneSession scope.
+  virtual int num_lanes() const { return 1; }
+  virtual Status begin_lanes() { return Status(); }
+  virtual void set_lane(int lane) { (void)lane; }
+  virtual Status end_lanes() { return Status(); }
 
   // Kernels. Call them through the *_run functions below, which validate the parameters first.
   virtual Status cache_write(const CacheWriteParams& p) = 0;
@@ -98,6 +113,33 @@ class DeferredErrors {
 
  private:
   Backend& backend_;
+};
+
+// A lane session for a scope (Backend::begin_lanes). end() ends it and reports errors; a scope left early (another
+// error) ends it in the destructor.
+class LaneSession {
+ public:
+  explicit LaneSession(Backend& backend) : backend_(backend) {}
+  ~LaneSession() { (void)end(); }
+  LaneSession(const LaneSession&) = delete;
+  LaneSession& operator=(const LaneSession&) = delete;
+  Status begin() {
+    DSACP_RETURN_IF_ERROR(backend_.begin_lanes());
+    open_ = true;
+    return Status();
+  }
+  void set_lane(int lane) {
+    if (open_) backend_.set_lane(lane);
+  }
+  Status end() {
+    if (!open_) return Status();
+    open_ = false;
+    return backend_.end_lanes();
+  }
+
+ private:
+  Backend& backend_;
+  bool open_ = false;
 };
 
 // The CPU backend: plain loops with fp32 accumulation, split over `num_threads` threads

@@ -71,6 +71,10 @@ class Communicator {
   virtual void abort(const std::string& reason) = 0;
   virtual CommStats stats() const { return {}; }
   virtual void reset_stats() {}
+  // Device transports: the stream (cudaStream_t) whose work enqueued so far the next collectives start after
+  // (NcclOptions::producer_stream), for a producer that moves between streams (Backend lanes). Host transports
+  // ignore it (their inputs are ready when a collective is called).
+  virtual void set_producer_stream(void* stream) { (void)stream; }
 
   // Several all-gathers (or all-to-alls) as one operation with one handle: parts[i] is {send, recv, bytes} as
   // for all_gather_async (all_to_all_async). A GPU communicator launches them together (one NCCL group), which

@@ -161,6 +161,13 @@ Status after(RankStep& s, std::unique_ptr<CollectiveHandle> h) {
   return h->wait();
 }
 
+// The communicator, with its next collectives ordered after the work enqueued so far on the backend's current
+// lane (the producer of their inputs; Backend lanes move it between streams).
+Communicator& producing(RankStep& s, Communicator& c) {
+  if (void* stream = s.backend.native_stream()) c.set_producer_stream(stream);
+  return c;
+}
+
 // Local key lengths of rows with global key lengths `global_key_len`, on the device.
 Result<DeviceBuffer> upload_local_len(RankStep& s, const std::vector<int32_t>& global_key_len,
                                       std::vector<int32_t>* host = nullptr) {
@@ -226,7 +233,7 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(pt.all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
   DSACP_ASSIGN_OR_RETURN(pt.handle,
-                         world.all_gather_group_async({{pt.part_topk.get(), pt.all_topk.get(), n * K * sizeof(int32_t)},
+                         producing(s, world).all_gather_group_async({{pt.part_topk.get(), pt.all_topk.get(), n * K * sizeof(int32_t)},
                                                        {pt.part_scores.get(), pt.all_scores.get(), n * K * sizeof(float)}}));
   return pt;
 }
@@ -380,7 +387,7 @@ Result<PendingHeads> start_head_gather(RankStep& s, const void* q_nope, const vo
   const size_t nope = per_head * s.c.Dl, rope = per_head * s.c.Dr;
   DSACP_ASSIGN_OR_RETURN(ph.nope_blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * nope, 1)));
   DSACP_ASSIGN_OR_RETURN(ph.rope_blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * rope, 1)));
-  DSACP_ASSIGN_OR_RETURN(ph.handle, s.comms.dcp->all_gather_group_async({{q_nope, ph.nope_blocks.get(), nope},
+  DSACP_ASSIGN_OR_RETURN(ph.handle, producing(s, *s.comms.dcp).all_gather_group_async({{q_nope, ph.nope_blocks.get(), nope},
                                                                           {q_rope, ph.rope_blocks.get(), rope}}));
   return ph;
 }
@@ -401,6 +408,7 @@ Result<DeviceBuffer> heads_to_rows_index(RankStep& s, int64_t n) {
 // buffers, the local lengths, the pack order), so that under the sharded indexer it is issued while the
 // candidates are still being computed; run_local_decodes remaps the top-k, attends, exchanges and merges.
 struct LocalDecodes {
+  int64_t r0 = 0;  // the rows [r0, r0 + n) of the step
   int64_t n = 0;
   // The partial outputs' dtype: the step's output dtype when that is bf16 (the result is rounded to bf16
   // anyway; half the all-to-all's bytes), else f32.
@@ -415,14 +423,15 @@ struct LocalDecodes {
       recv_lse;
 };
 
-Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads) {
+Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t r0, int64_t n, std::optional<PendingHeads>& q_heads) {
   const StepConfig& c = s.c;
   const int64_t H = c.H, Hr = s.plan.num_heads, Pt = s.comms.world->size(), D = s.comms.dcp->size();
   Backend& be = s.backend;
   LocalDecodes d;
+  d.r0 = r0;
   d.n = n;
-  d.qn = s.in.q_nope;
-  d.qr = s.in.q_rope;
+  d.qn = offset_bytes(s.in.q_nope, r0 * Hr * c.Dl * static_cast<int64_t>(s.act()));
+  d.qr = offset_bytes(s.in.q_rope, r0 * Hr * c.Dr * static_cast<int64_t>(s.act()));
   d.q_heads = q_heads ? &*q_heads : nullptr;
   // Direct needs head slices the CUDA kernels take whole (a multiple of their 64-head group, or all heads).
   const char* knob = std::getenv("DSACP_CP_HEAD_BLOCKS");
@@ -464,7 +473,10 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
 
 Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   const StepConfig& c = s.c;
-  const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), block = n * s.plan.num_heads;
+  const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), Hr = s.plan.num_heads, block = n * Hr;
+  const int32_t* request = s.d_row_request + d.r0;
+  const int32_t* local_len = s.d_row_local_len + d.r0;
+  const int32_t* topk = s.out.topk + d.r0 * c.K;
   if (d.direct) {
     // One launch over every head block; attention writes the all-to-all's send layout directly. (Computing the
     // other ranks' blocks first, then this rank's own block while their all-to-all runs, measured slower on
@@ -472,7 +484,7 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     // block's CTAs compete with NCCL's kernels for the SMs.)
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
-        s, n, d.qn, d.qr, s.d_row_request, s.d_row_local_len, s.out.topk, d.local_topk.as<int32_t>(),
+        s, n, d.qn, d.qr, request, local_len, topk, d.local_topk.as<int32_t>(),
         d.send_out.get(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype));
   } else if (d.q_heads != nullptr) {
     // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
@@ -486,8 +498,7 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
                                      "queries gathered along heads"));
   }
   if (!d.direct) {
-    DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
-                                                     s.d_row_local_len, s.out.topk,
+    DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, request, local_len, topk,
                                                      d.local_topk.as<int32_t>(), d.part_out.get(),
                                                      d.part_lse.as<float>(), 1, d.part_dtype));
     const int64_t packed = Pt * block;
@@ -497,12 +508,67 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_lse.get(), DType::kF32, n * H, 1, d.d_pack.as<const int64_t>(),
                                      packed, d.send_lse.get(), DType::kF32, "pack partial LSE by head"));
   }
-  DSACP_ASSIGN_OR_RETURN(auto h, s.comms.world->all_to_all_group_async(
+  DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *s.comms.world).all_to_all_group_async(
                                      {{d.send_out.get(), d.recv_out.get(), block * c.Dl * dtype_size(d.part_dtype)},
                                       {d.send_lse.get(), d.recv_lse.get(), block * sizeof(float)}}));
   DSACP_RETURN_IF_ERROR(after(s, std::move(h)));
-  return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.get(), d.recv_lse.as<const float>(), s.out.out,
-                    s.out.lse, d.part_dtype);
+  return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.get(), d.recv_lse.as<const float>(),
+                    offset_bytes(s.out.out, d.r0 * Hr * c.Dl * static_cast<int64_t>(dtype_size(c.out_dtype))),
+                    s.out.lse + d.r0 * Hr, d.part_dtype);
+}
+
+// DSACP_CP_PIPELINE=0 turns the two-lane decode pipeline below off (an A/B switch for benchmarks).
+bool decode_pipeline_enabled() {
+  const char* knob = std::getenv("DSACP_CP_PIPELINE");
+  return !(knob != nullptr && std::string(knob) == "0");
+}
+
+// The decode rows of a decode-only step under the sharded indexer, in two halves on two backend lanes: the first
+// half (side lane, higher priority) runs its local top-k, candidate exchange, merge, remap, attention, all-to-all
+// and LSE merge while the second half's indexer runs on the main lane, and the first half's top-k runs beside
+// the second half's scores. The halves are independent rows (a request's tokens may fall in both), so the
+// results equal one pass over all rows. Every rank issues the same collectives in the same order: the two
+// candidate gathers (and query gathers along heads), then the two all-to-alls.
+Status pipelined_local_decodes(RankStep& s, bool want_q_heads) {
+  const int64_t rows = s.plan.num_rows, K = s.c.K;
+  struct Half {
+    int64_t r0 = 0, n = 0;
+    std::optional<PendingTopk> topk;
+    std::optional<PendingHeads> q_heads;
+    std::optional<LocalDecodes> decodes;
+  } half[2];
+  half[0].n = (rows + 1) / 2;
+  half[1].r0 = half[0].n;
+  half[1].n = rows - half[0].n;
+  const int64_t q_row = int64_t{s.c.Hi} * s.c.Di * static_cast<int64_t>(s.act());
+  // This rank's queries: [rows, Hr, dim] (its heads slice; gathered along heads for the local decodes).
+  const int64_t qn_row = s.plan.num_heads * s.c.Dl * static_cast<int64_t>(s.act());
+  const int64_t qr_row = s.plan.num_heads * s.c.Dr * static_cast<int64_t>(s.act());
+  LaneSession lanes(s.backend);
+  DSACP_RETURN_IF_ERROR(lanes.begin());
+  for (int i = 0; i < 2; ++i) {
+    Half& h = half[i];
+    lanes.set_lane(1 - i);
+    DSACP_ASSIGN_OR_RETURN(
+        h.topk, start_merged_topk(s, h.n, offset_bytes(s.in.idx_q, h.r0 * q_row), offset_ptr(s.in.idx_w, h.r0 * s.c.Hi),
+                                  s.d_row_request + h.r0, s.plan.row_request.data() + h.r0, {}, s.out.topk + h.r0 * K,
+                                  s.d_row_local_len + h.r0, s.row_local_len.data() + h.r0));
+    if (want_q_heads) {
+      DSACP_ASSIGN_OR_RETURN(h.q_heads, start_head_gather(s, offset_bytes(s.in.q_nope, h.r0 * qn_row),
+                                                          offset_bytes(s.in.q_rope, h.r0 * qr_row), h.n));
+    }
+    DSACP_ASSIGN_OR_RETURN(h.decodes, prepare_local_decodes(s, h.r0, h.n, h.q_heads));
+  }
+  for (int i = 0; i < 2; ++i) {
+    lanes.set_lane(1 - i);
+    DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *half[i].topk));
+    DSACP_RETURN_IF_ERROR(run_local_decodes(s, *half[i].decodes));
+  }
+  DSACP_RETURN_IF_ERROR(lanes.end());
+  // Later collectives start after the main lane again (which is now after both).
+  producing(s, *s.comms.world);
+  producing(s, *s.comms.dcp);
+  return Status();
 }
 
 Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
@@ -703,6 +769,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   }
 
   std::optional<LocalDecodes> decodes;  // prepared early under the sharded indexer
+  // A decode-only step under the sharded indexer runs its rows in two halves on two lanes (top-k through
+  // attention of one half beside the other's indexer); the phases then show it all under top-k.
+  const bool pipeline = !replicated && !layout.dsa_cp && local_decodes && plan.num_shared_rows == rows &&
+                        T_dec == rows && first_gathered == rows && rows >= 2 && decode_pipeline_enabled();
 
   // 3. Top-k of this rank's rows (and, under DSA-CP decode-only batches, of every token).
   DeviceBuffer all_topk;
@@ -750,6 +820,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                       all_request.data(), all_key_len, all_topk.as<int32_t>()));
     DSACP_RETURN_IF_ERROR(backend.copy_on_device(out.topk, all_topk.as<int32_t>() + plan.d * rows * c.K,
                                                  rows * c.K * sizeof(int32_t)));
+  } else if (pipeline) {
+    DSACP_RETURN_IF_ERROR(write_latent_rope());  // before the lanes: both halves' attention reads them
+    DSACP_RETURN_IF_ERROR(pipelined_local_decodes(s, want_q_heads));
   } else {
     const int64_t shared = plan.num_shared_rows;
     std::optional<PendingView> idx_pending;
@@ -791,7 +864,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       // While the candidates are computed and exchanged, issue what the local decodes need that does not
       // depend on them; then wait for the candidates and merge.
       if (local_decodes && T_dec > 0) {
-        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
+        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, 0, T_dec, q_heads));
       }
       DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk));
     }
@@ -819,10 +892,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_RETURN_IF_ERROR(h->wait());
     DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
                                      out.lse));
-  } else if (!layout.dsa_cp && local_decodes && T_dec > 0) {
+  } else if (!layout.dsa_cp && local_decodes && T_dec > 0 && !pipeline) {
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (!decodes) {
-      DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
+      DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, 0, T_dec, q_heads));
     }
     DSACP_RETURN_IF_ERROR(run_local_decodes(s, *decodes));
   }

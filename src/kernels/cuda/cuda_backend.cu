@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -116,6 +117,11 @@ struct StreamBox {
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_blocks;  // size class -> blocks
   size_t cached_bytes = 0;
+  // While a lane session is open (Backend::begin_lanes), a freed block may still be in use by the other lane's
+  // work: it is held here and goes to the free lists when the last session ends (the main stream is then
+  // ordered after both lanes).
+  int lane_sessions = 0;
+  std::vector<std::pair<void*, size_t>> held;
 
   static size_t size_class(size_t bytes) {
     size_t top = 512;
@@ -134,8 +140,25 @@ struct StreamBox {
   }
   void give_back(void* p, size_t cls) {
     std::lock_guard<std::mutex> lock(mu);
+    if (lane_sessions > 0) {
+      held.emplace_back(p, cls);
+      return;
+    }
     free_blocks[cls].push_back(p);
     cached_bytes += cls;
+  }
+  void begin_hold() {
+    std::lock_guard<std::mutex> lock(mu);
+    ++lane_sessions;
+  }
+  void end_hold() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (lane_sessions > 0 && --lane_sessions > 0) return;
+    for (const auto& [p, cls] : held) {
+      free_blocks[cls].push_back(p);
+      cached_bytes += cls;
+    }
+    held.clear();
   }
   // Returns every cached block to the device's pool (in stream order).
   void release_cached() {
@@ -147,6 +170,8 @@ struct StreamBox {
     cached_bytes = 0;
   }
   ~StreamBox() {
+    for (const auto& [p, cls] : held) free_blocks[cls].push_back(p);
+    held.clear();
     (void)cudaSetDevice(device);
     release_cached();
     (void)cudaStreamSynchronize(stream);
@@ -184,7 +209,7 @@ class CudaBackend final : public Backend {
   CudaBackend(int device, int num_sms, std::shared_ptr<StreamBox> box, int32_t* err_dev, int32_t* err_host)
       : device_(device), num_sms_(num_sms), box_(std::move(box)), stream_(box_->stream), err_dev_(err_dev),
         err_host_(err_host) {
-    for (Scratch* s : {&plan_items_, &plan_groups_, &plan_offsets_, &scores_, &mla_ws_}) s->stream = stream_;
+    lanes_[0].set_stream(stream_);
     if (cudaMallocHost(&stage_, kStageBytes) != cudaSuccess) {
       (void)cudaGetLastError();
       stage_ = nullptr;  // small copies then use the pageable path
@@ -198,9 +223,11 @@ class CudaBackend final : public Backend {
     trace_.print(device_);
     cuda::timeline::print_last(device_);
     (void)cudaSetDevice(device_);
-    (void)cudaStreamSynchronize(stream_);
-    for (Scratch* s : {&plan_items_, &plan_groups_, &plan_offsets_, &scores_, &mla_ws_}) s->release();
-    (void)cudaStreamSynchronize(stream_);
+    (void)sync_lanes();
+    for (Lane& l : lanes_) l.release();
+    (void)sync_lanes();
+    if (lanes_[1].stream != nullptr) (void)cudaStreamDestroy(lanes_[1].stream);
+    if (lane_event_ != nullptr) (void)cudaEventDestroy(lane_event_);
     (void)cudaFree(err_dev_);
     (void)cudaFreeHost(err_host_);
     if (stage_ != nullptr) (void)cudaFreeHost(stage_);
@@ -209,7 +236,52 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda:" + std::to_string(device_); }
   int cuda_device() const override { return device_; }
-  void* native_stream() const override { return stream_; }
+  void* native_stream() const override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return lane().stream;
+  }
+
+  int num_lanes() const override { return 2; }
+
+  Status begin_lanes() override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    const std::thread::id me = std::this_thread::get_id();
+    if (thread_lane_.count(me) != 0) {
+      return internal_error("CUDA backend: begin_lanes: a lane session is already open on this thread");
+    }
+    if (lanes_[1].stream == nullptr) {
+      // The side lane: the device's highest stream priority, so its blocks are scheduled first as SMs free up.
+      int lowest = 0, highest = 0;
+      DSACP_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+      cudaStream_t side = nullptr;
+      DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, highest));
+      lanes_[1].set_stream(side);
+      DSACP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&lane_event_, cudaEventDisableTiming));
+    }
+    DSACP_RETURN_IF_ERROR(order_after(lanes_[1].stream, lanes_[0].stream));
+    thread_lane_[me] = 0;
+    box_->begin_hold();
+    return Status::ok_status();
+  }
+
+  void set_lane(int l) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    auto it = thread_lane_.find(std::this_thread::get_id());
+    if (it != thread_lane_.end()) it->second = l == 1 ? 1 : 0;
+  }
+
+  Status end_lanes() override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    auto it = thread_lane_.find(std::this_thread::get_id());
+    if (it == thread_lane_.end()) return Status::ok_status();
+    thread_lane_.erase(it);
+    (void)cudaSetDevice(device_);
+    Status s = order_after(lanes_[0].stream, lanes_[1].stream);
+    if (!s.ok()) (void)sync_lanes();  // cannot order on the device: wait, so held blocks are free to reuse
+    box_->end_hold();
+    return s;
+  }
 
   // From the device's default memory pool, in the order of the backend's stream. Checked calls synchronize
   // the stream so the memory is ready for any stream when allocate returns; while errors are deferred, other
@@ -253,11 +325,12 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    cudaStream_t stream = lane().stream;
     if (deferred_ > 0) {
       if (ring_ != nullptr && bytes <= kRingBytes) {
         if (ring_used_ + bytes > kRingBytes) {
-          // The ring is full: its earlier copies must finish before it is reused.
-          DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+          // The ring is full: its earlier copies (on either lane) must finish before it is reused.
+          DSACP_RETURN_IF_ERROR(sync_lanes());
           ring_used_ = 0;
         }
         char* slot = static_cast<char*>(ring_) + ring_used_;
@@ -265,9 +338,9 @@ class CudaBackend final : public Backend {
         ring_used_ += (bytes + 255) / 256 * 256;
         src = slot;
       }
-      const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
-      DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
-      cuda::timeline::close(device_, span, stream_, "upload", "copy");
+      const cuda::timeline::Span span = cuda::timeline::open(device_, stream);
+      DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+      cuda::timeline::close(device_, span, stream, "upload", "copy");
       return Status::ok_status();
     }
     if (bytes <= kStageBytes && stage_ != nullptr) {
@@ -275,8 +348,8 @@ class CudaBackend final : public Backend {
       std::memcpy(stage_, src, bytes);
       src = stage_;
     }
-    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
-    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return Status::ok_status();
   }
 
@@ -287,10 +360,11 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     const bool staged = bytes <= kStageBytes && stage_ != nullptr;
-    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged ? stage_ : dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-    cuda::timeline::close(device_, span, stream_, "download (waits)", "copy");
-    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    cudaStream_t stream = lane().stream;
+    const cuda::timeline::Span span = cuda::timeline::open(device_, stream);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged ? stage_ : dst, src, bytes, cudaMemcpyDeviceToHost, stream));
+    cuda::timeline::close(device_, span, stream, "download (waits)", "copy");
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     if (staged) std::memcpy(dst, stage_, bytes);
     return Status::ok_status();
   }
@@ -300,10 +374,11 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
-    cuda::timeline::close(device_, span, stream_, "device copy", "copy");
-    if (deferred_ == 0) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    cudaStream_t stream = lane().stream;
+    const cuda::timeline::Span span = cuda::timeline::open(device_, stream);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    cuda::timeline::close(device_, span, stream, "device copy", "copy");
+    if (deferred_ == 0) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return Status::ok_status();
   }
 
@@ -350,6 +425,7 @@ class CudaBackend final : public Backend {
     const int32_t* h_request = p.host_request;
     const int32_t* h_key_len = p.host_key_len;
     cuda::IndexerPlan plan;
+    Lane& ln = lane();
     {
       TraceScope plan_trace(trace_, "indexer_topk: plan + upload");
       if (h_request == nullptr || h_key_len == nullptr) {
@@ -367,26 +443,26 @@ class CudaBackend final : public Backend {
         DSACP_ASSIGN_OR_RETURN(plan, cuda::indexer_plan(p, h_request, h_key_len));
       }
       TraceScope t3(trace_, "indexer_topk: plan upload");
-      DSACP_RETURN_IF_ERROR(plan_items_.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
-      DSACP_RETURN_IF_ERROR(plan_groups_.reserve(std::max<size_t>(1, plan.groups.size()) * sizeof(cuda::ScoreGroup)));
-      DSACP_RETURN_IF_ERROR(plan_offsets_.reserve(std::max<size_t>(1, plan.score_offset.size()) * sizeof(int64_t)));
-      DSACP_RETURN_IF_ERROR(scores_.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
+      DSACP_RETURN_IF_ERROR(ln.plan_items.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
+      DSACP_RETURN_IF_ERROR(ln.plan_groups.reserve(std::max<size_t>(1, plan.groups.size()) * sizeof(cuda::ScoreGroup)));
+      DSACP_RETURN_IF_ERROR(ln.plan_offsets.reserve(std::max<size_t>(1, plan.score_offset.size()) * sizeof(int64_t)));
+      DSACP_RETURN_IF_ERROR(ln.scores.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
       DSACP_RETURN_IF_ERROR(
-          copy_to_device(plan_groups_.ptr, plan.groups.data(), plan.groups.size() * sizeof(cuda::ScoreGroup)));
+          copy_to_device(ln.plan_groups.ptr, plan.groups.data(), plan.groups.size() * sizeof(cuda::ScoreGroup)));
       DSACP_RETURN_IF_ERROR(
-          copy_to_device(plan_offsets_.ptr, plan.score_offset.data(), plan.score_offset.size() * sizeof(int64_t)));
-      DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(static_cast<const cuda::ScoreGroup*>(plan_groups_.ptr),
+          copy_to_device(ln.plan_offsets.ptr, plan.score_offset.data(), plan.score_offset.size() * sizeof(int64_t)));
+      DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(static_cast<const cuda::ScoreGroup*>(ln.plan_groups.ptr),
                                                             static_cast<int64_t>(plan.groups.size()),
-                                                            static_cast<cuda::ScoreItem*>(plan_items_.ptr),
+                                                            static_cast<cuda::ScoreItem*>(ln.plan_items.ptr),
                                                             plan.num_items, ctx(nullptr)));
     }
     cuda::IndexerPlanDevice dev;
-    dev.items = static_cast<const cuda::ScoreItem*>(plan_items_.ptr);
-    dev.score_offset = static_cast<const int64_t*>(plan_offsets_.ptr);
-    dev.scores = static_cast<float*>(scores_.ptr);
-    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
+    dev.items = static_cast<const cuda::ScoreItem*>(ln.plan_items.ptr);
+    dev.score_offset = static_cast<const int64_t*>(ln.plan_offsets.ptr);
+    dev.scores = static_cast<float*>(ln.scores.ptr);
+    const cuda::timeline::Span span = cuda::timeline::open(device_, ln.stream);
     DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx("indexer_topk")));
-    cuda::timeline::close(device_, span, stream_, "indexer_topk", "kernel");
+    cuda::timeline::close(device_, span, ln.stream, "indexer_topk", "kernel");
     return finish("indexer_topk");
   }
 
@@ -395,8 +471,9 @@ class CudaBackend final : public Backend {
       DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p));
       const int splits = cuda::sparse_mla_num_splits(p, num_sms_);
       const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits);
-      if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws_.reserve(static_cast<size_t>(ws) * sizeof(float)));
-      return cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws_.ptr), c);
+      Scratch& mla_ws = lane().mla_ws;
+      if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws.reserve(static_cast<size_t>(ws) * sizeof(float)));
+      return cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws.ptr), c);
     });
   }
 
@@ -440,9 +517,10 @@ class CudaBackend final : public Backend {
     TraceScope trace(trace_, kernel);
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    const cuda::timeline::Span span = cuda::timeline::open(device_, stream_);
+    cudaStream_t stream = lane().stream;
+    const cuda::timeline::Span span = cuda::timeline::open(device_, stream);
     DSACP_RETURN_IF_ERROR(launch(ctx(kernel)));
-    cuda::timeline::close(device_, span, stream_, kernel, "kernel");
+    cuda::timeline::close(device_, span, stream, kernel, "kernel");
     return finish(kernel);
   }
 
@@ -450,7 +528,7 @@ class CudaBackend final : public Backend {
   // error slot while errors are deferred, slot 0 otherwise.
   LaunchContext ctx(const char* kernel) {
     LaunchContext c;
-    c.stream = stream_;
+    c.stream = lane().stream;
     c.num_sms = num_sms_;
     c.error.word = err_dev_;
     if (deferred_ > 0 && kernel != nullptr) {
@@ -473,6 +551,7 @@ class CudaBackend final : public Backend {
   // Waits for the stream, then turns the first error recorded by a deferred launch into a Status and clears
   // the slots (one read-back for the whole scope).
   Status collect_deferred() {
+    if (lanes_[1].stream != nullptr) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lanes_[1].stream));
     const size_t n = pending_.size();
     if (n > 0) {
       DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_ + 2, err_dev_ + 2, 2 * n * sizeof(int32_t),
@@ -500,26 +579,62 @@ class CudaBackend final : public Backend {
 
   // Waits for the stream and turns a recorded device error (slot 0) into a Status (then clears it).
   Status check_device_error(const char* kernel) {
+    cudaStream_t stream = lane().stream;
     DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_, err_dev_, 2 * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                               stream_));
-    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+                                               stream));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     const int32_t code = err_host_[0], row = err_host_[1];
     if (code == cuda::kDevOk) return Status::ok_status();
-    DSACP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(err_dev_, 0, 2 * sizeof(int32_t), stream_));
-    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(err_dev_, 0, 2 * sizeof(int32_t), stream));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return device_error_status(kernel, code, row);
   }
 
-  // One stream, one set of error words and shared scratch: calls from several threads (CP ranks as threads
-  // sharing the device) are serialized.
-  std::recursive_mutex mu_;
+  // A lane: its stream and the scratch its kernels use (each lane its own, so the lanes' work can overlap).
+  struct Lane {
+    cudaStream_t stream = nullptr;
+    Scratch plan_items, plan_groups, plan_offsets, scores, mla_ws;
+    void set_stream(cudaStream_t s) {
+      stream = s;
+      for (Scratch* x : {&plan_items, &plan_groups, &plan_offsets, &scores, &mla_ws}) x->stream = s;
+    }
+    void release() {
+      for (Scratch* x : {&plan_items, &plan_groups, &plan_offsets, &scores, &mla_ws}) x->release();
+    }
+  };
+
+  // The calling thread's lane (main outside a lane session). Callers hold mu_.
+  Lane& lane() const {
+    auto it = thread_lane_.find(std::this_thread::get_id());
+    return lanes_[it == thread_lane_.end() ? 0 : it->second];
+  }
+
+  // Work enqueued on `waiter` from now on runs after the work enqueued on `producer` so far.
+  Status order_after(cudaStream_t waiter, cudaStream_t producer) {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaEventRecord(lane_event_, producer));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(waiter, lane_event_, 0));
+    return Status::ok_status();
+  }
+
+  Status sync_lanes() {
+    for (const Lane& l : lanes_) {
+      if (l.stream != nullptr) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(l.stream));
+    }
+    return Status::ok_status();
+  }
+
+  // One main stream (and a side lane), one set of error words and shared scratch: calls from several threads
+  // (CP ranks as threads sharing the device) are serialized.
+  mutable std::recursive_mutex mu_;
   int device_;
   int num_sms_;
   std::shared_ptr<StreamBox> box_;
   cudaStream_t stream_;
   int32_t* err_dev_;   // [kErrorSlots][2] device
   int32_t* err_host_;  // [kErrorSlots][2] pinned
-  Scratch plan_items_, plan_groups_, plan_offsets_, scores_, mla_ws_;
+  mutable Lane lanes_[2];                       // 0: main (stream_), 1: side (made by the first begin_lanes)
+  cudaEvent_t lane_event_ = nullptr;            // orders one lane after the other (recorded, then waited at once)
+  std::map<std::thread::id, int> thread_lane_;  // threads in a lane session -> their current lane
   static constexpr size_t kStageBytes = size_t{1} << 20;
   void* stage_ = nullptr;  // pinned host memory for small checked copies (kStageBytes), guarded by mu_
   static constexpr size_t kRingBytes = size_t{8} << 20;
