@@ -251,9 +251,12 @@ class CudaBackend final : public Backend {
       return internal_error("CUDA backend: begin_lanes: a lane session is already open on this thread");
     }
     if (lanes_[1].stream == nullptr) {
-      // The side lane: the device's highest stream priority, so its blocks are scheduled first as SMs free up.
+      // The side lane: the device's highest stream priority, so its blocks are scheduled first as SMs free up
+      // (DSACP_CUDA_LANE_PRIORITY=0: the default priority, a diagnostic).
       int lowest = 0, highest = 0;
       DSACP_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+      const char* knob = std::getenv("DSACP_CUDA_LANE_PRIORITY");
+      if (knob != nullptr && std::string(knob) == "0") highest = 0;
       cudaStream_t side = nullptr;
       DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, highest));
       lanes_[1].set_stream(side);
