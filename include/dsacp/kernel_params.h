@@ -147,6 +147,10 @@ struct TopkMergeParams {
   const int32_t* part_topk = nullptr;  // [Pt, T, K] local positions, -1 padded
   const float* part_scores = nullptr;  // [Pt, T, K]
   int32_t* topk = nullptr;             // [T, K] out
+  // Optional, in the same pass: the merged rows remapped to part `local_part`'s own local positions (exactly
+  // TopkRemapParams with Pt = num_parts, I, cr = local_part): that part's winners in order, then -1.
+  int32_t* local_topk = nullptr;       // [T, K] out
+  int32_t local_part = 0;
 };
 
 }  // namespace dsacp

@@ -192,6 +192,10 @@ Status validate(const TopkMergeParams& p) {
   if (p.num_rows == 0) return Status::ok_status();
   DSACP_RETURN_IF_ERROR(check_pointer(k, "part_topk", p.part_topk));
   DSACP_RETURN_IF_ERROR(check_pointer(k, "part_scores", p.part_scores));
+  if (p.local_topk != nullptr && (p.local_part < 0 || p.local_part >= p.num_parts)) {
+    return invalid_argument(std::string(k) + ": local_part=" + str(p.local_part) + " outside [0, num_parts=" +
+                            str(p.num_parts) + ")");
+  }
   return check_pointer(k, "topk", p.topk);
 }
 

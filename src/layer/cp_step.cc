@@ -233,12 +233,14 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(pt.all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
   DSACP_ASSIGN_OR_RETURN(pt.handle,
-                         producing(s, world).all_gather_group_async({{pt.part_topk.get(), pt.all_topk.get(), n * K * sizeof(int32_t)},
+                         world.all_gather_group_async({{pt.part_topk.get(), pt.all_topk.get(), n * K * sizeof(int32_t)},
                                                        {pt.part_scores.get(), pt.all_scores.get(), n * K * sizeof(float)}}));
   return pt;
 }
 
-Status finish_merged_topk(RankStep& s, PendingTopk& pt) {
+// With local_topk, the merge also writes the merged rows remapped to this rank's own local positions (the
+// local decodes' input, in the same kernel).
+Status finish_merged_topk(RankStep& s, PendingTopk& pt, int32_t* local_topk = nullptr) {
   DSACP_RETURN_IF_ERROR(after(s, std::move(pt.handle)));
   TopkMergeParams mp;
   mp.num_parts = s.comms.world->size();
@@ -248,6 +250,8 @@ Status finish_merged_topk(RankStep& s, PendingTopk& pt) {
   mp.part_topk = pt.all_topk.as<const int32_t>();
   mp.part_scores = pt.all_scores.as<const float>();
   mp.topk = pt.topk;
+  mp.local_topk = local_topk;
+  mp.local_part = s.plan.cr;
   return topk_merge_run(s.backend, mp).with_context("sharded indexer: candidate merge");
 }
 
@@ -258,21 +262,23 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
 }
 
 // Partial attention of `n` rows (all `H` heads) over this rank's own keys: the global top-k remapped to local
-// positions (into local_topk), sparse over the local lengths d_local_len. Writes the partial out [n, H, Dl] in
-// part_dtype (f32 or bf16) and the lse [n, H] in f32.
+// positions (into local_topk; already there when `remapped`), sparse over the local lengths d_local_len. Writes
+// the partial out [n, H, Dl] in part_dtype (f32 or bf16) and the lse [n, H] in f32.
 Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
                                   const int32_t* d_local_len, const int32_t* global_topk, int32_t* local_topk,
                                   void* part_out, float* part_lse, int32_t head_blocks = 1,
-                                  DType part_dtype = DType::kF32) {
-  TopkRemapParams rp;
-  rp.num_rows = n;
-  rp.K = s.c.K;
-  rp.topk = global_topk;
-  rp.local = local_topk;
-  rp.Pt = s.sharding.Pt;
-  rp.I = s.sharding.I;
-  rp.cr = s.plan.cr;
-  DSACP_RETURN_IF_ERROR(topk_remap_run(s.backend, rp).with_context("top-k remap to local positions"));
+                                  DType part_dtype = DType::kF32, bool remapped = false) {
+  if (!remapped) {
+    TopkRemapParams rp;
+    rp.num_rows = n;
+    rp.K = s.c.K;
+    rp.topk = global_topk;
+    rp.local = local_topk;
+    rp.Pt = s.sharding.Pt;
+    rp.I = s.sharding.I;
+    rp.cr = s.plan.cr;
+    DSACP_RETURN_IF_ERROR(topk_remap_run(s.backend, rp).with_context("top-k remap to local positions"));
+  }
   // After the remap the causal horizon is already in the indices: every kept entry is below the request's
   // local length (the sparse_mode 0 of reference-design 4.4 step 5).
   SparseMlaParams ap;
@@ -408,7 +414,6 @@ Result<DeviceBuffer> heads_to_rows_index(RankStep& s, int64_t n) {
 // buffers, the local lengths, the pack order), so that under the sharded indexer it is issued while the
 // candidates are still being computed; run_local_decodes remaps the top-k, attends, exchanges and merges.
 struct LocalDecodes {
-  int64_t r0 = 0;  // the rows [r0, r0 + n) of the step
   int64_t n = 0;
   // The partial outputs' dtype: the step's output dtype when that is bf16 (the result is rounded to bf16
   // anyway; half the all-to-all's bytes), else f32.
@@ -416,6 +421,7 @@ struct LocalDecodes {
   // One PCP rank (the all-to-all's blocks are the DCP head slices): attention reads the head-gathered queries
   // in their block layout and writes its partials straight in the all-to-all's send layout (no reordering).
   bool direct = false;
+  bool remapped = false;  // local_topk written by the candidate merge (the sharded indexer)
   const void* qn = nullptr;
   const void* qr = nullptr;
   PendingHeads* q_heads = nullptr;  // queries gathered along heads, laid out as rows by run_local_decodes
@@ -423,15 +429,14 @@ struct LocalDecodes {
       recv_lse;
 };
 
-Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t r0, int64_t n, std::optional<PendingHeads>& q_heads) {
+Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads) {
   const StepConfig& c = s.c;
   const int64_t H = c.H, Hr = s.plan.num_heads, Pt = s.comms.world->size(), D = s.comms.dcp->size();
   Backend& be = s.backend;
   LocalDecodes d;
-  d.r0 = r0;
   d.n = n;
-  d.qn = offset_bytes(s.in.q_nope, r0 * Hr * c.Dl * static_cast<int64_t>(s.act()));
-  d.qr = offset_bytes(s.in.q_rope, r0 * Hr * c.Dr * static_cast<int64_t>(s.act()));
+  d.qn = s.in.q_nope;
+  d.qr = s.in.q_rope;
   d.q_heads = q_heads ? &*q_heads : nullptr;
   // Direct needs head slices the CUDA kernels take whole (a multiple of their 64-head group, or all heads).
   const char* knob = std::getenv("DSACP_CP_HEAD_BLOCKS");
@@ -473,10 +478,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t r0, int64_t n, s
 
 Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   const StepConfig& c = s.c;
-  const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), Hr = s.plan.num_heads, block = n * Hr;
-  const int32_t* request = s.d_row_request + d.r0;
-  const int32_t* local_len = s.d_row_local_len + d.r0;
-  const int32_t* topk = s.out.topk + d.r0 * c.K;
+  const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), block = n * s.plan.num_heads;
   if (d.direct) {
     // One launch over every head block; attention writes the all-to-all's send layout directly. (Computing the
     // other ranks' blocks first, then this rank's own block while their all-to-all runs, measured slower on
@@ -484,8 +486,9 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     // block's CTAs compete with NCCL's kernels for the SMs.)
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
-        s, n, d.qn, d.qr, request, local_len, topk, d.local_topk.as<int32_t>(),
-        d.send_out.get(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype));
+        s, n, d.qn, d.qr, s.d_row_request, s.d_row_local_len, s.out.topk, d.local_topk.as<int32_t>(),
+        d.send_out.get(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype,
+        d.remapped));
   } else if (d.q_heads != nullptr) {
     // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
     const int64_t rows_all = n * s.comms.dcp->size() * s.plan.num_heads;
@@ -498,9 +501,10 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
                                      "queries gathered along heads"));
   }
   if (!d.direct) {
-    DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, request, local_len, topk,
+    DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, n, d.qn, d.qr, s.d_row_request,
+                                                     s.d_row_local_len, s.out.topk,
                                                      d.local_topk.as<int32_t>(), d.part_out.get(),
-                                                     d.part_lse.as<float>(), 1, d.part_dtype));
+                                                     d.part_lse.as<float>(), 1, d.part_dtype, d.remapped));
     const int64_t packed = Pt * block;
     DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_out.get(), d.part_dtype, n * H, c.Dl,
                                      d.d_pack.as<const int64_t>(), packed, d.send_out.get(), d.part_dtype,
@@ -508,67 +512,12 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     DSACP_RETURN_IF_ERROR(gather_dev(s.backend, d.part_lse.get(), DType::kF32, n * H, 1, d.d_pack.as<const int64_t>(),
                                      packed, d.send_lse.get(), DType::kF32, "pack partial LSE by head"));
   }
-  DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *s.comms.world).all_to_all_group_async(
+  DSACP_ASSIGN_OR_RETURN(auto h, s.comms.world->all_to_all_group_async(
                                      {{d.send_out.get(), d.recv_out.get(), block * c.Dl * dtype_size(d.part_dtype)},
                                       {d.send_lse.get(), d.recv_lse.get(), block * sizeof(float)}}));
   DSACP_RETURN_IF_ERROR(after(s, std::move(h)));
-  return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.get(), d.recv_lse.as<const float>(),
-                    offset_bytes(s.out.out, d.r0 * Hr * c.Dl * static_cast<int64_t>(dtype_size(c.out_dtype))),
-                    s.out.lse + d.r0 * Hr, d.part_dtype);
-}
-
-// DSACP_CP_PIPELINE=0 turns the two-lane decode pipeline below off (an A/B switch for benchmarks).
-bool decode_pipeline_enabled() {
-  const char* knob = std::getenv("DSACP_CP_PIPELINE");
-  return !(knob != nullptr && std::string(knob) == "0");
-}
-
-// The decode rows of a decode-only step under the sharded indexer, in two halves on two backend lanes: the first
-// half (side lane, higher priority) runs its local top-k, candidate exchange, merge, remap, attention, all-to-all
-// and LSE merge while the second half's indexer runs on the main lane, and the first half's top-k runs beside
-// the second half's scores. The halves are independent rows (a request's tokens may fall in both), so the
-// results equal one pass over all rows. Every rank issues the same collectives in the same order: the two
-// candidate gathers (and query gathers along heads), then the two all-to-alls.
-Status pipelined_local_decodes(RankStep& s, bool want_q_heads) {
-  const int64_t rows = s.plan.num_rows, K = s.c.K;
-  struct Half {
-    int64_t r0 = 0, n = 0;
-    std::optional<PendingTopk> topk;
-    std::optional<PendingHeads> q_heads;
-    std::optional<LocalDecodes> decodes;
-  } half[2];
-  half[0].n = (rows + 1) / 2;
-  half[1].r0 = half[0].n;
-  half[1].n = rows - half[0].n;
-  const int64_t q_row = int64_t{s.c.Hi} * s.c.Di * static_cast<int64_t>(s.act());
-  // This rank's queries: [rows, Hr, dim] (its heads slice; gathered along heads for the local decodes).
-  const int64_t qn_row = s.plan.num_heads * s.c.Dl * static_cast<int64_t>(s.act());
-  const int64_t qr_row = s.plan.num_heads * s.c.Dr * static_cast<int64_t>(s.act());
-  LaneSession lanes(s.backend);
-  DSACP_RETURN_IF_ERROR(lanes.begin());
-  for (int i = 0; i < 2; ++i) {
-    Half& h = half[i];
-    lanes.set_lane(1 - i);
-    DSACP_ASSIGN_OR_RETURN(
-        h.topk, start_merged_topk(s, h.n, offset_bytes(s.in.idx_q, h.r0 * q_row), offset_ptr(s.in.idx_w, h.r0 * s.c.Hi),
-                                  s.d_row_request + h.r0, s.plan.row_request.data() + h.r0, {}, s.out.topk + h.r0 * K,
-                                  s.d_row_local_len + h.r0, s.row_local_len.data() + h.r0));
-    if (want_q_heads) {
-      DSACP_ASSIGN_OR_RETURN(h.q_heads, start_head_gather(s, offset_bytes(s.in.q_nope, h.r0 * qn_row),
-                                                          offset_bytes(s.in.q_rope, h.r0 * qr_row), h.n));
-    }
-    DSACP_ASSIGN_OR_RETURN(h.decodes, prepare_local_decodes(s, h.r0, h.n, h.q_heads));
-  }
-  for (int i = 0; i < 2; ++i) {
-    lanes.set_lane(1 - i);
-    DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *half[i].topk));
-    DSACP_RETURN_IF_ERROR(run_local_decodes(s, *half[i].decodes));
-  }
-  DSACP_RETURN_IF_ERROR(lanes.end());
-  // Later collectives start after the main lane again (which is now after both).
-  producing(s, *s.comms.world);
-  producing(s, *s.comms.dcp);
-  return Status();
+  return merge_into(s, static_cast<int32_t>(Pt), block, d.recv_out.get(), d.recv_lse.as<const float>(), s.out.out,
+                    s.out.lse, d.part_dtype);
 }
 
 Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
@@ -748,13 +697,23 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(kv_view, start_kv_view(s, view_ids));
   }
   const int32_t D = comms.dcp->size();
-  // The decode queries along heads: started right after this rank's indexer launch (the gather overlaps it,
-  // and the indexer, on the critical path, is not queued behind the collective's host launch).
+  // The decode queries along heads: launched right after this rank's indexer launch (the indexer, on the critical
+  // path, is not queued behind the collective's host launch), yet ordered only after the work enqueued before
+  // the indexer: the side lane, forked here, holds that point, and the gather is launched from it. The gather
+  // then runs during the indexer instead of after it.
   std::optional<PendingHeads> q_heads;
   const bool want_q_heads = !layout.dsa_cp && local_decodes && T_dec > 0 && D > 1;
+  LaneSession before_indexer(backend);
+  if (want_q_heads) DSACP_RETURN_IF_ERROR(before_indexer.begin());
   auto start_q_heads = [&]() -> Status {
     if (want_q_heads && !q_heads) {
-      DSACP_ASSIGN_OR_RETURN(q_heads, start_head_gather(s, in.q_nope, in.q_rope, T_dec));
+      before_indexer.set_lane(1);
+      Result<PendingHeads> ph = start_head_gather(s, in.q_nope, in.q_rope, T_dec);
+      before_indexer.set_lane(0);
+      DSACP_RETURN_IF_ERROR(before_indexer.end());
+      producing(s, *comms.dcp);  // later collectives start after the main lane again
+      DSACP_RETURN_IF_ERROR(ph.status());
+      q_heads = std::move(ph).value();
     }
     return Status();
   };
@@ -769,10 +728,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   }
 
   std::optional<LocalDecodes> decodes;  // prepared early under the sharded indexer
-  // A decode-only step under the sharded indexer runs its rows in two halves on two lanes (top-k through
-  // attention of one half beside the other's indexer); the phases then show it all under top-k.
-  const bool pipeline = !replicated && !layout.dsa_cp && local_decodes && plan.num_shared_rows == rows &&
-                        T_dec == rows && first_gathered == rows && rows >= 2 && decode_pipeline_enabled();
 
   // 3. Top-k of this rank's rows (and, under DSA-CP decode-only batches, of every token).
   DeviceBuffer all_topk;
@@ -820,9 +775,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                       all_request.data(), all_key_len, all_topk.as<int32_t>()));
     DSACP_RETURN_IF_ERROR(backend.copy_on_device(out.topk, all_topk.as<int32_t>() + plan.d * rows * c.K,
                                                  rows * c.K * sizeof(int32_t)));
-  } else if (pipeline) {
-    DSACP_RETURN_IF_ERROR(write_latent_rope());  // before the lanes: both halves' attention reads them
-    DSACP_RETURN_IF_ERROR(pipelined_local_decodes(s, want_q_heads));
   } else {
     const int64_t shared = plan.num_shared_rows;
     std::optional<PendingView> idx_pending;
@@ -864,9 +816,15 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       // While the candidates are computed and exchanged, issue what the local decodes need that does not
       // depend on them; then wait for the candidates and merge.
       if (local_decodes && T_dec > 0) {
-        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, 0, T_dec, q_heads));
+        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
       }
-      DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk));
+      // The merged rows are the local decodes' rows: the merge writes their local top-k too (no remap kernel).
+      int32_t* local_topk = nullptr;
+      if (decodes && shared == T_dec) {
+        local_topk = decodes->local_topk.as<int32_t>();
+        decodes->remapped = true;
+      }
+      DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk, local_topk));
     }
   }
 
@@ -892,10 +850,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_RETURN_IF_ERROR(h->wait());
     DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
                                      out.lse));
-  } else if (!layout.dsa_cp && local_decodes && T_dec > 0 && !pipeline) {
+  } else if (!layout.dsa_cp && local_decodes && T_dec > 0) {
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (!decodes) {
-      DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, 0, T_dec, q_heads));
+      DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
     }
     DSACP_RETURN_IF_ERROR(run_local_decodes(s, *decodes));
   }

@@ -699,6 +699,18 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
     Status sc = topk_merge_run(cpu, mc), sg = topk_merge_run(gpu, mg);
     report(sc.ok() && sg.ok() && download<int32_t>(gpu, d_m, mrows * Km) == merged_c, name,
            sg.ok() ? "identical to CPU" : sg.to_string() + " / " + sc.to_string());
+    // With the fused remap to the last part's local positions (what the DCP local decodes read).
+    std::vector<int32_t> local_c(merged_c.size());
+    Dev d_local = upload(gpu, std::vector<int32_t>(merged_c.size(), 0));
+    mc.local_topk = local_c.data();
+    mg.local_topk = d_local.ptr<int32_t>();
+    mc.local_part = mg.local_part = Pt - 1;
+    sc = topk_merge_run(cpu, mc);
+    sg = topk_merge_run(gpu, mg);
+    report(sc.ok() && sg.ok() && download<int32_t>(gpu, d_m, mrows * Km) == merged_c &&
+               download<int32_t>(gpu, d_local, mrows * Km) == local_c,
+           name + ", with the local remap", sg.ok() ? "identical to CPU" : sg.to_string() + " / " + sc.to_string());
+    mg.local_topk = nullptr;
     // An entry below -1 is an error, on the device as on the host.
     part_topk[part_topk.size() / 2] = -5;
     Dev d_bad = upload(gpu, part_topk);

@@ -132,58 +132,6 @@ TEST(CpLayoutDeviceTable, EveryLayoutReadsTheDeviceTable) {
   }
 }
 
-// The decode pipeline (a decode-only step under the sharded indexer runs its rows in two halves on two backend
-// lanes) against the same step without it (DSACP_CP_PIPELINE=0), bit for bit, and against one device: an odd
-// row count, a request's MTP tokens falling in both halves, the smallest split (two rows), 64-head blocks (the
-// direct path) and the packed path, P x D layouts.
-TEST(CpDecodePipeline, HalvesMatchTheUnpipelinedStepAndOneDevice) {
-  const uint64_t seed = testing::test_seed(991);
-  const std::vector<std::vector<Request>> batches = {
-      {{2, 40}, {3, 61}, {1, 9}, {2, 30}},  // 8 rows: the second request's rows 2-4 straddle the halves 0-3 | 4-7
-      {{1, 40}, {3, 50}, {1, 7}},           // 5 rows: halves of 3 and 2, the second request in both
-      {{2, 45}},                            // 2 rows: one per half
-  };
-  for (size_t bi = 0; bi < batches.size(); ++bi) {
-    for (int32_t H : {8, 128}) {
-      CaseGenSpec spec;
-      spec.topk = 24;
-      spec.requests = batches[bi];
-      spec.dims = CaseDims{H, 24, 8, 2, 16};
-      spec.scale = 0.3f;
-      spec.dtype = DType::kF32;
-      spec.seed = seed + bi;
-      auto c = case_generate(spec);
-      ASSERT_TRUE(c.ok()) << c.status().to_string();
-      ReplayOptions one;
-      one.page_size = 4;
-      struct L {
-        int32_t P, D;
-      };
-      for (const L& l : {L{1, 2}, L{1, 4}, L{2, 2}}) {
-        SCOPED_TRACE("batch " + std::to_string(bi) + " H" + std::to_string(H) + " P" + std::to_string(l.P) + " D" +
-                     std::to_string(l.D));
-        ReplayOptions cp = one;
-        cp.layout.P = l.P;
-        cp.layout.D = l.D;
-        cp.page_shuffle_seed = seed * 7 + 1;
-        testing::expect_same_as_one_device(*c, one, cp);
-        auto backend = make_cpu_backend(2);
-        auto piped = replay_case(*backend, *c, cp);
-        ASSERT_TRUE(piped.ok()) << piped.status().to_string();
-        setenv("DSACP_CP_PIPELINE", "0", 1);
-        auto plain = replay_case(*backend, *c, cp);
-        unsetenv("DSACP_CP_PIPELINE");
-        ASSERT_TRUE(plain.ok()) << plain.status().to_string();
-        for (auto [a, b] : {std::pair{&piped->topk_indices, &plain->topk_indices}, std::pair{&piped->out, &plain->out},
-                            std::pair{&piped->lse, &plain->lse}}) {
-          ASSERT_EQ(a->nbytes(), b->nbytes());
-          EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->nbytes()));
-        }
-      }
-    }
-  }
-}
-
 std::vector<LayoutCase> layout_cases() {
   std::vector<LayoutCase> v;
   uint64_t seed = 101;

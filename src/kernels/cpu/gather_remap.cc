@@ -88,6 +88,16 @@ Status topk_merge(const TopkMergeParams& p, int num_threads) {
       for (int64_t i = 0; i < n; ++i) out[i] = topk_rank_key_position(keys[i]);
       std::sort(out, out + n);
       for (int64_t i = n; i < K; ++i) out[i] = -1;
+      if (p.local_topk != nullptr) {
+        // The remap of the merged row (topk_remap's rule) to part local_part's local positions.
+        int32_t* local = p.local_topk + t * K;
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t e = out[i];
+          if ((e / I) % S == p.local_part) local[kept++] = static_cast<int32_t>((e / (S * I)) * I + e % I);
+        }
+        for (int64_t i = kept; i < K; ++i) local[i] = -1;
+      }
     }
   });
   return Status::ok_status();

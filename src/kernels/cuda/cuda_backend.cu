@@ -501,11 +501,16 @@ class CudaBackend final : public Backend {
     std::vector<float> part_scores(parts);
     DSACP_RETURN_IF_ERROR(copy_to_host(part_topk.data(), p.part_topk, parts * sizeof(int32_t)));
     DSACP_RETURN_IF_ERROR(copy_to_host(part_scores.data(), p.part_scores, parts * sizeof(float)));
+    std::vector<int32_t> local(p.local_topk != nullptr ? topk.size() : 0);
     TopkMergeParams h = p;
     h.part_topk = part_topk.data();
     h.part_scores = part_scores.data();
     h.topk = topk.data();
+    h.local_topk = p.local_topk != nullptr ? local.data() : nullptr;
     DSACP_RETURN_IF_ERROR(cpu::topk_merge(h, 0));
+    if (p.local_topk != nullptr) {
+      DSACP_RETURN_IF_ERROR(copy_to_device(p.local_topk, local.data(), local.size() * sizeof(int32_t)));
+    }
     return copy_to_device(p.topk, topk.data(), topk.size() * sizeof(int32_t));
   }
 

@@ -8,6 +8,8 @@
 //      is written at its rank in the merged row: its index in its own part plus, per other part, a binary
 //      search for the winners below it. A part whose positions are not ascending (not the indexer's canonical
 //      form) falls back to a bitonic sort of the winners.
+//   4. optionally (local_topk), the merged row remapped to one part's local positions: that part's winners are
+//      already in order (in the canonical form), so winner c of it goes to c - its part's first winner.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -182,6 +184,11 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   __syncthreads();
   const int kept = min(total, K);
   int32_t* out = p.topk + t * K;
+  int32_t* local = p.local_topk == nullptr ? nullptr : p.local_topk + t * K;
+  const int64_t own = p.local_part;
+  // A global position's local position on part `own` (topk_remap's map).
+  auto to_local = [&](int32_t g) { return static_cast<int32_t>((g / (S * I)) * I + g % I); };
+  int own_kept = 0;
   if (!s_unsorted) {
     for (int c = threadIdx.x; c < total; c += blockDim.x) {
       int s = 0;
@@ -192,7 +199,9 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
         if (s2 != s) rank += lower_bound(sel + part_start[s2], part_start[s2 + 1] - part_start[s2], pos);
       }
       if (rank < K) out[rank] = pos;
+      if (local != nullptr && s == own) local[c - part_start[s]] = to_local(pos);
     }
+    own_kept = part_start[own + 1] - part_start[own];
   } else {
     // Not the canonical form: sort the winners' positions (sentinel 0x7fffffff past them).
     __syncthreads();
@@ -200,8 +209,24 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
     __syncthreads();
     bitonic_sort_ascending(keys, k2);
     for (int i = threadIdx.x; i < kept; i += blockDim.x) out[i] = static_cast<int32_t>(keys[i]);
+    if (local != nullptr) {
+      // Rare (never the indexer's output): one thread walks the sorted row.
+      if (threadIdx.x == 0) {
+        int n_own = 0;
+        for (int i = 0; i < kept; ++i) {
+          const int32_t g = static_cast<int32_t>(keys[i]);
+          if ((g / I) % S == own) local[n_own++] = to_local(g);
+        }
+        s_need = n_own;
+      }
+      __syncthreads();
+      own_kept = s_need;
+    }
   }
   for (int i = kept + threadIdx.x; i < K; i += blockDim.x) out[i] = -1;
+  if (local != nullptr) {
+    for (int i = own_kept + threadIdx.x; i < K; i += blockDim.x) local[i] = -1;
+  }
 }
 
 int next_pow2(int64_t n) {

@@ -1,10 +1,12 @@
 // LSE merge of S partial attention results over disjoint key sets (also the split-K combine of sparse MLA).
-// One CTA per (token, head) row; thread 0 derives the part weights (fixed order, f64 like the CPU oracle), then
-// every thread scales its columns. A part whose LSE is not finite has weight 0 and its out is never read.
+// One warp per (token, head) row, four rows a CTA: lane 0 derives the part weights (fixed order, f64 like the CPU
+// oracle), then every lane scales its columns, 8 at a time with 16-byte loads when the rows allow it. A part
+// whose LSE is not finite has weight 0 and its out is never read.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/cuda/common/cuda_check.h"
@@ -13,46 +15,82 @@
 namespace dsacp::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kMaxSharedParts = 64;
 
-constexpr int kMaxSharedParts = 256;
-
-// Part weights once per row by thread 0 (in f64 and the parts' fixed order, like the CPU oracle: the same float
-// weight per part), then every column is the fixed-order sum over parts.
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// 8 consecutive elements (16-byte aligned for bf16, 32 for f32) as floats, and back.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&f)[8]) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = v;
+}
+__device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
+  *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+  *reinterpret_cast<float4*>(p + 4) = make_float4(f[4], f[5], f[6], f[7]);
+}
 
 template <typename OutT, typename PartT>
 __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __restrict__ part_out,
                                                              const float* __restrict__ part_lse, int num_parts,
-                                                             int64_t rows, int dl, OutT* __restrict__ out,
+                                                             int64_t rows, int dl, bool vec, OutT* __restrict__ out,
                                                              float* __restrict__ lse, LseMergeRows map) {
-  __shared__ float weight[kMaxSharedParts];
-  __shared__ double s_max, s_sum;
-  const int64_t r = blockIdx.x;
+  __shared__ float weight[kWarps][kMaxSharedParts];  // 0 for a part that is not used
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (r >= rows) return;  // warps are independent: nothing below synchronizes the block
   const bool shared_weights = num_parts <= kMaxSharedParts;
-  if (threadIdx.x == 0) {
-    double max_lse = -INFINITY;
+  double max_lse = -INFINITY, sum = 0.0;
+  if (lane == 0) {
     for (int s = 0; s < num_parts; ++s) {
       const float l = part_lse[s * rows + r];
       if (isfinite(l)) max_lse = fmax(max_lse, static_cast<double>(l));
     }
-    double sum = 0.0;
     if (max_lse != -INFINITY) {
       for (int s = 0; s < num_parts; ++s) {
         const float l = part_lse[s * rows + r];
         if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
       }
-      for (int s = 0; shared_weights && s < num_parts; ++s) {
-        const float l = part_lse[s * rows + r];
-        weight[s] = isfinite(l) ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
-      }
     }
-    s_max = max_lse;
-    s_sum = sum;
+    for (int s = 0; shared_weights && s < num_parts; ++s) {
+      const float l = part_lse[s * rows + r];
+      weight[warp][s] = max_lse != -INFINITY && isfinite(l)
+                            ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
+    }
   }
-  __syncthreads();
-  const double max_lse = s_max, sum = s_sum;
+  max_lse = __shfl_sync(0xffffffffu, max_lse, 0);
+  sum = __shfl_sync(0xffffffffu, sum, 0);
+  __syncwarp();
+  // The weight of part s; `use` false when the part is left out (its LSE is not finite).
+  auto part_weight = [&](int s, bool* use) -> float {
+    if (shared_weights) {
+      const float w = weight[warp][s];
+      *use = w != 0.f || isfinite(part_lse[s * rows + r]);
+      return w;
+    }
+    const float l = part_lse[s * rows + r];
+    *use = isfinite(l);
+    return *use ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
+  };
   // Destination row: r = t * H + h into head blocks of [T, block_heads] (r itself for the plain layout).
   int64_t dst = r;
   if (map.block_heads != map.H) {
@@ -61,20 +99,37 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
     dst = (static_cast<int64_t>(h / map.block_heads) * map.T + t) * map.block_heads + h % map.block_heads;
   }
   OutT* o = out + dst * dl;
-  for (int d = threadIdx.x; d < dl; d += kThreads) {
-    float acc = 0.f;
-    for (int s = 0; s < num_parts && max_lse != -INFINITY; ++s) {
-      const float l = part_lse[s * rows + r];
-      if (!isfinite(l)) continue;
-      const float w = shared_weights ? weight[s] : static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum);
-      acc += w * to_f32(part_out[(s * rows + r) * dl + d]);
+  const bool any = max_lse != -INFINITY;
+  if (vec) {
+    for (int c = lane * 8; c < dl; c += 32 * 8) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < num_parts && any; ++s) {
+        bool use = false;
+        const float w = part_weight(s, &use);
+        if (!use) continue;
+        float x[8];
+        load8(part_out + (s * rows + r) * dl + c, x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += w * x[i];
+      }
+      store8(o + c, acc);
     }
-    o[d] = static_cast<OutT>(acc);
+  } else {
+    for (int d = lane; d < dl; d += 32) {
+      float acc = 0.f;
+      for (int s = 0; s < num_parts && any; ++s) {
+        bool use = false;
+        const float w = part_weight(s, &use);
+        if (!use) continue;
+        acc += w * to_f32(part_out[(s * rows + r) * dl + d]);
+      }
+      o[d] = static_cast<OutT>(acc);
+    }
   }
   // Last, so that an lse over part 0's (an in-place merge) is not read after it changed.
-  __syncthreads();
-  if (threadIdx.x == 0 && lse != nullptr) {
-    lse[dst] = max_lse == -INFINITY ? -INFINITY : static_cast<float>(max_lse + log(sum));
+  __syncwarp();
+  if (lane == 0 && lse != nullptr) {
+    lse[dst] = !any ? -INFINITY : static_cast<float>(max_lse + log(sum));
   }
 }
 
@@ -86,12 +141,15 @@ Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, con
   if (p.num_rows >= (int64_t{1} << 31)) return unsupported("lse_merge: num_rows >= 2^31 (CUDA grid limit)");
   LseMergeRows map = rows;
   if (map.H <= 1 || map.block_heads < 1) map = LseMergeRows{p.num_rows, 1, 1};  // the plain layout
-  const dim3 grid(static_cast<unsigned>(p.num_rows));
+  const dim3 grid(static_cast<unsigned>((p.num_rows + kWarps - 1) / kWarps));
+  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
   auto launch = [&](auto* typed_out, auto* typed_parts) {
     using OutT = std::remove_pointer_t<decltype(typed_out)>;
     using PartT = std::remove_const_t<std::remove_pointer_t<decltype(typed_parts)>>;
+    // 8 columns at a time when every row starts on a 16-byte boundary (of both the parts and the output).
+    const bool vec = p.Dl % 8 == 0 && aligned(typed_parts, 16) && aligned(typed_out, 16);
     lse_merge_kernel<OutT, PartT><<<grid, kThreads, 0, ctx.stream>>>(typed_parts, p.part_lse, p.num_parts,
-                                                                     p.num_rows, p.Dl, typed_out, p.lse, map);
+                                                                     p.num_rows, p.Dl, vec, typed_out, p.lse, map);
   };
   const bool bf16_parts = p.part_dtype == DType::kBF16;
   if (!bf16_parts && p.part_dtype != DType::kF32) {
