@@ -86,11 +86,10 @@ std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::sh
   return ranks;
 }
 
-// `tag` names the path: the copy path (ranks as threads, the default) or NCCL's kernels alone.
-void test_nccl_collectives(uint64_t seed, const std::string& tag) {
+void test_nccl_collectives(uint64_t seed) {
   auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr);
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, tag + ": create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
+    report(false, "nccl: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
     return;
   }
   const int n = 2;
@@ -132,7 +131,7 @@ void test_nccl_collectives(uint64_t seed, const std::string& tag) {
   });
   for (int r = 0; r < n; ++r) {
     if (!errors[r].empty()) {
-      report(false, tag + ": collectives rank " + std::to_string(r), errors[r]);
+      report(false, "nccl: collectives rank " + std::to_string(r), errors[r]);
       return;
     }
   }
@@ -150,12 +149,12 @@ void test_nccl_collectives(uint64_t seed, const std::string& tag) {
       }
     }
   }
-  report(ag, tag + ": all_gather 2 x 3 MB matches host");
-  report(a2a, tag + ": all_to_all matches host");
-  report(bc, tag + ": broadcast from rank 1");
-  report(dim, tag + ": all_gather_dim [3, 2x2, 5] int32");
+  report(ag, "nccl: all_gather 2 x 3 MB matches host");
+  report(a2a, "nccl: all_to_all matches host");
+  report(bc, "nccl: broadcast from rank 1");
+  report(dim, "nccl: all_gather_dim [3, 2x2, 5] int32");
   const CommStats st = ranks[0].comm->stats();
-  report(st.collectives >= 5 && st.busy_ms > 0, tag + ": stats count collectives and device time",
+  report(st.collectives >= 5 && st.busy_ms > 0, "nccl: stats count collectives and device time",
          std::to_string(st.collectives) + " collectives, busy " + std::to_string(st.busy_ms) + " ms, wait " +
              std::to_string(st.wait_ms) + " ms");
 
@@ -176,7 +175,7 @@ void test_nccl_collectives(uint64_t seed, const std::string& tag) {
     if (!s.ok()) split_err[r] = s.to_string();
     if (!be.copy_to_host(y.data(), b->get(), 64).ok() || x != y) split_err[r] = "data";
   });
-  report(split_err[0].empty() && split_err[1].empty(), tag + ": split into 1-rank communicators",
+  report(split_err[0].empty() && split_err[1].empty(), "nccl: split into 1-rank communicators",
          split_err[0] + split_err[1]);
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });  // released by each rank's own thread
 }
@@ -233,82 +232,6 @@ void test_nccl_abort() {
   report(!got.ok() && got.message().find("rank 1 failed: injected failure") != std::string::npos && waited < 10,
          "nccl: a peer's abort fails the waiting rank at once, naming it",
          got.to_string() + ", after " + std::to_string(waited) + " s");
-  on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
-}
-
-// The copy path (ranks as threads: all-gathers and all-to-alls up to 8 MiB per peer by the copy engines, the
-// rest by NCCL): ops launched back to back without waiting (the staging slots and their events reused many
-// times over), grouped parts of odd sizes, and one op too big for the staging (NCCL) in between; then every
-// result against the host.
-void test_copy_path(uint64_t seed) {
-  auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr);
-  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, "copy path: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
-    return;
-  }
-  const int n = 2, ops = 9;
-  auto op_bytes = [](int i) -> size_t { return i == 4 ? (size_t{12} << 20) + 5 : 300 * 1000 * (i + 1) + 7 * i; };
-  std::vector<std::string> errors(n);
-  // sent[r][i]: rank r's two parts of op i, each n * bytes; got[r][i]: its two receive buffers.
-  std::vector<std::vector<std::vector<uint8_t>>> sent(n), got(n);
-  for (int r = 0; r < n; ++r) {
-    for (int i = 0; i < ops; ++i) sent[r].push_back(random_bytes(seed * 131 + r * 17 + i, 2 * n * op_bytes(i)));
-    got[r].resize(ops);
-  }
-  on_ranks(n, [&](int r) {
-    Backend& be = *ranks[r].backend;
-    Communicator& c = *ranks[r].comm;
-    std::vector<DeviceBuffer> bufs;
-    std::vector<std::unique_ptr<CollectiveHandle>> handles;
-    for (int i = 0; i < ops && errors[r].empty(); ++i) {
-      const size_t b = op_bytes(i);
-      auto send = be.allocate(2 * n * b), recv = be.allocate(2 * n * b);
-      if (!send.ok() || !recv.ok()) {
-        errors[r] = "allocate";
-        break;
-      }
-      Status s = be.copy_to_device(send->get(), sent[r][i].data(), 2 * n * b);
-      char* sp = static_cast<char*>(send->get());
-      char* rp = static_cast<char*>(recv->get());
-      const std::vector<Communicator::Part> parts = {{sp, rp, b}, {sp + n * b, rp + n * b, b}};
-      auto h = i % 2 == 0 ? c.all_gather_group_async(parts) : c.all_to_all_group_async(parts);
-      if (!s.ok() || !h.ok()) {
-        errors[r] = "op " + std::to_string(i) + ": " + (s.ok() ? h.status().to_string() : s.to_string());
-        break;
-      }
-      handles.push_back(std::move(h).value());
-      bufs.push_back(std::move(send).value());
-      bufs.push_back(std::move(recv).value());
-    }
-    for (size_t i = 0; i < handles.size(); ++i) {
-      Status s = handles[i]->wait();
-      if (!s.ok() && errors[r].empty()) errors[r] = "wait " + std::to_string(i) + ": " + s.to_string();
-      got[r][i].resize(2 * n * op_bytes(static_cast<int>(i)));
-      if (s.ok()) s = be.copy_to_host(got[r][i].data(), bufs[2 * i + 1].get(), got[r][i].size());
-      if (!s.ok() && errors[r].empty()) errors[r] = "download " + std::to_string(i) + ": " + s.to_string();
-    }
-  });
-  for (int r = 0; r < n; ++r) {
-    if (!errors[r].empty()) return report(false, "copy path: rank " + std::to_string(r), errors[r]);
-  }
-  int wrong = 0;
-  for (int r = 0; r < n; ++r) {
-    for (int i = 0; i < ops; ++i) {
-      const size_t b = op_bytes(i);
-      for (int part = 0; part < 2; ++part) {
-        for (int k = 0; k < n; ++k) {
-          // all-gather: block k is rank k's part; all-to-all: block k is rank k's block r of the part.
-          const uint8_t* want = sent[k][i].data() + part * n * b + (i % 2 == 0 ? 0 : r * b);
-          wrong += std::memcmp(got[r][i].data() + part * n * b + k * b, want, b) != 0;
-        }
-      }
-    }
-  }
-  report(wrong == 0, "copy path: 9 grouped ops back to back (8 by copies, one 12 MB by NCCL) match host",
-         std::to_string(wrong) + " blocks wrong");
-  const CommStats st = ranks[0].comm->stats();
-  report(st.collectives == ops && st.busy_ms > 0, "copy path: stats count every op",
-         std::to_string(st.collectives) + " collectives");
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
 }
 
@@ -542,11 +465,7 @@ int main(int argc, char** argv) {
     std::_Exit(g_log.failures() == 0 ? 0 : 1);
   }
   if (*count >= 2 && nccl_available()) {
-    test_nccl_collectives(seed, "nccl (copy path)");
-    setenv("DSACP_NCCL_COPY_PATH", "0", 1);  // read when a communicator is made
-    test_nccl_collectives(seed + 1, "nccl (kernels only)");
-    unsetenv("DSACP_NCCL_COPY_PATH");
-    test_copy_path(seed);
+    test_nccl_collectives(seed);
     test_nccl_timeout();
     test_nccl_abort();
   } else {

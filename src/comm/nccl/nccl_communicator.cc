@@ -7,20 +7,13 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <unistd.h>
-
-#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <deque>
 #include <functional>
 #include <fstream>
-#include <map>
 #include <mutex>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -258,79 +251,6 @@ void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds time
   while (!done->load() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(200));
 }
 
-// The copy path: when every rank of a communicator is a thread of this process (one GPU each, peers
-// accessible), all-gathers and all-to-alls of up to kStageBytes per peer go by the copy engines over NVLink
-// instead of NCCL's kernels (a 1 MiB all-gather: ~24 us in NCCL on the H200 pair; a 4 MiB all-to-all ~47 us).
-// Each receiver owns, per sender, two staging slots in its memory (ops alternate between them). An op:
-//   sender k: its stream waits for the producer and for receiver r's "drained" event of the slot (the op two
-//     before), copies its blocks for r into r's slot, records "pushed" and publishes the op's number;
-//   receiver r: once every sender published the op (a bounded host wait), its stream waits for their "pushed"
-//     events, copies the slots out to recv, records "drained" and publishes it.
-// A slot's events are re-recorded only after the other side has enqueued its wait on them (the published
-// numbers say so), so no wait ever sees a later record. Receives are enqueued at the op's launch when the
-// senders were first, else when its handle is ordered or waited for, or at the next op's launch.
-constexpr size_t kStageBytes = size_t{8} << 20;
-
-struct PeerGroup {
-  explicit PeerGroup(int n) : size(n), ranks(static_cast<size_t>(n)) {
-    for (Rank& r : ranks) {
-      r.pushed_seq = std::vector<std::atomic<uint64_t>>(static_cast<size_t>(n));
-      r.drained_seq = std::vector<std::atomic<uint64_t>>(static_cast<size_t>(n));
-      r.staging.assign(static_cast<size_t>(n), {nullptr, nullptr});
-      r.pushed.assign(static_cast<size_t>(n), {nullptr, nullptr});
-      r.drained.assign(static_cast<size_t>(n), {nullptr, nullptr});
-    }
-  }
-  ~PeerGroup();
-  struct Rank {
-    int device = -1;
-    std::vector<std::array<char*, 2>> staging;         // [sender][slot], in this rank's memory
-    std::vector<std::array<cudaEvent_t, 2>> pushed;    // [receiver][slot], this rank's copies into its slot
-    std::vector<std::array<cudaEvent_t, 2>> drained;   // [sender][slot], this rank's copies out of the slot
-    std::vector<std::atomic<uint64_t>> pushed_seq;     // [receiver]: the last op this rank pushed to it
-    std::vector<std::atomic<uint64_t>> drained_seq;    // [sender]: the last op this rank drained from it
-  };
-  const int size;
-  std::vector<Rank> ranks;
-  std::atomic<int> ready{0};  // ranks whose part is set up
-  std::atomic<bool> failed{false};
-  std::mutex mu;
-  std::string reason;  // the first failure (guarded by mu)
-  void fail(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (reason.empty()) reason = why;
-    failed.store(true);
-  }
-  std::string failure() {
-    std::lock_guard<std::mutex> lock(mu);
-    return reason;
-  }
-};
-
-PeerGroup::~PeerGroup() {
-  std::lock_guard<std::mutex> lock(g_destroy_mu);
-  for (Rank& r : ranks) {
-    if (r.device < 0) continue;
-    (void)cudaSetDevice(r.device);
-    for (auto& slots : r.staging) {
-      for (char* p : slots) {
-        if (p != nullptr) (void)cudaFree(p);
-      }
-    }
-    for (auto* events : {&r.pushed, &r.drained}) {
-      for (auto& slots : *events) {
-        for (cudaEvent_t e : slots) {
-          if (e != nullptr) (void)cudaEventDestroy(e);
-        }
-      }
-    }
-  }
-}
-
-// Groups being set up, by a token rank 0 draws (the other ranks learn it in the setup's all-gather).
-std::mutex g_peer_groups_mu;
-std::map<uint64_t, std::weak_ptr<PeerGroup>> g_peer_groups;
-
 class NcclComm;
 
 class NcclHandle final : public CollectiveHandle {
@@ -350,45 +270,6 @@ class NcclHandle final : public CollectiveHandle {
   Status result_;
 };
 
-// A copy-path collective in flight (PeerGroup): its receive side is enqueued by receive() (once).
-class PeerHandle final : public CollectiveHandle {
- public:
-  struct CopyOut {
-    int sender;
-    size_t offset;  // in the sender's staging slot
-    void* dst;
-    size_t bytes;
-  };
-  PeerHandle(NcclComm* comm, uint64_t seq, std::vector<CopyOut> outs, cudaEvent_t start, cudaEvent_t end,
-             const char* what)
-      : comm_(comm), seq_(seq), outs_(std::move(outs)), start_(start), end_(end), label_(what), what_(what) {}
-  ~PeerHandle() override;
-  Status wait() override;
-  bool order_before(void* stream) override;
-  uint64_t seq() const { return seq_; }
-  const std::vector<CopyOut>& outs() const { return outs_; }
-  cudaEvent_t end_event() const { return end_; }
-  // Called by the communicator when it enqueues this op's receive side (in op order).
-  void set_received(Status s) {
-    received_ = true;
-    receive_status_ = std::move(s);
-  }
-  bool received() const { return received_; }
-
- private:
-  Status ensure_received();
-  NcclComm* comm_;
-  uint64_t seq_;
-  std::vector<CopyOut> outs_;
-  cudaEvent_t start_, end_;
-  const char* label_;
-  std::string what_;
-  bool received_ = false;
-  Status receive_status_;
-  bool waited_ = false;
-  Status result_;
-};
-
 class NcclComm final : public NcclCommunicator {
  public:
   NcclComm(ncclComm_t comm, int rank, int size, const NcclOptions& options, cudaStream_t stream, float* flag)
@@ -396,7 +277,6 @@ class NcclComm final : public NcclCommunicator {
 
   ~NcclComm() override {
     (void)cudaSetDevice(options_.device);
-    peers_.reset();  // the group's memory goes with its last rank
     // Flush and release; a peer that is gone must not hang the destructor.
     if (comm_ != nullptr) bounded_release(comm_, options_.device, std::min(options_.timeout, std::chrono::milliseconds(10000)));
     // Not concurrently with another rank's ncclCommDestroy (g_destroy_mu): both release device memory.
@@ -415,13 +295,11 @@ class NcclComm final : public NcclCommunicator {
   void set_producer_stream(void* stream) override { options_.producer_stream = stream; }
 
   Result<std::unique_ptr<CollectiveHandle>> all_gather_async(const void* send, void* recv, size_t bytes) override {
-    if (copy_path_fits({{send, recv, bytes}})) return copy_launch("all_gather (copy)", {{send, recv, bytes}}, false);
     return launch("all_gather", bytes * (size_ - 1),
                   [&] { return ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream_); }, bytes == 0);
   }
 
   Result<std::unique_ptr<CollectiveHandle>> all_to_all_async(const void* send, void* recv, size_t bytes) override {
-    if (copy_path_fits({{send, recv, bytes}})) return copy_launch("all_to_all (copy)", {{send, recv, bytes}}, true);
     return launch("all_to_all", bytes * (size_ - 1), [&] {
       ncclResult_t r = copy_own_block(send, recv, bytes);
       if (r == ncclSuccess) r = ncclGroupStart();
@@ -454,7 +332,6 @@ class NcclComm final : public NcclCommunicator {
   }
 
   Result<std::unique_ptr<CollectiveHandle>> all_gather_group_async(const std::vector<Part>& parts) override {
-    if (copy_path_fits(parts)) return copy_launch("all_gather group (copy)", parts, false);
     size_t sent = 0;
     for (const Part& p : parts) sent += p.bytes * (size_ - 1);
     return launch("all_gather group", sent, [&] {
@@ -468,7 +345,6 @@ class NcclComm final : public NcclCommunicator {
   }
 
   Result<std::unique_ptr<CollectiveHandle>> all_to_all_group_async(const std::vector<Part>& parts) override {
-    if (copy_path_fits(parts)) return copy_launch("all_to_all group (copy)", parts, true);
     size_t sent = 0;
     for (const Part& p : parts) sent += p.bytes * (size_ - 1);
     return launch("all_to_all group", sent, [&] {
@@ -570,9 +446,7 @@ class NcclComm final : public NcclCommunicator {
       if (stream != nullptr) (void)cudaStreamDestroy(stream);
       return cuda_error(e, "NCCL communicator stream");
     }
-    std::unique_ptr<NcclComm> c(new NcclComm(comm, rank, size, options, stream, flag));
-    DSACP_RETURN_IF_ERROR(c->setup_copy_path());
-    return std::unique_ptr<NcclCommunicator>(std::move(c));
+    return std::unique_ptr<NcclCommunicator>(new NcclComm(comm, rank, size, options, stream, flag));
   }
 
   // Called by NcclHandle::wait: polls the end event; fails on an async NCCL error, the shared abort signal or
@@ -635,7 +509,6 @@ class NcclComm final : public NcclCommunicator {
 
   void fail(const std::string& reason) {
     if (failure_.empty()) failure_ = reason;
-    if (peers_) peers_->fail("rank " + std::to_string(rank_) + ": " + reason);
     abort_comm(comm_);
     comm_ = nullptr;
   }
@@ -704,321 +577,6 @@ class NcclComm final : public NcclCommunicator {
     return std::unique_ptr<CollectiveHandle>(new NcclHandle(this, start, end, what));
   }
 
-  // --- The copy path (PeerGroup) ---
-
-  // The staging offsets of `parts` (256-byte aligned, back to back), and whether the op goes by the copy path:
-  // every rank passes the same sizes, so every rank decides alike.
-  static std::vector<size_t> stage_offsets(const std::vector<Part>& parts, size_t* total) {
-    std::vector<size_t> at;
-    size_t n = 0;
-    for (const Part& p : parts) {
-      at.push_back(n);
-      n += (p.bytes + 255) / 256 * 256;
-    }
-    *total = n;
-    return at;
-  }
-  bool copy_path_fits(const std::vector<Part>& parts) const {
-    if (!peers_ || all_empty(parts)) return false;
-    size_t total = 0;
-    (void)stage_offsets(parts, &total);
-    return total <= kStageBytes;
-  }
-
-  // Waits (bounded, abort-aware) until `counter` reaches `target`: a peer's progress on the host.
-  Status await(const std::atomic<uint64_t>& counter, uint64_t target, const char* what, int peer) {
-    if (counter.load(std::memory_order_acquire) >= target) return Status();
-    const auto deadline = Clock::now() + options_.timeout;
-    Backoff backoff;
-    while (counter.load(std::memory_order_acquire) < target) {
-      Status failure;
-      if (comm_ == nullptr) {
-        failure = failure_status();
-      } else if (options_.abort_signal && options_.abort_signal->raised()) {
-        failure = Status(StatusCode::kBackendError, "communicator aborted: " + options_.abort_signal->reason());
-      } else if (peers_->failed.load()) {
-        failure = Status(StatusCode::kBackendError, std::string("rank ") + std::to_string(rank_) + ": " + what +
-                                                        ": communicator aborted: " + peers_->failure());
-      } else if (Clock::now() > deadline) {
-        failure = Status(StatusCode::kTimeout, "rank " + std::to_string(rank_) + ": " + what + " timed out after " +
-                                                   std::to_string(options_.timeout.count()) + " ms (rank " +
-                                                   std::to_string(peer) + " did not arrive)");
-      }
-      if (!failure.ok()) {
-        fail(failure.message());
-        return failure;
-      }
-      backoff();
-    }
-    return Status();
-  }
-
-  Result<std::unique_ptr<CollectiveHandle>> copy_launch(const char* what, const std::vector<Part>& parts,
-                                                        bool all_to_all) {
-    DSACP_RETURN_IF_ERROR(usable());
-    const auto t0 = Clock::now();
-    const std::string name = std::string("rank ") + std::to_string(rank_) + ": " + what;
-    cudaError_t e = cudaSetDevice(options_.device);
-    if (e != cudaSuccess) return cuda_error(e, name);
-    const uint64_t seq = ++copy_seq_;
-    const int slot = static_cast<int>(seq % 2);
-    // Earlier ops' receive sides first, in op order (their slots are reused by this op's neighbours).
-    DSACP_RETURN_IF_ERROR(receive_through(seq - 1));
-    cudaEvent_t start = nullptr, end = nullptr;
-    e = take_event(&start);
-    if (e == cudaSuccess) e = take_event(&end);
-    if (e == cudaSuccess && options_.producer_stream != nullptr) {
-      if (producer_ready_ == nullptr) e = cudaEventCreateWithFlags(&producer_ready_, cudaEventDisableTiming);
-      if (e == cudaSuccess) e = cudaEventRecord(producer_ready_, static_cast<cudaStream_t>(options_.producer_stream));
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, producer_ready_, 0);
-    }
-    if (e == cudaSuccess) e = cudaEventRecord(start, stream_);
-    if (e != cudaSuccess) {
-      give_back_events(start, end);
-      fail(name + ": " + cudaGetErrorName(e));
-      return cuda_error(e, name);
-    }
-    const cuda::timeline::Span span = cuda::timeline::open(options_.device, stream_);
-    size_t total = 0;
-    const std::vector<size_t> at = stage_offsets(parts, &total);
-    PeerGroup& g = *peers_;
-    PeerGroup::Rank& me = g.ranks[rank_];
-    Status s;
-    for (int r = 0; r < size_ && s.ok(); ++r) {
-      if (r == rank_) continue;
-      PeerGroup::Rank& to = g.ranks[r];
-      if (seq > 2) {
-        // The slot is free once the receiver has copied out the op two before (its event says when).
-        s = await(to.drained_seq[rank_], seq - 2, what, r);
-        if (!s.ok()) break;
-        e = cudaStreamWaitEvent(stream_, to.drained[rank_][slot], 0);
-      }
-      for (size_t i = 0; i < parts.size() && e == cudaSuccess; ++i) {
-        if (parts[i].bytes == 0) continue;
-        const char* src = static_cast<const char*>(parts[i].send) + (all_to_all ? r * parts[i].bytes : 0);
-        e = cudaMemcpyPeerAsync(to.staging[rank_][slot] + at[i], to.device, src, options_.device, parts[i].bytes,
-                                stream_);
-      }
-      if (e == cudaSuccess) e = cudaEventRecord(me.pushed[r][slot], stream_);
-      if (e != cudaSuccess) s = cuda_error(e, name + ": copy to rank " + std::to_string(r));
-      if (s.ok()) me.pushed_seq[r].store(seq, std::memory_order_release);
-    }
-    // This rank's own block: a device copy.
-    for (size_t i = 0; i < parts.size() && s.ok(); ++i) {
-      if (parts[i].bytes == 0) continue;
-      const size_t own = static_cast<size_t>(rank_) * parts[i].bytes;
-      e = cudaMemcpyAsync(static_cast<char*>(parts[i].recv) + own,
-                          static_cast<const char*>(parts[i].send) + (all_to_all ? own : 0), parts[i].bytes,
-                          cudaMemcpyDeviceToDevice, stream_);
-      if (e != cudaSuccess) s = cuda_error(e, name + ": own block");
-    }
-    cuda::timeline::close(options_.device, span, stream_, what, "copy");
-    if (!s.ok()) {
-      give_back_events(start, end);
-      fail(s.message());
-      return s;
-    }
-    std::vector<PeerHandle::CopyOut> outs;
-    size_t sent = 0;
-    for (int k = 0; k < size_; ++k) {
-      if (k == rank_) continue;
-      for (size_t i = 0; i < parts.size(); ++i) {
-        if (parts[i].bytes == 0) continue;
-        outs.push_back({k, at[i], static_cast<char*>(parts[i].recv) + static_cast<size_t>(k) * parts[i].bytes,
-                        parts[i].bytes});
-        sent += parts[i].bytes;
-      }
-    }
-    auto h = std::make_unique<PeerHandle>(this, seq, std::move(outs), start, end, what);
-    unreceived_.push_back(h.get());
-    // The receive side now when every sender was first (the usual case late in a step), else later.
-    bool senders_done = true;
-    for (int k = 0; k < size_; ++k) {
-      if (k != rank_ && g.ranks[k].pushed_seq[rank_].load(std::memory_order_acquire) < seq) senders_done = false;
-    }
-    if (senders_done) DSACP_RETURN_IF_ERROR(receive_through(seq));
-    stats_.enqueue_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    ++stats_.collectives;
-    stats_.bytes += static_cast<int64_t>(sent);
-    return std::unique_ptr<CollectiveHandle>(std::move(h));
-  }
-
- public:
-  // Enqueues the receive sides of the copy-path ops up to `seq`, in op order (bounded host waits for the
-  // senders); each handle keeps its result.
-  Status receive_through(uint64_t seq) {
-    while (!unreceived_.empty() && unreceived_.front()->seq() <= seq) {
-      PeerHandle* h = unreceived_.front();
-      unreceived_.pop_front();
-      Status s = receive_one(*h);
-      h->set_received(s);
-      if (!s.ok()) return s;
-    }
-    return Status();
-  }
-
-  // Drops a handle from the receive queue (a handle destroyed before its receive side was enqueued: only after
-  // a failure, when nothing more will be received).
-  void forget(PeerHandle* h) {
-    for (auto it = unreceived_.begin(); it != unreceived_.end(); ++it) {
-      if (*it == h) {
-        unreceived_.erase(it);
-        return;
-      }
-    }
-  }
-
- private:
-  Status receive_one(const PeerHandle& h) {
-    DSACP_RETURN_IF_ERROR(usable());
-    const std::string name = std::string("rank ") + std::to_string(rank_) + ": receive";
-    cudaError_t e = cudaSetDevice(options_.device);
-    const int slot = static_cast<int>(h.seq() % 2);
-    PeerGroup& g = *peers_;
-    PeerGroup::Rank& me = g.ranks[rank_];
-    for (int k = 0; k < size_ && e == cudaSuccess; ++k) {
-      if (k == rank_) continue;
-      DSACP_RETURN_IF_ERROR(await(g.ranks[k].pushed_seq[rank_], h.seq(), "copy-path receive", k));
-      e = cudaStreamWaitEvent(stream_, g.ranks[k].pushed[rank_][slot], 0);
-    }
-    for (const PeerHandle::CopyOut& o : h.outs()) {
-      if (e != cudaSuccess) break;
-      e = cudaMemcpyAsync(o.dst, me.staging[o.sender][slot] + o.offset, o.bytes, cudaMemcpyDeviceToDevice, stream_);
-    }
-    for (int k = 0; k < size_ && e == cudaSuccess; ++k) {
-      if (k == rank_) continue;
-      e = cudaEventRecord(me.drained[k][slot], stream_);
-      if (e == cudaSuccess) me.drained_seq[k].store(h.seq(), std::memory_order_release);
-    }
-    if (e == cudaSuccess) e = cudaEventRecord(h.end_event(), stream_);
-    if (e != cudaSuccess) {
-      Status s = cuda_error(e, name);
-      fail(s.message());
-      return s;
-    }
-    return Status();
-  }
-
-  // Decides, with every rank, whether this communicator takes the copy path: every rank a thread of this process
-  // and every pair of devices peer-accessible (two small all-gathers). DSACP_NCCL_COPY_PATH=0 turns it off.
-  Status setup_copy_path() {
-    if (size_ == 1) return Status();
-    const char* knob = std::getenv("DSACP_NCCL_COPY_PATH");
-    const bool wanted = !(knob != nullptr && std::string(knob) == "0");
-    struct Info {
-      int64_t pid;
-      uint64_t token;
-      int32_t device;
-      int32_t ok;
-    };
-    std::shared_ptr<PeerGroup> group;
-    Info mine{static_cast<int64_t>(getpid()), 0, options_.device, wanted ? 1 : 0};
-    if (rank_ == 0 && wanted) {
-      group = std::make_shared<PeerGroup>(size_);
-      std::lock_guard<std::mutex> lock(g_peer_groups_mu);
-      std::random_device rd;
-      mine.token = (rd() | (static_cast<uint64_t>(rd()) << 32)) | 1u;  // never 0 (0: no token)
-      g_peer_groups[mine.token] = group;
-    }
-    auto forget_token = [&] {
-      if (rank_ != 0 || mine.token == 0) return;
-      std::lock_guard<std::mutex> lock(g_peer_groups_mu);
-      g_peer_groups.erase(mine.token);
-    };
-    std::vector<Info> all(static_cast<size_t>(size_));
-    Status s = exchange(&mine, all.data(), sizeof(Info));
-    if (!s.ok()) {
-      forget_token();
-      return s;
-    }
-    bool ok = true;
-    for (const Info& i : all) ok = ok && i.pid == all[0].pid && i.ok == 1;
-    // This rank reaches every peer's memory directly (peer access), or the path stays off for everyone.
-    int local_ok = ok ? 1 : 0;
-    for (int k = 0; k < size_ && local_ok; ++k) {
-      if (k == rank_) continue;
-      if (all[k].device == options_.device) {
-        local_ok = 0;
-        break;
-      }
-      int can = 0;
-      if (cudaDeviceCanAccessPeer(&can, options_.device, all[k].device) != cudaSuccess || !can) {
-        (void)cudaGetLastError();
-        local_ok = 0;
-        break;
-      }
-      const cudaError_t pe = cudaDeviceEnablePeerAccess(all[k].device, 0);
-      if (pe != cudaSuccess && pe != cudaErrorPeerAccessAlreadyEnabled) local_ok = 0;
-      (void)cudaGetLastError();
-    }
-    std::vector<int32_t> oks(static_cast<size_t>(size_));
-    s = exchange(&local_ok, oks.data(), sizeof(int32_t));
-    for (int32_t o : oks) ok = ok && o == 1;
-    if (!s.ok() || !ok) {
-      forget_token();
-      return s;
-    }
-    if (rank_ != 0) {
-      std::lock_guard<std::mutex> lock(g_peer_groups_mu);
-      auto it = g_peer_groups.find(all[0].token);
-      if (it != g_peer_groups.end()) group = it->second.lock();
-    }
-    if (!group) {  // cannot happen (rank 0 registered before the exchange); stay on NCCL rather than guess
-      return internal_error("NCCL copy path: rank " + std::to_string(rank_) + " found no group for its token");
-    }
-    PeerGroup::Rank& me = group->ranks[rank_];
-    me.device = options_.device;
-    cudaError_t e = cudaSuccess;
-    for (int k = 0; k < size_ && e == cudaSuccess; ++k) {
-      if (k == rank_) continue;
-      for (int slot = 0; slot < 2 && e == cudaSuccess; ++slot) {
-        e = cudaMalloc(&me.staging[k][slot], kStageBytes);
-        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&me.pushed[k][slot], cudaEventDisableTiming);
-        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&me.drained[k][slot], cudaEventDisableTiming);
-      }
-    }
-    if (e != cudaSuccess) {
-      group->fail("rank " + std::to_string(rank_) + ": staging allocation failed");
-      forget_token();
-      return cuda_error(e, "NCCL copy path: staging on rank " + std::to_string(rank_));
-    }
-    group->ready.fetch_add(1);
-    // Every rank's part must be in place before any copy: a short wait, bounded.
-    const auto deadline = Clock::now() + options_.timeout;
-    while (group->ready.load() < size_) {
-      if (group->failed.load() || Clock::now() > deadline) {
-        forget_token();
-        return Status(StatusCode::kTimeout, "NCCL copy path: rank " + std::to_string(rank_) +
-                                                ": the other ranks did not set up their staging");
-      }
-      std::this_thread::yield();
-    }
-    forget_token();
-    peers_ = std::move(group);
-    return Status();
-  }
-
-  // A small all-gather through NCCL during setup (host buffers in, host buffers out).
-  Status exchange(const void* mine, void* all, size_t bytes) {
-    void* d = nullptr;
-    cudaError_t e = cudaMalloc(&d, bytes * static_cast<size_t>(size_ + 1));
-    if (e != cudaSuccess) return cuda_error(e, "NCCL copy path setup");
-    e = cudaMemcpy(d, mine, bytes, cudaMemcpyHostToDevice);
-    Status s = e == cudaSuccess ? Status() : cuda_error(e, "NCCL copy path setup");
-    if (s.ok()) {
-      auto h = launch("copy path setup", 0, [&] {
-        return ncclAllGather(d, static_cast<char*>(d) + bytes, bytes, ncclUint8, comm_, stream_);
-      });
-      s = h.ok() ? (*h)->wait() : h.status();
-    }
-    if (s.ok()) {
-      e = cudaMemcpy(all, static_cast<char*>(d) + bytes, bytes * static_cast<size_t>(size_), cudaMemcpyDeviceToHost);
-      if (e != cudaSuccess) s = cuda_error(e, "NCCL copy path setup");
-    }
-    (void)cudaFree(d);
-    return s;
-  }
-
   ncclComm_t comm_;
   int rank_, size_;
   NcclOptions options_;
@@ -1028,9 +586,6 @@ class NcclComm final : public NcclCommunicator {
   CommStats stats_;
   std::vector<cudaEvent_t> free_events_;  // timing events of finished collectives, reused
   cudaEvent_t producer_ready_ = nullptr;  // recorded on options_.producer_stream before each collective
-  std::shared_ptr<PeerGroup> peers_;      // the copy path, when every rank is a thread of this process
-  uint64_t copy_seq_ = 0;                 // copy-path ops launched (the same count on every rank)
-  std::deque<PeerHandle*> unreceived_;    // copy-path ops whose receive side is not enqueued yet, in op order
 };
 
 NcclHandle::~NcclHandle() {
@@ -1052,40 +607,6 @@ Status NcclHandle::wait() {
   if (!waited_) {
     waited_ = true;
     result_ = comm_->wait_for(start_, end_, what_, label_);
-  }
-  return result_;
-}
-
-Status PeerHandle::ensure_received() {
-  if (!received_) {
-    const Status s = comm_->receive_through(seq_);
-    if (!received_) set_received(s.ok() ? Status(StatusCode::kInternal, what_ + ": receive side not enqueued") : s);
-  }
-  return receive_status_;
-}
-
-PeerHandle::~PeerHandle() {
-  if (!waited_) (void)wait();
-  comm_->forget(this);  // still queued only after a failure
-  comm_->give_back_events(start_, end_);
-}
-
-bool PeerHandle::order_before(void* stream) {
-  if (waited_) return result_.ok();
-  if (!ensure_received().ok()) return false;  // wait() reports it
-  if (cudaSetDevice(comm_->device()) != cudaSuccess ||
-      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), end_, 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return true;
-}
-
-Status PeerHandle::wait() {
-  if (!waited_) {
-    waited_ = true;
-    result_ = ensure_received();
-    if (result_.ok()) result_ = comm_->wait_for(start_, end_, what_, label_);
   }
   return result_;
 }
