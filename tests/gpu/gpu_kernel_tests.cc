@@ -430,6 +430,7 @@ struct IdxCase {
   std::vector<int64_t> ctx;
   std::vector<int> qlen;
   int64_t first_page = 0;  // pages from this id up (to push key element offsets past 2^31)
+  int distinct_keys = 0;   // > 0: every request's keys repeat this many distinct rows (scores tie in bulk)
 };
 
 void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
@@ -450,6 +451,9 @@ void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
   for (int32_t b = 0; b < pg.num_requests; ++b) {
     for (int64_t j = 7; j + 100 < lens[b]; j += 997) {
       std::memcpy(&keys[pg.row_of(b, j + 100) * Di], &keys[pg.row_of(b, j) * Di], Di * 2);
+    }
+    for (int64_t j = c.distinct_keys; c.distinct_keys > 0 && j < lens[b]; ++j) {
+      std::memcpy(&keys[pg.row_of(b, j) * Di], &keys[pg.row_of(b, j % c.distinct_keys) * Di], Di * 2);
     }
   }
   std::vector<uint16_t> q = random_bf16(T * Hi * Di, 700);
@@ -985,6 +989,17 @@ int main(int argc, char** argv) {
   idx.push_back({"chunked prefill ctx 1000 + 333 page64 K=2048", 2048, 64, {1000}, {333}});
   if (!quick) {
     idx.push_back({"decode ctx 140000 (128K+) page64", 2048, 64, {140000, 131072}, {1, 1}});
+    // Long rows (the top-k's boundary-bin filter) with ties in bulk: 60 distinct keys (each score ~2300 times:
+    // the bin fits, ties at the threshold go to the lower positions), and one distinct key (every score equal:
+    // the bin is the row, the passes over the row instead).
+    IdxCase ties{"decode ctx 140000 + 70000, 60 distinct keys", 2048, 64, {140000, 70000}, {1, 2}};
+    ties.distinct_keys = 60;
+    idx.push_back(ties);
+    ties.name = "decode ctx 100000, every key the same";
+    ties.ctx = {100000};
+    ties.qlen = {1};
+    ties.distinct_keys = 1;
+    idx.push_back(ties);
     // element offsets past 2^31 in the indexer pool: pages from 16.8M rows up (row offset * 128 > 2^31)
     idx.push_back({"decode, key offsets past 2^31", 2048, 64, {5000, 3000}, {1, 2}, (int64_t{1} << 31) / 128 / 64 + 10});
   }

@@ -4,11 +4,19 @@
 // K-th largest key u* is found with four histogram passes over the row (12, 8, 8, 4 bits; one CTA of 1024 threads
 // per row, 16-byte loads, shared-memory histogram, warp-aggregated atomics via match.any, warps without a
 // candidate skip the atomics, hierarchical warp digit search). Rows of up to 49152 keys keep
-// their rank keys in shared memory after the first pass, so later passes never touch global memory. Then every position with u > u* is taken,
+// their rank keys in shared memory after the first pass, so later passes never touch global memory. Longer rows
+// (the 64K-128K contexts of long decodes) take one more pass over global memory after the first: it copies the
+// keys of the first pass's boundary bin (with their positions) to shared memory and counts, per output
+// segment, the keys above that bin; the last three passes and the segment counts then run over that short list,
+// and the row is read from global memory three times in all instead of six. A boundary bin too full for shared
+// memory (heavy ties) falls back to passes over the row. Then every position with u > u* is taken,
 // plus the first `need` positions with u == u* in position order (ties go to the lower position). The output
 // pass walks the row in position order (warp-contiguous segments, lane-interleaved, ballot + popc compaction),
 // so the row comes out ascending and front-packed with no sort; rows with key_len <= K are 0..n-1 then -1.
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
@@ -19,6 +27,7 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int32_t kMaxCacheElems = 49152;  // 192 KiB of rank keys (+ 17.5 KiB static)
+constexpr int32_t kMaxBinElems = 24576;    // boundary-bin keys of a long row: 192 KiB of (key, position)
 
 __device__ __forceinline__ uint32_t rank_key(float s) {
   if (s != s) return 0u;
@@ -52,11 +61,14 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
                                                                      const int64_t* __restrict__ score_offset,
                                                                      const int32_t* __restrict__ key_len,
                                                                      int64_t t0, int32_t K, int32_t cache_elems,
+                                                                     int32_t bin_elems,
                                                                      int32_t* __restrict__ topk,
                                                                      float* __restrict__ topk_scores) {
-  extern __shared__ __align__(16) uint32_t s_cache[];  // [cache_elems] rank keys of the row, when it fits
+  // [cache_elems] rank keys of the row, when it fits; else [bin_elems] boundary-bin keys, then their positions
+  extern __shared__ __align__(16) uint32_t s_cache[];
   __shared__ uint32_t hist[4096];
-  __shared__ uint32_t s_prefix, s_remaining;
+  __shared__ uint32_t s_prefix, s_remaining, s_bin_count;
+  __shared__ int32_t s_nc;
   __shared__ int32_t s_cnt_gt[kWarps], s_cnt_eq[kWarps], s_base_out[kWarps], s_base_eq[kWarps];
 
   const int64_t t = t0 + blockIdx.x;
@@ -73,6 +85,12 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
     return;
   }
   const bool cached = n <= cache_elems;
+  // Output segments: warp w owns positions [w*seg, (w+1)*seg) of the ordered compaction below.
+  const int32_t seg = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
+  uint32_t* bin_u = s_cache;  // the boundary bin's keys (filtered rows)
+  int32_t* bin_i = reinterpret_cast<int32_t*>(s_cache + bin_elems);
+  bool filtered = false;  // passes 1-3 and the segment counts over the boundary bin's list
+  int32_t nc = 0;
 
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(K);
   // digits: 12 bits (sign, exponent, 3 mantissa bits: spreads typical scores over many bins), then 8, 8, 4
@@ -82,10 +100,53 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = kShift[pass];
     const int nbins = 1 << kBits[pass];
+    if (pass == 1 && !cached && bin_elems > 0 && static_cast<int32_t>(s_bin_count) <= bin_elems) {
+      // The filter pass: the boundary bin's keys to shared memory, the keys above it counted per segment.
+      if (tid < kWarps) s_cnt_gt[tid] = 0, s_cnt_eq[tid] = 0;
+      if (tid == 0) s_nc = 0;
+      __syncthreads();
+      for (int32_t base = 0; base < n; base += kThreads * 4) {
+        const int32_t i = base + tid * 4;
+        uint32_t u[4];
+        load4(row, s_cache, false, n, i, u);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const bool valid = i + k < n;
+          if (valid && (u[k] & mask) > prefix) atomicAdd(&s_cnt_gt[(i + k) / seg], 1);
+          const bool in_bin = valid && (u[k] & mask) == prefix;
+          const uint32_t ballot = __ballot_sync(0xffffffffu, in_bin);
+          if (ballot != 0u) {
+            int32_t at = 0;
+            if (lane == 0) at = atomicAdd(&s_nc, __popc(ballot));
+            at = __shfl_sync(0xffffffffu, at, 0) + __popc(ballot & ((1u << lane) - 1u));
+            if (in_bin) {
+              bin_u[at] = u[k];
+              bin_i[at] = i + k;
+            }
+          }
+        }
+      }
+      __syncthreads();
+      filtered = true;
+      nc = s_nc;  // == s_bin_count
+    }
     for (int i = tid; i < nbins; i += kThreads) hist[i] = 0;
     __syncthreads();
+    if (filtered) {
+      // Passes 1-3 over the boundary bin's keys (all of them match the prefix of pass 0).
+      for (int32_t base = 0; base < nc; base += kThreads) {
+        const int32_t j = base + tid;
+        const uint32_t u = j < nc ? bin_u[j] : 0u;
+        const bool part = j < nc && (u & mask) == prefix;
+        if (__any_sync(0xffffffffu, part)) {
+          const uint32_t digit = (u >> shift) & static_cast<uint32_t>(nbins - 1);
+          const uint32_t peers = __match_any_sync(0xffffffffu, part ? digit : 0x10000u + lane);
+          if (part && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+        }
+      }
+    }
     const bool from_cache = cached && pass != 0;  // the first pass fills the cache
-    for (int32_t base = 0; base < n; base += kThreads * 4) {
+    for (int32_t base = 0; base < n && !filtered; base += kThreads * 4) {
       const int32_t i = base + tid * 4;
       uint32_t u[4];
       load4(row, s_cache, from_cache, n, i, u);
@@ -133,6 +194,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
       if (lane == 0) {
         s_prefix = prefix | (static_cast<uint32_t>(hi_bin - 1) << shift);
         s_remaining = remaining - above;
+        s_bin_count = hist[hi_bin - 1];
       }
     }
     __syncthreads();
@@ -145,18 +207,27 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
 
   // ordered compaction: warp w owns positions [w*seg, (w+1)*seg), lane-interleaved 32 at a time
   auto key_at = [&](int32_t i) -> uint32_t { return cached ? s_cache[i] : rank_key(row[i]); };
-  const int32_t seg = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
   const int32_t lo = warp * seg, hi = min(n, lo + seg);
-  int32_t cgt = 0, ceq = 0;
-  for (int32_t i0 = lo; i0 < hi; i0 += 32) {
-    const int32_t i = i0 + lane;
-    const uint32_t u = i < hi ? key_at(i) : 0u;
-    cgt += __popc(__ballot_sync(0xffffffffu, i < hi && u > thr));
-    ceq += __popc(__ballot_sync(0xffffffffu, i < hi && u == thr));
-  }
-  if (lane == 0) {
-    s_cnt_gt[warp] = cgt;
-    s_cnt_eq[warp] = ceq;
+  if (filtered) {
+    // Per segment: the keys above the boundary bin (counted by the filter pass) plus the bin's keys above u*,
+    // and the bin's keys equal to u*.
+    for (int32_t j = tid; j < nc; j += kThreads) {
+      const uint32_t u = bin_u[j];
+      if (u > thr) atomicAdd(&s_cnt_gt[bin_i[j] / seg], 1);
+      if (u == thr) atomicAdd(&s_cnt_eq[bin_i[j] / seg], 1);
+    }
+  } else {
+    int32_t cgt = 0, ceq = 0;
+    for (int32_t i0 = lo; i0 < hi; i0 += 32) {
+      const int32_t i = i0 + lane;
+      const uint32_t u = i < hi ? key_at(i) : 0u;
+      cgt += __popc(__ballot_sync(0xffffffffu, i < hi && u > thr));
+      ceq += __popc(__ballot_sync(0xffffffffu, i < hi && u == thr));
+    }
+    if (lane == 0) {
+      s_cnt_gt[warp] = cgt;
+      s_cnt_eq[warp] = ceq;
+    }
   }
   __syncthreads();
   if (tid == 0) {
@@ -194,13 +265,17 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
 Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                                 const int64_t* score_offset, const float* scores, const LaunchContext& ctx) {
   if (t1 <= t0) return Status::ok_status();
-  // rows up to kMaxCacheElems keys keep their rank keys in shared memory after the first pass
+  // rows up to kMaxCacheElems keys keep their rank keys in shared memory after the first pass; longer rows get
+  // room for their boundary bin's keys and positions (DSACP_TOPK_FILTER=0: passes over the row, a diagnostic)
   const int32_t cache_elems = max_len <= kMaxCacheElems ? (max_len + 3) / 4 * 4 : 0;
-  const int bytes = cache_elems * 4;
+  const char* knob = std::getenv("DSACP_TOPK_FILTER");
+  const bool filter = max_len > kMaxCacheElems && !(knob != nullptr && knob[0] == '0');
+  const int32_t bin_elems = filter ? kMaxBinElems : 0;
+  const int bytes = std::max(cache_elems * 4, bin_elems * 8);
   DSACP_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(radix_select_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
-      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, p.topk, p.topk_scores);
+      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
   return Status::ok_status();
 }
