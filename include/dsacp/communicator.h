@@ -75,6 +75,11 @@ class Communicator {
   // (NcclOptions::producer_stream), for a producer that moves between streams (Backend lanes). Host transports
   // ignore it (their inputs are ready when a collective is called).
   virtual void set_producer_stream(void* stream) { (void)stream; }
+  // True when the collectives order themselves on the device (after the producer stream's work, and their
+  // consumers through CollectiveHandle::order_before), so they may be launched from a backend lane. False for
+  // host transports, and for device memory moved through a CopyFn: those copies run on whichever rank's thread
+  // completes the collective, ordered only on that thread's current stream.
+  virtual bool orders_on_device() const { return false; }
 
   // Several all-gathers (or all-to-alls) as one operation with one handle: parts[i] is {send, recv, bytes} as
   // for all_gather_async (all_to_all_async). A GPU communicator launches them together (one NCCL group), which

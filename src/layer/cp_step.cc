@@ -700,11 +700,12 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // The decode queries along heads: launched right after this rank's indexer launch (the indexer, on the critical
   // path, is not queued behind the collective's host launch), yet ordered only after the work enqueued before
   // the indexer: the side lane, forked here, holds that point, and the gather is launched from it. The gather
-  // then runs during the indexer instead of after it.
+  // then runs during the indexer instead of after it. Only where the collective orders itself on the device
+  // (NCCL); a transport that copies on the host's schedule keeps the main stream's order.
   std::optional<PendingHeads> q_heads;
   const bool want_q_heads = !layout.dsa_cp && local_decodes && T_dec > 0 && D > 1;
   LaneSession before_indexer(backend);
-  if (want_q_heads) DSACP_RETURN_IF_ERROR(before_indexer.begin());
+  if (want_q_heads && comms.dcp->orders_on_device()) DSACP_RETURN_IF_ERROR(before_indexer.begin());
   auto start_q_heads = [&]() -> Status {
     if (want_q_heads && !q_heads) {
       before_indexer.set_lane(1);

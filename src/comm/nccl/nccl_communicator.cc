@@ -293,6 +293,7 @@ class NcclComm final : public NcclCommunicator {
   CommStats stats() const override { return stats_; }
   void reset_stats() override { stats_ = CommStats{}; }
   void set_producer_stream(void* stream) override { options_.producer_stream = stream; }
+  bool orders_on_device() const override { return true; }
 
   Result<std::unique_ptr<CollectiveHandle>> all_gather_async(const void* send, void* recv, size_t bytes) override {
     return launch("all_gather", bytes * (size_ - 1),
