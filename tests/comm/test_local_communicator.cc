@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "dsacp/backend.h"
 #include "dsacp/communicator.h"
 
 namespace dsacp {
@@ -101,6 +102,28 @@ TEST_P(LocalCommunicatorTest, SeveralCollectivesInFlightWaitedInAnyOrder) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, LocalCommunicatorTest, ::testing::Values(1, 2, 3, 4, 8),
                          [](const auto& info) { return "P" + std::to_string(info.param); });
+
+// The local group completes a collective on the host (its last rank copies for everyone): it does not order
+// itself on the device, so the CP step keeps such collectives off backend lanes; a producer stream is ignored.
+// A host backend has one lane: the lane calls do nothing and its work stays in call order.
+TEST(LocalCommunicator, CompletesOnTheHostAndHostBackendsHaveOneLane) {
+  auto group = LocalGroup::create(1, std::chrono::seconds(5));
+  auto c = group->make_communicator(0);
+  EXPECT_FALSE(c->orders_on_device());
+  int stream_token = 0;
+  c->set_producer_stream(&stream_token);
+  int x = 7, y = 0;
+  ASSERT_TRUE(c->all_gather(&x, &y, sizeof x).ok());
+  EXPECT_EQ(y, 7);
+  auto cpu = make_cpu_backend(1);
+  EXPECT_EQ(cpu->num_lanes(), 1);
+  LaneSession lanes(*cpu);
+  ASSERT_TRUE(lanes.begin().ok());
+  lanes.set_lane(1);
+  EXPECT_EQ(cpu->native_stream(), nullptr);
+  EXPECT_TRUE(lanes.end().ok());
+  EXPECT_TRUE(lanes.end().ok());  // a second end is a no-op
+}
 
 TEST(LocalCommunicator, MissingRankTimesOutInsteadOfHanging) {
   auto group = LocalGroup::create(2, std::chrono::milliseconds(200));
