@@ -787,9 +787,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
     std::optional<PendingTopk> pending_topk;
     if (shared > 0) {
-      std::vector<int32_t> key_len(plan.row_key_len.begin(), plan.row_key_len.begin() + shared);
+      // The step's upload has the rows' local lengths already (no global lengths needed).
       DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request,
-                                                             plan.row_request.data(), key_len, out.topk,
+                                                             plan.row_request.data(), {}, out.topk,
                                                              s.d_row_local_len, s.row_local_len.data()));
     }
     DSACP_RETURN_IF_ERROR(write_latent_rope());

@@ -116,7 +116,6 @@ struct StreamBox {
   cudaStream_t stream = nullptr;
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_blocks;  // size class -> blocks
-  size_t cached_bytes = 0;
   // While a lane session is open (Backend::begin_lanes), a freed block may still be in use by the other lane's
   // work: it is held here and goes to the free lists when the last session ends (the main stream is then
   // ordered after both lanes).
@@ -135,7 +134,6 @@ struct StreamBox {
     if (it == free_blocks.end() || it->second.empty()) return nullptr;
     void* p = it->second.back();
     it->second.pop_back();
-    cached_bytes -= cls;
     return p;
   }
   void give_back(void* p, size_t cls) {
@@ -145,7 +143,6 @@ struct StreamBox {
       return;
     }
     free_blocks[cls].push_back(p);
-    cached_bytes += cls;
   }
   void begin_hold() {
     std::lock_guard<std::mutex> lock(mu);
@@ -154,10 +151,7 @@ struct StreamBox {
   void end_hold() {
     std::lock_guard<std::mutex> lock(mu);
     if (lane_sessions > 0 && --lane_sessions > 0) return;
-    for (const auto& [p, cls] : held) {
-      free_blocks[cls].push_back(p);
-      cached_bytes += cls;
-    }
+    for (const auto& [p, cls] : held) free_blocks[cls].push_back(p);
     held.clear();
   }
   // Returns every cached block to the device's pool (in stream order).
@@ -167,7 +161,6 @@ struct StreamBox {
       for (void* p : blocks) (void)cudaFreeAsync(p, stream);
     }
     free_blocks.clear();
-    cached_bytes = 0;
   }
   ~StreamBox() {
     for (const auto& [p, cls] : held) free_blocks[cls].push_back(p);
