@@ -62,6 +62,16 @@ TEST_P(CpLayoutTest, SameResultsAsOneDevice) {
   testing::expect_same_as_one_device(*c, one, cp);
 }
 
+// The local decodes on the direct path (head blocks) and on the packed path (DSACP_CP_HEAD_BLOCKS=0), each
+// against one device.
+void expect_both_decode_paths_same_as_one_device(const CaseFile& c, const ReplayOptions& one, const ReplayOptions& cp,
+                                                 double out_tol = 1e-5) {
+  testing::expect_same_as_one_device(c, one, cp, out_tol);
+  setenv("DSACP_CP_HEAD_BLOCKS", "0", 1);
+  testing::expect_same_as_one_device(c, one, cp, out_tol);
+  unsetenv("DSACP_CP_HEAD_BLOCKS");
+}
+
 // H = 128 over D = 2: 64 heads per rank, so the local decodes take the direct path (attention reads the
 // head-gathered queries in their block layout and writes its partials in the all-to-all's layout). Also with
 // the direct path off (DSACP_CP_HEAD_BLOCKS=0): both match one device.
@@ -76,10 +86,7 @@ TEST(CpLayoutDirect, HeadBlockLayoutMatchesOneDeviceAndThePackedPath) {
     cp.layout.D = 2;
     cp.layout.indexer = mode;
     cp.page_shuffle_seed = seed * 7 + 1;
-    testing::expect_same_as_one_device(*c, one, cp);
-    setenv("DSACP_CP_HEAD_BLOCKS", "0", 1);
-    testing::expect_same_as_one_device(*c, one, cp);
-    unsetenv("DSACP_CP_HEAD_BLOCKS");
+    expect_both_decode_paths_same_as_one_device(*c, one, cp);
   }
 }
 
@@ -97,10 +104,7 @@ TEST(CpLayoutDirect, Bf16PartialsStayWithinBf16Tolerance) {
     ReplayOptions cp = one;
     cp.layout.D = D;
     cp.page_shuffle_seed = seed * 7 + 1;
-    testing::expect_same_as_one_device(*c, one, cp, 1e-2);
-    setenv("DSACP_CP_HEAD_BLOCKS", "0", 1);
-    testing::expect_same_as_one_device(*c, one, cp, 1e-2);
-    unsetenv("DSACP_CP_HEAD_BLOCKS");
+    expect_both_decode_paths_same_as_one_device(*c, one, cp, 1e-2);
   }
 }
 
