@@ -952,6 +952,9 @@ int main(int argc, char** argv) {
   mla.push_back({"decode H=128 page64 K=2048 bf16 out", 128, 2048, 64, {4096, 3000}, {2, 1}, DType::kBF16});
   mla.push_back({"prefill H=128 page64 K=2048", 128, 2048, 64, {0}, {quick ? 300 : 700}});
   mla.push_back({"prefill H=16 page61 K=300 chunked", 16, 300, 61, {900, 0}, {200, 150}});
+  // Tokens per request >= 8: the warp-specialized kernel by default; an odd tile count (K = 320: 5 tiles, the
+  // last pair half empty), hostile rows and the bad-page / bad-request checks (page61).
+  mla.push_back({"prefill H=128 page61 K=320 chunked", 128, 320, 61, {700, 0}, {120, 90}});
   {
     // The DCP head-block layout (2 blocks of 64 heads), through the split-K combine and without splits.
     MlaCase hb{"decode H=128 head_blocks=2 split-K", 128, 2048, 64, {3000, 2100}, {2, 1}};
@@ -971,12 +974,14 @@ int main(int argc, char** argv) {
   }
   for (const MlaCase& c : mla) {
     if (c.splits > 0) setenv("DSACP_MLA_SPLITS", std::to_string(c.splits).c_str(), 1);
-    run_mla_case(*gpu, *cpu, c);  // default kernels (wgmma for 64-head groups)
+    run_mla_case(*gpu, *cpu, c);  // default kernels (for 64-head groups: by tokens per request)
     if (c.H >= 64) {
-      setenv("DSACP_MLA_KERNEL", "mma", 1);
-      MlaCase m = c;
-      m.name += " [mma.sync]";
-      run_mla_case(*gpu, *cpu, m);
+      for (const char* k : {"ws", "wgmma", "mma"}) {  // every kernel for 64-head groups
+        setenv("DSACP_MLA_KERNEL", k, 1);
+        MlaCase m = c;
+        m.name += std::string(" [") + k + "]";
+        run_mla_case(*gpu, *cpu, m);
+      }
       unsetenv("DSACP_MLA_KERNEL");
     }
     unsetenv("DSACP_MLA_SPLITS");

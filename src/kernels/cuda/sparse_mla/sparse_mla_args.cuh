@@ -39,8 +39,11 @@ __device__ __forceinline__ int64_t mla_head_row(const MlaArgs& a, int64_t t, int
   return (static_cast<int64_t>(h / a.block_heads) * a.T + t) * a.block_heads + h % a.block_heads;
 }
 
-// The Hopper warpgroup-MMA kernel for 64-head groups (H = 64, 128): one CTA per (token, head group, split).
+// The Hopper warpgroup-MMA kernels for 64-head groups (H = 64, 128): one CTA per (token, head group, split).
+// wgmma64: two warpgroups that gather and compute in turn (decode); wgmma_ws: warp-specialized, a producer
+// warpgroup and a pair of 64-key tiles per step (prefill). sparse_mla_kernel_choice picks.
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx);
+Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx);
 
 // The prologue both sparse MLA kernels share, for token t and key split `split`: checks the token's request
 // row and key length (a bad one is reported through a.err and the token uses no key), finds how many leading

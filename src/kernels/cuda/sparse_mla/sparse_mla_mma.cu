@@ -8,13 +8,14 @@
 //             [0, key_len)), resolve this split's entries to physical cache rows through the block table
 //             (a bad page is reported and its row treated as absent), load Q [HG, 576] into shared memory.
 //   main loop tiles of kBN = 32 chosen keys: the latent (512) and rope (64) rows are gathered with cp.async
-//             into a 3- to 5-stage ring (deeper for smaller HG) of [32, 576] bf16 tiles (XOR-swizzled 16-byte
+//             into a ring of [32, 576] bf16 tiles (3 stages for HG = 64, 4 for 32; 2 for HG = 16, which runs two
+//             CTAs per SM) (XOR-swizzled 16-byte
 //             chunks, conflict-free ldmatrix); S = Q K^T by mma into shared memory (16x16 blocks per warp for
 //             HG = 64; 16x8 blocks on all 8 warps for HG <= 32, the 576-long reduction split in two for HG = 16),
 //             online softmax (exp2, running max and sum per row), P (bf16) to shared memory, then O += P V by
 //             mma with O [16, 512/CS] held in registers by each warp (warp = row tile x column slice).
-// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma.cu is the
-// faster path for 64-head groups.
+// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma.cu (decode) and
+// sparse_mla_wgmma_ws.cu (prefill) are the faster paths for 64-head groups.
 //   epilogue  out = O / l, lse = m + ln l; with split-K, normalized partials and their LSE go to a workspace
 //             and launch_lse_merge combines them (exact, fixed order).
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
@@ -22,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -38,9 +40,12 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = 8;
 constexpr int kBN = 32;            // keys per tile
-// cp.async ring depth: as deep as shared memory allows (Q takes HG * 1152 bytes)
+// CTAs per SM: two for HG = 16 (one CTA's barriers and waits hide behind the other's work), else one.
 template <int HG>
-__host__ __device__ constexpr int stages_for() { return HG == 64 ? 3 : (HG == 32 ? 4 : 5); }
+__host__ __device__ constexpr int ctas_per_sm_for() { return HG == 16 ? 2 : 1; }
+// cp.async ring depth: as deep as shared memory allows (Q takes HG * 1152 bytes) at that occupancy
+template <int HG>
+__host__ __device__ constexpr int stages_for() { return HG == 64 ? 3 : (HG == 32 ? 4 : 2); }
 // QK^T work split: 16x8 score blocks over the 8 warps; with HG = 16 there are only 4 blocks, so the 576-long
 // reduction is also split in two (two partial S buffers, added in a fixed order by the softmax).
 template <int HG>
@@ -78,7 +83,7 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 }
 
 template <int HG>
-__global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaArgs a) {
+__global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mma_kernel(const MlaArgs a) {
   using L = Smem<HG>;
   constexpr int kStages = L::kStages;
   constexpr int RG = HG / 16;          // row tiles
@@ -364,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_mma_kernel(const MlaAr
 template <int HG>
 Status launch_hg(const MlaArgs& args, int groups, const LaunchContext& ctx) {
   constexpr int bytes = Smem<HG>::kBytes;
-  static_assert(bytes <= 227 * 1024, "shared memory");
+  static_assert(bytes * ctas_per_sm_for<HG>() <= 227 * 1024, "shared memory");
   DSACP_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(sparse_mla_mma_kernel<HG>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
@@ -380,9 +385,15 @@ int split_len_for(int K, int splits) {
 
 }  // namespace
 
-bool sparse_mla_use_wgmma() {
+MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests) {
   const char* v = std::getenv("DSACP_MLA_KERNEL");
-  return v == nullptr || std::string(v) != "mma";
+  const std::string k = v == nullptr ? "" : v;
+  if (k == "mma") return MlaKernel::kMmaSync;
+  if (k == "wgmma") return MlaKernel::kWgmma;
+  if (k == "ws") return MlaKernel::kWgmmaWs;
+  // Many tokens per request share its keys (prefill): the gathers hit L2, and the warp-specialized kernel's
+  // faster math wins. Decodes gather from HBM, where its refill of both stages after each pair costs more.
+  return num_tokens >= 8 * std::max<int64_t>(1, num_requests) ? MlaKernel::kWgmmaWs : MlaKernel::kWgmma;
 }
 
 Status sparse_mla_supported(const SparseMlaParams& p) {
@@ -419,8 +430,9 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
 
 int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
   const int64_t ctas = p.rows.num_tokens * (p.H > 64 ? p.H / 64 : 1);
+  const int64_t slots = static_cast<int64_t>(num_sms) * (p.H == 16 ? ctas_per_sm_for<16>() : 1);  // CTAs at once
   int splits = 1;
-  if (ctas > 0 && ctas * 3 / 2 < num_sms) splits = static_cast<int>((num_sms + ctas / 2) / ctas);
+  if (ctas > 0 && ctas * 3 / 2 < slots) splits = static_cast<int>((slots + ctas / 2) / ctas);
   if (const char* v = std::getenv("DSACP_MLA_SPLITS")) splits = std::max(1, std::atoi(v));  // tuning override
   // at least 64 keys per split, at most kMaxSplitKeys
   splits = std::max(1, std::min(splits, std::max(1, p.K / 64)));
@@ -474,10 +486,10 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
     case 16: DSACP_RETURN_IF_ERROR(launch_hg<16>(a, groups, ctx)); break;
     case 32: DSACP_RETURN_IF_ERROR(launch_hg<32>(a, groups, ctx)); break;
     default:
-      if (sparse_mla_use_wgmma()) {
-        DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma64(a, groups, ctx));
-      } else {
-        DSACP_RETURN_IF_ERROR(launch_hg<64>(a, groups, ctx));
+      switch (sparse_mla_kernel_choice(a.T, a.num_requests)) {
+        case MlaKernel::kWgmmaWs: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma_ws(a, groups, ctx)); break;
+        case MlaKernel::kWgmma: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma64(a, groups, ctx)); break;
+        case MlaKernel::kMmaSync: DSACP_RETURN_IF_ERROR(launch_hg<64>(a, groups, ctx)); break;
       }
       break;
   }

@@ -1,0 +1,385 @@
+// Sparse MLA attention for 64-head groups (H = 64, 128), warp-specialized, on Hopper wgmma (sm_90a).
+//
+// One CTA = (token, 64 heads, key split), three warpgroups, and the keys taken in pairs of 64-key tiles:
+//   WG2 (producer, 56 registers) resolves the chosen entries to cache rows through the block table and gathers
+//        the pair's two [64 keys, 576] tiles with cp.async into smem stages 0 and 1.
+//   WG0 owns tile 0 of the pair and output columns [0, 256); WG1 owns tile 1 and columns [256, 512).
+//   Each consumer scores its whole tile (S = Q K^T, m64n64k16, Q and K from shared memory) and keeps P in
+//   registers, so O_w += P_own V_own[:, cols_w] reads P from registers; the other warpgroup's P comes through
+//   shared memory (written over the tile's rope slab, which only its own QK^T reads) for O_w += P_other
+//   V_other[:, cols_w].
+//   The row maxima go one way and back: WG0 publishes max(m, its tile's max); WG1 folds in its own tile and
+//   publishes the pair's max; WG0 rescales its P to it. No symmetric exchange, and WG1's QK^T runs while WG0
+//   does its softmax.
+// An odd last tile is paired with an empty one (every key absent: zero-filled, masked).
+// Used for prefill (many tokens per request: the gathers hit L2): 386 TFLOP/s against 346 for sparse_mla_wgmma.cu
+// (8192 tokens, h=128). Decode gathers from HBM, and both stages are refilled only once the pair is done, so each
+// pair waits a full gather latency: 0.134 ms against 0.120 (b=64, h=128). Hiding it needs each half of a tile
+// released as soon as its last reader is done (FlashMLA's split barriers), not a third stage: Q and two tiles
+// fill shared memory.
+// Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
+// reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/common/mma_sm80.cuh"
+#include "kernels/cuda/common/wgmma_sm90.cuh"
+#include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
+
+namespace dsacp::cuda {
+namespace {
+
+constexpr int kThreads = 384;  // consumers: warpgroups 0, 1; producer: warpgroup 2
+constexpr int kBN = 64;        // keys per tile
+constexpr int kDl = 512, kDr = 64;
+constexpr int kSlabBytes = 64 * 128;             // one [64 rows, 64 bf16] swizzled slab
+constexpr int kTileBytes = 9 * kSlabBytes;       // [64 rows, 576] = 73728
+constexpr int kOffQ = 0;                         // Q [64, 576]
+constexpr int kOffKV = kOffQ + kTileBytes;       // stages 0, 1 (tiles 0, 1 of the pair)
+constexpr int kOffMax = kOffKV + 2 * kTileBytes; // [2 pair parities][2][64] f32: WG0's, then the pair's row max
+constexpr int kOffL = kOffMax + 2 * 2 * 64 * 4;  // [2][64] f32
+constexpr int kOffRing = kOffL + 2 * 64 * 4;     // [4][64] i32: tile i's cache rows in slot i % 4, -1 = absent
+constexpr int kOffMisc = kOffRing + 4 * 64 * 4;  // [4] i32
+constexpr int kSmemUsed = kOffMisc + 16;
+constexpr int kSmemBytes = kSmemUsed + 1024;     // slack to align the base to 1024 B (swizzle atoms)
+static_assert(kSmemBytes <= 232448, "shared memory");
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Named barriers (0 is __syncthreads). A named barrier completes when `count` threads arrived (bar.arrive or
+// bar.sync), so each has exactly one waiting party: a consumer that waited on a barrier the other consumer
+// waits on later would hold it up.
+constexpr int kBarFull = 1;      // + 2 stage + w: stage loaded (the producer arrives, consumer w waits: 256)
+constexpr int kBarEmpty = 5;     // + stage: both consumers arrive, the producer waits (384)
+constexpr int kBarMax0 = 7;      // WG0's max published (WG0 arrives, WG1 waits: 256)
+constexpr int kBarMax1 = 8;      // the pair's max published (WG1 arrives, WG0 waits)
+constexpr int kBarP = 9;         // + w: P of warpgroup w in shared memory (w arrives, the other waits)
+constexpr int kBarEpilogue = 11; // both consumers (256)
+constexpr int kBarProducer = 12; // the producer's 128 threads (the row ring)
+
+// Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile (slab = c / 8, XOR swizzle in the slab).
+__device__ __forceinline__ uint32_t tile_off(int r, int c) {
+  return static_cast<uint32_t>((c >> 3) * kSlabBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const MlaArgs a) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const uint32_t sQ = smem_u32(smem + kOffQ);
+  const uint32_t sKV = smem_u32(smem + kOffKV);
+  float* sMax = reinterpret_cast<float*>(smem + kOffMax);
+  float* sL = reinterpret_cast<float*>(smem + kOffL);
+  int32_t* sRing = reinterpret_cast<int32_t*>(smem + kOffRing);
+  int32_t* sMisc = reinterpret_cast<int32_t*>(smem + kOffMisc);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = tid >> 7, wl = warp & 3;
+  const int64_t t = blockIdx.x;
+  const int h0 = blockIdx.y * 64;
+  const int split = blockIdx.z;
+
+  // ---- prologue (all threads): used entries ----
+  const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
+  const int32_t b = keys.request;
+  const int nkeys = keys.nkeys;
+  const int npairs = (nkeys + 2 * kBN - 1) / (2 * kBN);
+
+  if (wg == 2) {
+    // ==== producer ====
+    setmaxnreg_dec<56>();
+    const int p = tid - 256;  // 0..127
+    // Rows of tile i (cache rows, -1 = absent) in ring slot i % 4: resolved one pair ahead by threads 0..63.
+    auto resolve_pair = [&](int pair) {
+      if (p >= 64) return;
+#pragma unroll
+      for (int st = 0; st < 2; ++st) {  // both lookups in flight together
+        const int key = (2 * pair + st) * kBN + p;
+        int32_t row = -1;
+        if (key < nkeys) {
+          const int32_t e = keys.entries[key];
+          const int32_t c = e / a.page_size;
+          const int32_t page = c < a.max_pages ? a.block_table[static_cast<int64_t>(b) * a.max_pages + c] : -1;
+          if (page < 0 || page >= a.num_pages) {
+            report_device_error(a.err, kDevBadPage, t);
+          } else {
+            row = page * a.page_size + e % a.page_size;
+          }
+        }
+        sRing[((2 * pair + st) & 3) * 64 + p] = row;
+      }
+    };
+    resolve_pair(0);
+    named_bar_sync(kBarProducer, 128);
+    for (int pair = 0; pair < npairs; ++pair) {
+#pragma unroll
+      for (int st = 0; st < 2; ++st) {
+        if (pair > 0) named_bar_sync(kBarEmpty + st, kThreads);  // the consumers are done with the last pair's
+        // Gather: 8 threads per row, 16 rows per pass (each warp instruction reads 4 whole 128-byte segments).
+        const uint32_t base = sKV + st * kTileBytes;
+        const int32_t* ring = sRing + ((2 * pair + st) & 3) * 64;
+#pragma unroll 1  // the producer has 56 registers
+        for (int pass = 0; pass < 4; ++pass) {
+          const int r = (p >> 3) + 16 * pass;
+          const int32_t row = ring[r];
+          const __nv_bfloat16* lat = a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * kDl;
+          const __nv_bfloat16* rop = a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * kDr;
+          const int bytes = row >= 0 ? 16 : 0;
+#pragma unroll
+          for (int k = 0; k < 9; ++k) {
+            const int c = (p & 7) + 8 * k;
+            const void* src = k < 8 ? static_cast<const void*>(lat + c * 8) : static_cast<const void*>(rop + (c - 64) * 8);
+            cp_async_16(base + tile_off(r, c), src, bytes);
+          }
+        }
+        cp_async_commit();
+      }
+      // The next pair's rows while these land (its ring slots were last read by the previous pair's gathers,
+      // and by the consumers' masks of the previous pair, done before its "empty").
+      if (pair + 1 < npairs) resolve_pair(pair + 1);
+      named_bar_sync(kBarProducer, 128);
+      cp_async_wait<1>();
+      fence_proxy_async_smem();
+      named_bar_arrive(kBarFull + 0, 256);
+      named_bar_arrive(kBarFull + 1, 256);
+      cp_async_wait<0>();
+      fence_proxy_async_smem();
+      named_bar_arrive(kBarFull + 2, 256);
+      named_bar_arrive(kBarFull + 3, 256);
+    }
+    if (npairs > 0) {  // match the consumers' arrivals on the last pair
+      named_bar_sync(kBarEmpty + 0, kThreads);
+      named_bar_sync(kBarEmpty + 1, kThreads);
+    }
+    return;
+  }
+
+  // ==== consumers: warpgroup wg owns stage wg's tile and output columns [256 wg, 256 wg + 256) ====
+  for (int idx = tid; idx < 64 * 72; idx += 256) {  // Q, while the producer gathers the first pair
+    const int r = idx / 72, c = idx % 72;
+    const int64_t qrow = mla_head_row(a, t, h0 + r);
+    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
+                             : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
+    cp_async_16(sQ + tile_off(r, c), src, 16);
+  }
+  cp_async_commit();
+  setmaxnreg_inc<224>();
+  const int other = wg ^ 1;
+  const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
+  const uint32_t own_tile = sKV + wg * kTileBytes, other_tile = sKV + other * kTileBytes;
+  // P of warpgroup w goes over the rope slab of its tile (read only by its own QK^T, complete by then).
+  const uint32_t other_p = other_tile + 8 * kSlabBytes;
+  unsigned char* own_p_ptr = smem + kOffKV + wg * kTileBytes + 8 * kSlabBytes;
+
+  float m0 = -INFINITY, m1 = -INFINITY;  // the running max (log2 domain), the same in both warpgroups
+  float l0 = 0.f, l1 = 0.f;              // this warpgroup's tiles' share of the row sums
+  float s[32];
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+
+  cp_async_wait<0>();
+  fence_proxy_async_smem();
+  named_bar_sync(kBarEpilogue, 256);  // Q visible to wgmma
+
+  for (int pair = 0; pair < npairs; ++pair) {
+    // ---- S = Q K_own^T : [64 heads, 64 keys] ----
+    named_bar_sync(kBarFull + 2 * wg + wg, 256);
+    wgmma_fence();
+    {
+      const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
+      const uint64_t db0 = wgmma_desc_sw128(own_tile, 16, 1024);
+#pragma unroll
+      for (int ks = 0; ks < 36; ++ks) {
+        const uint32_t koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
+        wgmma_m64n64k16<0>(s, da0 + (koff >> 4), db0 + (koff >> 4), ks > 0 ? 1 : 0);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) reg_fence(s[i]);
+
+    // ---- mask, scale, this tile's row max ----
+    const int32_t* rows = sRing + ((2 * pair + wg) & 3) * 64;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = rows[j * 8 + (lane & 3) * 2 + e] >= 0;  // past the used entries: -1 too
+        s[j * 4 + e] = valid ? s[j * 4 + e] * a.scale_log2 : -INFINITY;
+        s[j * 4 + 2 + e] = valid ? s[j * 4 + 2 + e] * a.scale_log2 : -INFINITY;
+        mx0 = fmaxf(mx0, s[j * 4 + e]);
+        mx1 = fmaxf(mx1, s[j * 4 + 2 + e]);
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    // ---- the pair's max: WG0 -> WG1 -> WG0 (buffers alternate by pair: a write never meets the last pair's reads) ----
+    float* pmax = sMax + (pair & 1) * 128;
+    float tm0, tm1;  // the max P is computed against first (WG0: its own; WG1: the pair's)
+    float pm0 = -INFINITY, pm1 = -INFINITY;  // the pair's max
+    if (wg == 0) {
+      tm0 = fmaxf(m0, mx0);
+      tm1 = fmaxf(m1, mx1);
+      if ((lane & 3) == 0) {
+        pmax[r0] = tm0;
+        pmax[r1] = tm1;
+      }
+      named_bar_arrive(kBarMax0, 256);
+    } else {
+      named_bar_sync(kBarMax0, 256);
+      tm0 = fmaxf(pmax[r0], mx0);
+      tm1 = fmaxf(pmax[r1], mx1);
+      if ((lane & 3) == 0) {
+        pmax[64 + r0] = tm0;
+        pmax[64 + r1] = tm1;
+      }
+      named_bar_arrive(kBarMax1, 256);
+      pm0 = tm0;
+      pm1 = tm1;
+    }
+    // P against tm (-inf rows: against 0, every P = 0)
+    const float tu0 = tm0 == -INFINITY ? 0.f : tm0, tu1 = tm1 == -INFINITY ? 0.f : tm1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s[j * 4 + 0] = exp2f(s[j * 4 + 0] - tu0);
+      s[j * 4 + 1] = exp2f(s[j * 4 + 1] - tu0);
+      s[j * 4 + 2] = exp2f(s[j * 4 + 2] - tu1);
+      s[j * 4 + 3] = exp2f(s[j * 4 + 3] - tu1);
+      ps0 += s[j * 4 + 0] + s[j * 4 + 1];
+      ps1 += s[j * 4 + 2] + s[j * 4 + 3];
+    }
+    float f0 = 1.f, f1 = 1.f;  // WG0: P from its max to the pair's
+    if (wg == 0) {
+      named_bar_sync(kBarMax1, 256);
+      pm0 = pmax[64 + r0];
+      pm1 = pmax[64 + r1];
+      f0 = tm0 == -INFINITY ? 0.f : exp2f(tm0 - pm0);
+      f1 = tm1 == -INFINITY ? 0.f : exp2f(tm1 - pm1);
+    }
+    const float pu0 = pm0 == -INFINITY ? 0.f : pm0, pu1 = pm1 == -INFINITY ? 0.f : pm1;
+    const float al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - pu0), al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - pu1);
+    m0 = pm0;
+    m1 = pm1;
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, off);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, off);
+    }
+    l0 = l0 * al0 + ps0 * f0;
+    l1 = l1 * al1 + ps1 * f1;
+    // P (bf16) as the A fragments of the four k-steps, and into shared memory for the other warpgroup
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[kk][0] = pack_bf16x2(s[8 * kk + 0] * f0, s[8 * kk + 1] * f0);
+      pa[kk][1] = pack_bf16x2(s[8 * kk + 2] * f1, s[8 * kk + 3] * f1);
+      pa[kk][2] = pack_bf16x2(s[8 * kk + 4] * f0, s[8 * kk + 5] * f0);
+      pa[kk][3] = pack_bf16x2(s[8 * kk + 6] * f1, s[8 * kk + 7] * f1);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // keys 8 j + 2 (lane % 4) (+1) of rows r0, r1, swizzled [64, 64] tile
+      const int kl = j * 8 + (lane & 3) * 2;
+      const int chunk = kl >> 3;
+      const uint32_t v0 = pa[j >> 1][(j & 1) * 2 + 0], v1 = pa[j >> 1][(j & 1) * 2 + 1];
+      *reinterpret_cast<uint32_t*>(own_p_ptr + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + (kl & 7) * 2) = v0;
+      *reinterpret_cast<uint32_t*>(own_p_ptr + r1 * 128 + ((chunk ^ (r1 & 7)) << 4) + (kl & 7) * 2) = v1;
+    }
+    fence_proxy_async_smem();
+    named_bar_arrive(kBarP + wg, 256);
+
+    // ---- O_w = alpha O_w + P_own V_own[:, cols_w] + P_other V_other[:, cols_w] ----
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max rarely moves after a few tiles
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[j * 4 + 0] *= al0;
+        o[j * 4 + 1] *= al0;
+        o[j * 4 + 2] *= al1;
+        o[j * 4 + 3] *= al1;
+      }
+    }
+    wgmma_fence();
+    {
+      const uint64_t vb = wgmma_desc_sw128(own_tile + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1>(o, pa[kk], vb + ((kk * 16 * 128) >> 4), 1);
+    }
+    named_bar_sync(kBarFull + 2 * other + wg, 256);  // the other tile is in shared memory
+    named_bar_sync(kBarP + other, 256);              // and the other warpgroup's P
+    {
+      const uint64_t pb = wgmma_desc_sw128(other_p, 16, 1024);
+      const uint64_t vb = wgmma_desc_sw128(other_tile + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16<1>(o, pb + ((kk * 32) >> 4), vb + ((kk * 16 * 128) >> 4), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+    named_bar_arrive(kBarEmpty + 0, kThreads);  // both tiles read for the last time by this warpgroup
+    named_bar_arrive(kBarEmpty + 1, kThreads);
+  }
+
+  // ---- epilogue ----
+  if ((lane & 3) == 0) {
+    sL[wg * 64 + r0] = l0;
+    sL[wg * 64 + r1] = l1;
+  }
+  named_bar_sync(kBarEpilogue, 256);
+  const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
+  const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
+  // Rows in the caller's layout (splits == 1) and in the split-K workspace (plain [T, H]).
+  const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
+  const int64_t row1 = a.splits == 1 ? mla_head_row(a, t, h0 + r1) : t * a.H + h0 + r1;
+  if (a.splits == 1) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
+      if (a.out_bf16) {
+        auto* out = static_cast<__nv_bfloat16*>(a.out);
+        *reinterpret_cast<uint32_t*>(out + row0 * kDl + c) = pack_bf16x2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+        *reinterpret_cast<uint32_t*>(out + row1 * kDl + c) = pack_bf16x2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+      } else {
+        auto* out = static_cast<float*>(a.out);
+        *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+        *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+      }
+    }
+  } else {
+    float* out = a.part_out + static_cast<int64_t>(split) * a.T * a.H * kDl;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
+      *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+      *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+    }
+  }
+  if (wg == 0 && (lane & 3) == 0) {
+    const float v0 = L0 > 0.f ? (m0 + log2f(L0)) * kLn2 : -INFINITY;
+    const float v1 = L1 > 0.f ? (m1 + log2f(L1)) * kLn2 : -INFINITY;
+    float* dst = a.splits == 1 ? a.lse : a.part_lse + static_cast<int64_t>(split) * a.T * a.H;
+    dst[row0] = v0;
+    dst[row1] = v1;
+  }
+}
+
+}  // namespace
+
+Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx) {
+  DSACP_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(sparse_mla_wgmma_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
+  sparse_mla_wgmma_ws_kernel<<<grid, kThreads, kSmemBytes, ctx.stream>>>(args);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma_ws_kernel");
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cuda
