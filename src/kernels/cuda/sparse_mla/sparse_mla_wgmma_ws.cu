@@ -50,14 +50,14 @@ static_assert(kSmemBytes <= 232448, "shared memory");
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Named barriers (0 is __syncthreads). A named barrier completes when `count` threads arrived (bar.arrive or
-// bar.sync), so each has exactly one waiting party: a consumer that waited on a barrier the other consumer
-// waits on later would hold it up.
+// bar.sync), so one that hands data from one party to another is waited on by the receiving party only: two
+// consumers each waiting first on a barrier the other waits on later would hold each other up.
 constexpr int kBarFull = 1;      // + 2 stage + w: stage loaded (the producer arrives, consumer w waits: 256)
 constexpr int kBarEmpty = 5;     // + stage: both consumers arrive, the producer waits (384)
 constexpr int kBarMax0 = 7;      // WG0's max published (WG0 arrives, WG1 waits: 256)
 constexpr int kBarMax1 = 8;      // the pair's max published (WG1 arrives, WG0 waits)
 constexpr int kBarP = 9;         // + w: P of warpgroup w in shared memory (w arrives, the other waits)
-constexpr int kBarEpilogue = 11; // both consumers (256)
+constexpr int kBarConsumers = 11; // both consumers wait (256): Q loaded; the row sums exchanged
 constexpr int kBarProducer = 12; // the producer's 128 threads (the row ring)
 
 // Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile (slab = c / 8, XOR swizzle in the slab).
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
 
   cp_async_wait<0>();
   fence_proxy_async_smem();
-  named_bar_sync(kBarEpilogue, 256);  // Q visible to wgmma
+  named_bar_sync(kBarConsumers, 256);  // Q visible to wgmma
 
   for (int pair = 0; pair < npairs; ++pair) {
     // ---- S = Q K_own^T : [64 heads, 64 keys] ----
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
     sL[wg * 64 + r0] = l0;
     sL[wg * 64 + r1] = l1;
   }
-  named_bar_sync(kBarEpilogue, 256);
+  named_bar_sync(kBarConsumers, 256);
   const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
   const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
   // Rows in the caller's layout (splits == 1) and in the split-K workspace (plain [T, H]).
