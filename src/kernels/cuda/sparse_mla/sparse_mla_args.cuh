@@ -1,4 +1,5 @@
-// Arguments shared by the sparse MLA kernels (mma.sync for any head group, wgmma for 64-head groups).
+// Arguments shared by the sparse MLA kernels (mma.sync for any head group, wgmma for 64-head groups), their
+// shared prologue, and the wgmma kernels' shared epilogue.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,6 +8,7 @@
 
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/common/device_error.h"
+#include "kernels/cuda/common/mma_sm80.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace dsacp::cuda {
@@ -82,6 +84,52 @@ __device__ __forceinline__ MlaSplitKeys mla_split_keys(const MlaArgs& a, int64_t
   const int kb = split * chunk;
   const int ke = min(n_used, kb + chunk);
   return MlaSplitKeys{b, trow + min(kb, a.K), max(0, ke - kb)};
+}
+
+// The epilogue of the wgmma kernels: warpgroup wg's O [64 heads, 256 columns] in the m64n256 accumulator layout
+// (o[4j], o[4j+1]: row r0 = 16 (warp % 4) + lane / 4, columns 256 wg + 8 j + 2 (lane % 4) and +1; o[4j+2],
+// o[4j+3]: row r1 = r0 + 8), divided by the row sums L0, L1 (0 where a row has no key) and stored to the
+// caller's layout (splits == 1: bf16 or f32) or the split-K workspace (f32); warpgroup 0 stores the LSE too
+// (m0, m1: the rows' max in the log2 domain, -inf without keys).
+__device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, int h0, int split, int wg, int lane,
+                                                   int r0, int r1, const float (&o)[128], float L0, float L1, float m0,
+                                                   float m1) {
+  constexpr int kDl = 512;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
+  // Rows in the caller's layout (splits == 1) and in the split-K workspace (plain [T, H]).
+  const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
+  const int64_t row1 = a.splits == 1 ? mla_head_row(a, t, h0 + r1) : t * a.H + h0 + r1;
+  if (a.splits == 1) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
+      if (a.out_bf16) {
+        auto* out = static_cast<__nv_bfloat16*>(a.out);
+        *reinterpret_cast<uint32_t*>(out + row0 * kDl + c) = pack_bf16x2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+        *reinterpret_cast<uint32_t*>(out + row1 * kDl + c) = pack_bf16x2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+      } else {
+        auto* out = static_cast<float*>(a.out);
+        *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+        *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+      }
+    }
+  } else {
+    float* out = a.part_out + static_cast<int64_t>(split) * a.T * a.H * kDl;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
+      *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+      *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+    }
+  }
+  if (wg == 0 && (lane & 3) == 0) {
+    const float v0 = L0 > 0.f ? (m0 + log2f(L0)) * kLn2 : -INFINITY;
+    const float v1 = L1 > 0.f ? (m1 + log2f(L1)) * kLn2 : -INFINITY;
+    float* dst = a.splits == 1 ? a.lse : a.part_lse + static_cast<int64_t>(split) * a.T * a.H;
+    dst[row0] = v0;
+    dst[row1] = v1;
+  }
 }
 
 }  // namespace dsacp::cuda

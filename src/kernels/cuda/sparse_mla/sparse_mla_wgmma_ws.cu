@@ -47,7 +47,6 @@ constexpr int kOffMisc = kOffRing + 4 * 64 * 4;  // [4] i32
 constexpr int kSmemUsed = kOffMisc + 16;
 constexpr int kSmemBytes = kSmemUsed + 1024;     // slack to align the base to 1024 B (swizzle atoms)
 static_assert(kSmemBytes <= 232448, "shared memory");
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Named barriers (0 is __syncthreads). A named barrier completes when `count` threads arrived (bar.arrive or
 // bar.sync), so one that hands data from one party to another is waited on by the receiving party only: two
@@ -335,40 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   }
   named_bar_sync(kBarConsumers, 256);
   const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
-  const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
-  // Rows in the caller's layout (splits == 1) and in the split-K workspace (plain [T, H]).
-  const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
-  const int64_t row1 = a.splits == 1 ? mla_head_row(a, t, h0 + r1) : t * a.H + h0 + r1;
-  if (a.splits == 1) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
-      if (a.out_bf16) {
-        auto* out = static_cast<__nv_bfloat16*>(a.out);
-        *reinterpret_cast<uint32_t*>(out + row0 * kDl + c) = pack_bf16x2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
-        *reinterpret_cast<uint32_t*>(out + row1 * kDl + c) = pack_bf16x2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
-      } else {
-        auto* out = static_cast<float*>(a.out);
-        *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
-        *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
-      }
-    }
-  } else {
-    float* out = a.part_out + static_cast<int64_t>(split) * a.T * a.H * kDl;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
-      *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
-      *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
-    }
-  }
-  if (wg == 0 && (lane & 3) == 0) {
-    const float v0 = L0 > 0.f ? (m0 + log2f(L0)) * kLn2 : -INFINITY;
-    const float v1 = L1 > 0.f ? (m1 + log2f(L1)) * kLn2 : -INFINITY;
-    float* dst = a.splits == 1 ? a.lse : a.part_lse + static_cast<int64_t>(split) * a.T * a.H;
-    dst[row0] = v0;
-    dst[row1] = v1;
-  }
+  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, L0, L1, m0, m1);
 }
 
 }  // namespace
