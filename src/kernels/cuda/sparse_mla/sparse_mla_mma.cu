@@ -8,9 +8,8 @@
 //             [0, key_len)), resolve this split's entries to physical cache rows through the block table
 //             (a bad page is reported and its row treated as absent), load Q [HG, 576] into shared memory.
 //   main loop tiles of kBN = 32 chosen keys: the latent (512) and rope (64) rows are gathered with cp.async
-//             into a ring of [32, 576] bf16 tiles (3 stages for HG = 64, 4 for 32; 2 for HG = 16, which runs two
-//             CTAs per SM) (XOR-swizzled 16-byte
-//             chunks, conflict-free ldmatrix); S = Q K^T by mma into shared memory (16x16 blocks per warp for
+//             into a ring of [32, 576] bf16 tiles (XOR-swizzled 16-byte chunks, conflict-free ldmatrix; 3 stages
+//             for HG = 64, 4 for 32, 2 for HG = 16, which runs two CTAs per SM); S = Q K^T by mma into shared memory (16x16 blocks per warp for
 //             HG = 64; 16x8 blocks on all 8 warps for HG <= 32, the 576-long reduction split in two for HG = 16),
 //             online softmax (exp2, running max and sum per row), P (bf16) to shared memory, then O += P V by
 //             mma with O [16, 512/CS] held in registers by each warp (warp = row tile x column slice).
