@@ -192,6 +192,9 @@ Status device_error_status(const std::string& k, int32_t code, int32_t row) {
       return out_of_range(k + ": row " + r + ": an entry < -1 (entries are positions >= 0 or -1)");
     case cuda::kDevBadSlot:
       return out_of_range(k + ": row " + r + ": slot outside [0, num_pages*page_size) (and not -1)");
+    case cuda::kDevSmemAlign:
+      return internal_error(k + ": dynamic shared memory not 1024-byte aligned on this device/driver; "
+                                "DSACP_MLA_KERNEL=wgmma selects the kernel that does not need it");
     default:
       return internal_error(k + ": unknown device error code " + std::to_string(code));
   }

@@ -42,8 +42,8 @@ __device__ __forceinline__ int64_t mla_head_row(const MlaArgs& a, int64_t t, int
 }
 
 // The Hopper warpgroup-MMA kernels for 64-head groups (H = 64, 128): one CTA per (token, head group, split).
-// wgmma64: two warpgroups that gather and compute in turn (decode); wgmma_ws: warp-specialized, a producer
-// warpgroup and a pair of 64-key tiles per step (prefill). sparse_mla_kernel_choice picks.
+// wgmma_ws: warp-specialized, a producer warpgroup and a pair of 64-key tiles per step (the default);
+// wgmma64: two warpgroups that gather and compute in turn (kept for comparison). sparse_mla_kernel_choice picks.
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx);
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx);
 

@@ -390,9 +390,12 @@ MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests) {
   if (k == "mma") return MlaKernel::kMmaSync;
   if (k == "wgmma") return MlaKernel::kWgmma;
   if (k == "ws") return MlaKernel::kWgmmaWs;
-  // Many tokens per request share its keys (prefill): the gathers hit L2, and the warp-specialized kernel's
-  // faster math wins. Decodes gather from HBM, where its refill of both stages after each pair costs more.
-  return num_tokens >= 8 * std::max<int64_t>(1, num_requests) ? MlaKernel::kWgmmaWs : MlaKernel::kWgmma;
+  // The warp-specialized kernel refills each part of a tile as soon as it is read for the last time, which hides
+  // the gathers in decode (HBM) as well as in prefill (L2): it is faster on every measured 64-head case
+  // (BENCHMARKS.md, session 7). The arguments stay for shapes where that changes.
+  (void)num_tokens;
+  (void)num_requests;
+  return MlaKernel::kWgmmaWs;
 }
 
 Status sparse_mla_supported(const SparseMlaParams& p) {

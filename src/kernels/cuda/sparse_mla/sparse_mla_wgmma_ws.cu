@@ -6,17 +6,22 @@
 //   WG0 owns tile 0 of the pair and output columns [0, 256); WG1 owns tile 1 and columns [256, 512).
 //   Each consumer scores its whole tile (S = Q K^T, m64n64k16, Q and K from shared memory) and keeps P in
 //   registers, so O_w += P_own V_own[:, cols_w] reads P from registers; the other warpgroup's P comes through
-//   shared memory (written over the tile's rope slab, which only its own QK^T reads) for O_w += P_other
-//   V_other[:, cols_w].
-//   The row maxima go one way and back: WG0 publishes max(m, its tile's max); WG1 folds in its own tile and
-//   publishes the pair's max; WG0 rescales its P to it. No symmetric exchange, and WG1's QK^T runs while WG0
-//   does its softmax.
+//   shared memory for O_w += P_other V_other[:, cols_w].
+//   FlashMLA's seesaw for the row maxima: WG0 publishes max(m, its tile's max) and does its local P*V against
+//   it; WG1 folds in its own tile and publishes the pair's max; WG0 then rescales the P it hands over, its O and
+//   its row sums. WG0's QK^T and local P*V run while WG1 scores.
 // An odd last tile is paired with an empty one (every key absent: zero-filled, masked).
-// Used for prefill (many tokens per request: the gathers hit L2): 386 TFLOP/s against 346 for sparse_mla_wgmma.cu
-// (8192 tokens, h=128). Decode gathers from HBM, and both stages are refilled only once the pair is done, so each
-// pair waits a full gather latency: 0.134 ms against 0.120 (b=64, h=128). Hiding it needs each half of a tile
-// released as soon as its last reader is done (FlashMLA's split barriers), not a third stage: Q and two tiles
-// fill shared memory.
+// Shared memory holds Q, the pair's two tiles and one P buffer, no more, so each tile is refilled in parts as soon
+// as the last reader of each part is done (FlashMLA's fine-grained release), in this order:
+//   tile 0's rope slab (read only by WG0's QK^T: WG0's P goes to its own buffer), tile 0's V columns [0, 256)
+//   (WG0's local P*V), tile 0's columns [256, 512) (WG1's remote P*V, which WG1 does before its local one),
+//   tile 1's columns [0, 256) and rope slab (WG0's remote P*V, reading WG1's P over that slab), and tile 1's
+//   columns [256, 512) (WG1's local P*V).
+// Each QK^T takes its tile's parts in the order they come back, so the next pair's tile 0 is complete by the middle
+// of the pair and tile 1 lands while WG0 scores tile 0 and does its local P*V. Full and empty mbarriers per part;
+// the gathers arrive on "full" through cp.async.mbarrier.arrive.noinc (the producer never waits for its copies).
+// The layout needs the whole 227 KB with a 1024-byte-aligned base (what the driver gives: its 1 KB reserve comes
+// first); a misaligned base is reported (kDevSmemAlign) rather than computed wrongly.
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE).
 #include <cuda_bf16.h>
@@ -26,6 +31,7 @@
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/common/mbarrier_sm90.cuh"
 #include "kernels/cuda/common/mma_sm80.cuh"
 #include "kernels/cuda/common/wgmma_sm90.cuh"
 #include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
@@ -40,24 +46,35 @@ constexpr int kSlabBytes = 64 * 128;             // one [64 rows, 64 bf16] swizz
 constexpr int kTileBytes = 9 * kSlabBytes;       // [64 rows, 576] = 73728
 constexpr int kOffQ = 0;                         // Q [64, 576]
 constexpr int kOffKV = kOffQ + kTileBytes;       // stages 0, 1 (tiles 0, 1 of the pair)
-constexpr int kOffMax = kOffKV + 2 * kTileBytes; // [2 pair parities][2][64] f32: WG0's, then the pair's row max
+constexpr int kOffP0 = kOffKV + 2 * kTileBytes;  // WG0's P [64, 64] for WG1 (WG1's P goes over tile 1's rope slab)
+constexpr int kOffMax = kOffP0 + kSlabBytes;      // [2 pair parities][2][64] f32: WG0's, then the pair's row max
 constexpr int kOffL = kOffMax + 2 * 2 * 64 * 4;  // [2][64] f32
 constexpr int kOffRing = kOffL + 2 * 64 * 4;     // [4][64] i32: tile i's cache rows in slot i % 4, -1 = absent
 constexpr int kOffMisc = kOffRing + 4 * 64 * 4;  // [4] i32
-constexpr int kSmemUsed = kOffMisc + 16;
-constexpr int kSmemBytes = kSmemUsed + 1024;     // slack to align the base to 1024 B (swizzle atoms)
+constexpr int kParts = 5;
+constexpr int kOffBar = kOffMisc + 16;           // mbarriers: full[part], empty[part]
+constexpr int kSmemBytes = kOffBar + 2 * kParts * 8;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
 // Named barriers (0 is __syncthreads). A named barrier completes when `count` threads arrived (bar.arrive or
 // bar.sync), so one that hands data from one party to another is waited on by the receiving party only: two
 // consumers each waiting first on a barrier the other waits on later would hold each other up.
-constexpr int kBarFull = 1;      // + 2 stage + w: stage loaded (the producer arrives, consumer w waits: 256)
-constexpr int kBarEmpty = 5;     // + stage: both consumers arrive, the producer waits (384)
 constexpr int kBarMax0 = 7;      // WG0's max published (WG0 arrives, WG1 waits: 256)
 constexpr int kBarMax1 = 8;      // the pair's max published (WG1 arrives, WG0 waits)
 constexpr int kBarP = 9;         // + w: P of warpgroup w in shared memory (w arrives, the other waits)
 constexpr int kBarConsumers = 11; // both consumers wait (256): Q loaded; the row sums exchanged
 constexpr int kBarProducer = 12; // the producer's 128 threads (the row ring)
+// The parts of a pair's tiles, in the order they are given back and refilled:
+//   0: tile 0 slab 8 (rope)       last read by WG0's QK^T
+//   1: tile 0 slabs 0-3           WG0's local P*V
+//   2: tile 0 slabs 4-7           WG1's remote P*V
+//   3: tile 1 slabs 0-3 and 8     WG0's remote P*V (WG1's P over slab 8)
+//   4: tile 1 slabs 4-7           WG1's local P*V
+// full[part]: the producer's 128 threads arrive twice (their copies landed: noinc; their ring rows: release).
+// empty[part]: the part's last reader arrives (128 threads of one warpgroup). Phase of pair k: parity k & 1.
+constexpr int kFullArrivals = 256, kEmptyArrivals = 128;
+__device__ __forceinline__ uint32_t full_bar(uint32_t bars, int part) { return bars + 8 * part; }
+__device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int part) { return bars + 8 * (kParts + part); }
 
 // Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile (slab = c / 8, XOR swizzle in the slab).
 __device__ __forceinline__ uint32_t tile_off(int r, int c) {
@@ -65,20 +82,27 @@ __device__ __forceinline__ uint32_t tile_off(int r, int c) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const MlaArgs a) {
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  extern __shared__ __align__(1024) unsigned char smem[];
+  if ((smem_u32(smem) & 1023) != 0) {  // uniform: every thread leaves before any barrier
+    if (threadIdx.x == 0) report_device_error(a.err, kDevSmemAlign, blockIdx.x);
+    return;
+  }
   const uint32_t sQ = smem_u32(smem + kOffQ);
   const uint32_t sKV = smem_u32(smem + kOffKV);
   float* sMax = reinterpret_cast<float*>(smem + kOffMax);
   float* sL = reinterpret_cast<float*>(smem + kOffL);
   int32_t* sRing = reinterpret_cast<int32_t*>(smem + kOffRing);
   int32_t* sMisc = reinterpret_cast<int32_t*>(smem + kOffMisc);
+  const uint32_t bars = smem_u32(smem + kOffBar);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wg = tid >> 7, wl = warp & 3;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wl = warp & 3;  // warp-uniform to the compiler
   const int64_t t = blockIdx.x;
   const int h0 = blockIdx.y * 64;
   const int split = blockIdx.z;
+  if (tid < 2 * kParts) mbar_init(bars + 8 * tid, tid < kParts ? kFullArrivals : kEmptyArrivals);  // visible after
+                                                                                                   // the prologue's
+                                                                                                   // __syncthreads
 
   // ---- prologue (all threads): used entries ----
   const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
@@ -110,48 +134,48 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
         sRing[((2 * pair + st) & 3) * 64 + p] = row;
       }
     };
+    // Gather part `part` (see kParts) of pair `pair`: 8 threads per row, 16 rows per pass (each warp instruction
+    // reads 4 whole 128-byte segments).
+    auto gather_part = [&](int pair, int part) {
+      const int tile = part >= 3 ? 1 : 0;
+      const int lat0 = part == 2 || part == 4 ? 4 : 0;  // first latent slab
+      const bool latent = part != 0, rope = part == 0 || part == 3;
+      const uint32_t base = sKV + tile * kTileBytes;
+      const int32_t* ring = sRing + ((2 * pair + tile) & 3) * 64;
+#pragma unroll 1  // the producer has 56 registers
+      for (int pass = 0; pass < 4; ++pass) {
+        const int r = (p >> 3) + 16 * pass;
+        const int32_t row = ring[r];
+        const int64_t row_ok = row < 0 ? 0 : row;
+        const int bytes = row >= 0 ? 16 : 0;
+        if (latent) {
+          const __nv_bfloat16* lat = a.latent + row_ok * kDl + (p & 7) * 8;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int slab = lat0 + k;
+            cp_async_16(base + tile_off(r, (p & 7) + 8 * slab), lat + slab * 64, bytes);
+          }
+        }
+        if (rope) cp_async_16(base + tile_off(r, (p & 7) + 64), a.rope + row_ok * kDr + (p & 7) * 8, bytes);
+      }
+      cp_async_mbar_arrive_noinc(full_bar(bars, part));
+      mbar_arrive(full_bar(bars, part));
+    };
     resolve_pair(0);
     named_bar_sync(kBarProducer, 128);
     for (int pair = 0; pair < npairs; ++pair) {
-#pragma unroll
-      for (int st = 0; st < 2; ++st) {
-        if (pair > 0) named_bar_sync(kBarEmpty + st, kThreads);  // the consumers are done with the last pair's
-        // Gather: 8 threads per row, 16 rows per pass (each warp instruction reads 4 whole 128-byte segments).
-        const uint32_t base = sKV + st * kTileBytes;
-        const int32_t* ring = sRing + ((2 * pair + st) & 3) * 64;
-#pragma unroll 1  // the producer has 56 registers
-        for (int pass = 0; pass < 4; ++pass) {
-          const int r = (p >> 3) + 16 * pass;
-          const int32_t row = ring[r];
-          const __nv_bfloat16* lat = a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * kDl;
-          const __nv_bfloat16* rop = a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * kDr;
-          const int bytes = row >= 0 ? 16 : 0;
-#pragma unroll
-          for (int k = 0; k < 9; ++k) {
-            const int c = (p & 7) + 8 * k;
-            const void* src = k < 8 ? static_cast<const void*>(lat + c * 8) : static_cast<const void*>(rop + (c - 64) * 8);
-            cp_async_16(base + tile_off(r, c), src, bytes);
-          }
-        }
-        cp_async_commit();
+      // In the order the parts are given back during the previous pair.
+#pragma unroll 1
+      for (int part = 0; part < kParts; ++part) {
+        if (pair > 0) mbar_wait(empty_bar(bars, part), (pair - 1) & 1);
+        gather_part(pair, part);
       }
-      // The next pair's rows while these land (its ring slots were last read by the previous pair's gathers,
-      // and by the consumers' masks of the previous pair, done before its "empty").
+      // The next pair's rows (its ring slots were last read by the previous pair's gathers, issued above, and by
+      // the consumers' masks of the previous pair, done before its last part was given back).
       if (pair + 1 < npairs) resolve_pair(pair + 1);
       named_bar_sync(kBarProducer, 128);
-      cp_async_wait<1>();
-      fence_proxy_async_smem();
-      named_bar_arrive(kBarFull + 0, 256);
-      named_bar_arrive(kBarFull + 1, 256);
-      cp_async_wait<0>();
-      fence_proxy_async_smem();
-      named_bar_arrive(kBarFull + 2, 256);
-      named_bar_arrive(kBarFull + 3, 256);
     }
-    if (npairs > 0) {  // match the consumers' arrivals on the last pair
-      named_bar_sync(kBarEmpty + 0, kThreads);
-      named_bar_sync(kBarEmpty + 1, kThreads);
-    }
+    cp_async_wait<0>();
     return;
   }
 
@@ -168,9 +192,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   const int other = wg ^ 1;
   const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
   const uint32_t own_tile = sKV + wg * kTileBytes, other_tile = sKV + other * kTileBytes;
-  // P of warpgroup w goes over the rope slab of its tile (read only by its own QK^T, complete by then).
-  const uint32_t other_p = other_tile + 8 * kSlabBytes;
-  unsigned char* own_p_ptr = smem + kOffKV + wg * kTileBytes + 8 * kSlabBytes;
+  // WG0's P goes to its own buffer (so tile 0's rope slab is free after WG0's QK^T), WG1's over tile 1's rope slab
+  // (read only by WG1's QK^T, complete by then).
+  const uint32_t tile1_rope = sKV + kTileBytes + 8 * kSlabBytes;
+  const uint32_t other_p = wg == 0 ? tile1_rope : smem_u32(smem + kOffP0);
+  unsigned char* own_p_ptr = wg == 0 ? smem + kOffP0 : smem + kOffKV + kTileBytes + 8 * kSlabBytes;
 
   float m0 = -INFINITY, m1 = -INFINITY;  // the running max (log2 domain), the same in both warpgroups
   float l0 = 0.f, l1 = 0.f;              // this warpgroup's tiles' share of the row sums
@@ -184,22 +210,50 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   named_bar_sync(kBarConsumers, 256);  // Q visible to wgmma
 
   for (int pair = 0; pair < npairs; ++pair) {
-    // ---- S = Q K_own^T : [64 heads, 64 keys] ----
-    named_bar_sync(kBarFull + 2 * wg + wg, 256);
-    wgmma_fence();
+    // ---- S = Q K_own^T : [64 heads, 64 keys], own slabs first (they come back first), then the rest ----
+    const uint32_t par = pair & 1;
     {
       const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
       const uint64_t db0 = wgmma_desc_sw128(own_tile, 16, 1024);
+      auto qk_slab = [&](int slab, int first) {
 #pragma unroll
-      for (int ks = 0; ks < 36; ++ks) {
-        const uint32_t koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
-        wgmma_m64n64k16<0>(s, da0 + (koff >> 4), db0 + (koff >> 4), ks > 0 ? 1 : 0);
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint32_t koff = slab * kSlabBytes + kk * 32;
+          wgmma_m64n64k16<0>(s, da0 + (koff >> 4), db0 + (koff >> 4), first && kk == 0 ? 0 : 1);
+        }
+      };
+      // Each part as it lands (wgmma_fence after each wait: ptxas would insert it after the wait loop).
+      auto wait_part = [&](int part) {
+        mbar_wait(full_bar(bars, part), par);
+        fence_proxy_async_smem();
+        wgmma_fence();
+      };
+      if (wg == 0) {
+        wait_part(0);
+        qk_slab(8, 1);
+        wait_part(1);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) qk_slab(k, 0);
+        wait_part(2);
+#pragma unroll
+        for (int k = 4; k < 8; ++k) qk_slab(k, 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+      } else {
+        wait_part(3);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) qk_slab(k, k == 0);
+        qk_slab(8, 0);
+        wait_part(4);
+#pragma unroll
+        for (int k = 4; k < 8; ++k) qk_slab(k, 0);
+        wgmma_commit();
+        wgmma_wait<0>();
       }
     }
-    wgmma_commit();
-    wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 32; ++i) reg_fence(s[i]);
+    if (wg == 0) mbar_arrive(empty_bar(bars, 0));  // tile 0's rope slab: read for the last time
 
     // ---- mask, scale, this tile's row max ----
     const int32_t* rows = sRing + ((2 * pair + wg) & 3) * 64;
@@ -220,10 +274,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
     }
-    // ---- the pair's max: WG0 -> WG1 -> WG0 (buffers alternate by pair: a write never meets the last pair's reads) ----
+    // ---- the seesaw (FlashMLA's schedule): WG0 needs only its own max for its local P*V, so it runs while WG1
+    // scores; WG1 folds WG0's max into the pair's; WG0 rescales what it hands over (and its O) afterwards.
+    // Buffers alternate by pair: a write never meets the previous pair's reads.
     float* pmax = sMax + (pair & 1) * 128;
-    float tm0, tm1;  // the max P is computed against first (WG0: its own; WG1: the pair's)
-    float pm0 = -INFINITY, pm1 = -INFINITY;  // the pair's max
+    float tm0, tm1;  // the max this warpgroup's P is computed against (WG0: its own; WG1: the pair's)
     if (wg == 0) {
       tm0 = fmaxf(m0, mx0);
       tm1 = fmaxf(m1, mx1);
@@ -241,10 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
         pmax[64 + r1] = tm1;
       }
       named_bar_arrive(kBarMax1, 256);
-      pm0 = tm0;
-      pm1 = tm1;
     }
-    // P against tm (-inf rows: against 0, every P = 0)
+    // P against tm (-inf rows: against 0, every P = 0); O and l from the running max m to tm
     const float tu0 = tm0 == -INFINITY ? 0.f : tm0, tu1 = tm1 == -INFINITY ? 0.f : tm1;
     float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
@@ -256,46 +309,41 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
       ps0 += s[j * 4 + 0] + s[j * 4 + 1];
       ps1 += s[j * 4 + 2] + s[j * 4 + 3];
     }
-    float f0 = 1.f, f1 = 1.f;  // WG0: P from its max to the pair's
-    if (wg == 0) {
-      named_bar_sync(kBarMax1, 256);
-      pm0 = pmax[64 + r0];
-      pm1 = pmax[64 + r1];
-      f0 = tm0 == -INFINITY ? 0.f : exp2f(tm0 - pm0);
-      f1 = tm1 == -INFINITY ? 0.f : exp2f(tm1 - pm1);
-    }
-    const float pu0 = pm0 == -INFINITY ? 0.f : pm0, pu1 = pm1 == -INFINITY ? 0.f : pm1;
-    const float al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - pu0), al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - pu1);
-    m0 = pm0;
-    m1 = pm1;
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
       ps0 += __shfl_xor_sync(0xffffffffu, ps0, off);
       ps1 += __shfl_xor_sync(0xffffffffu, ps1, off);
     }
-    l0 = l0 * al0 + ps0 * f0;
-    l1 = l1 * al1 + ps1 * f1;
-    // P (bf16) as the A fragments of the four k-steps, and into shared memory for the other warpgroup
+    const float al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - tu0), al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - tu1);
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+    m0 = tm0;
+    m1 = tm1;
+    // P (bf16) as the A fragments of the four k-steps
     uint32_t pa[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      pa[kk][0] = pack_bf16x2(s[8 * kk + 0] * f0, s[8 * kk + 1] * f0);
-      pa[kk][1] = pack_bf16x2(s[8 * kk + 2] * f1, s[8 * kk + 3] * f1);
-      pa[kk][2] = pack_bf16x2(s[8 * kk + 4] * f0, s[8 * kk + 5] * f0);
-      pa[kk][3] = pack_bf16x2(s[8 * kk + 6] * f1, s[8 * kk + 7] * f1);
+      pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
     }
+    // P into shared memory for the other warpgroup (WG0: its buffer; WG1: over tile 1's rope slab), keys
+    // 8 j + 2 (lane % 4) (+1) of rows r0, r1 in a swizzled [64, 64] tile
+    auto store_p = [&](const uint32_t (&pv)[4][4]) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {  // keys 8 j + 2 (lane % 4) (+1) of rows r0, r1, swizzled [64, 64] tile
-      const int kl = j * 8 + (lane & 3) * 2;
-      const int chunk = kl >> 3;
-      const uint32_t v0 = pa[j >> 1][(j & 1) * 2 + 0], v1 = pa[j >> 1][(j & 1) * 2 + 1];
-      *reinterpret_cast<uint32_t*>(own_p_ptr + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + (kl & 7) * 2) = v0;
-      *reinterpret_cast<uint32_t*>(own_p_ptr + r1 * 128 + ((chunk ^ (r1 & 7)) << 4) + (kl & 7) * 2) = v1;
-    }
-    fence_proxy_async_smem();
-    named_bar_arrive(kBarP + wg, 256);
+      for (int j = 0; j < 8; ++j) {
+        const int kl = j * 8 + (lane & 3) * 2;
+        const int chunk = kl >> 3;
+        const uint32_t v0 = pv[j >> 1][(j & 1) * 2 + 0], v1 = pv[j >> 1][(j & 1) * 2 + 1];
+        *reinterpret_cast<uint32_t*>(own_p_ptr + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + (kl & 7) * 2) = v0;
+        *reinterpret_cast<uint32_t*>(own_p_ptr + r1 * 128 + ((chunk ^ (r1 & 7)) << 4) + (kl & 7) * 2) = v1;
+      }
+      fence_proxy_async_smem();
+      named_bar_arrive(kBarP + wg, 256);
+    };
+    if (wg == 1) store_p(pa);  // already against the pair's max
 
-    // ---- O_w = alpha O_w + P_own V_own[:, cols_w] + P_other V_other[:, cols_w] ----
     if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max rarely moves after a few tiles
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -305,26 +353,75 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
         o[j * 4 + 3] *= al1;
       }
     }
-    wgmma_fence();
-    {
+    // O_w += P_own V_own[:, cols_w] (P from registers)
+    auto local_pv = [&] {
+      wgmma_fence();
       const uint64_t vb = wgmma_desc_sw128(own_tile + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16_rs<1>(o, pa[kk], vb + ((kk * 16 * 128) >> 4), 1);
-    }
-    named_bar_sync(kBarFull + 2 * other + wg, 256);  // the other tile is in shared memory
-    named_bar_sync(kBarP + other, 256);              // and the other warpgroup's P
-    {
+      wgmma_commit();
+    };
+    // O_w += P_other V_other[:, cols_w] (P from shared memory, once the other warpgroup handed it over and the
+    // part holding V_other[:, cols_w] landed)
+    auto remote_pv = [&](int part) {
+      named_bar_sync(kBarP + other, 256);
+      mbar_wait(full_bar(bars, part), par);
+      fence_proxy_async_smem();
+      wgmma_fence();
       const uint64_t pb = wgmma_desc_sw128(other_p, 16, 1024);
       const uint64_t vb = wgmma_desc_sw128(other_tile + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_m64n256k16<1>(o, pb + ((kk * 32) >> 4), vb + ((kk * 16 * 128) >> 4), 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+      wgmma_commit();
+    };
+    if (wg == 0) {
+      local_pv();
+      // From its max to the pair's (WG1's): f scales the P it hands over, then (once its local P*V is done) its O
+      // and l.
+      named_bar_sync(kBarMax1, 256);
+      const float pm0 = pmax[64 + r0], pm1 = pmax[64 + r1];
+      const float f0 = tm0 == -INFINITY ? 0.f : exp2f(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2f(tm1 - pm1);
+      uint32_t pf[4][4];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) reg_fence(o[i]);
-    named_bar_arrive(kBarEmpty + 0, kThreads);  // both tiles read for the last time by this warpgroup
-    named_bar_arrive(kBarEmpty + 1, kThreads);
+      for (int kk = 0; kk < 4; ++kk) {
+        pf[kk][0] = pack_bf16x2(s[8 * kk + 0] * f0, s[8 * kk + 1] * f0);
+        pf[kk][1] = pack_bf16x2(s[8 * kk + 2] * f1, s[8 * kk + 3] * f1);
+        pf[kk][2] = pack_bf16x2(s[8 * kk + 4] * f0, s[8 * kk + 5] * f0);
+        pf[kk][3] = pack_bf16x2(s[8 * kk + 6] * f1, s[8 * kk + 7] * f1);
+      }
+      store_p(pf);
+      l0 *= f0;
+      l1 *= f1;
+      m0 = pm0;
+      m1 = pm1;
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+      mbar_arrive(empty_bar(bars, 1));  // tile 0 slabs 0-3: read for the last time
+      if (__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[j * 4 + 0] *= f0;
+          o[j * 4 + 1] *= f0;
+          o[j * 4 + 2] *= f1;
+          o[j * 4 + 3] *= f1;
+        }
+      }
+      remote_pv(3);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+      mbar_arrive(empty_bar(bars, 3));  // tile 1 slabs 0-3 and 8: read for the last time
+    } else {
+      remote_pv(2);  // first, so tile 0 comes back early
+      local_pv();
+      wgmma_wait<1>();
+      mbar_arrive(empty_bar(bars, 2));  // tile 0 slabs 4-7: read for the last time
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+      mbar_arrive(empty_bar(bars, 4));  // tile 1 slabs 4-7: read for the last time
+    }
   }
 
   // ---- epilogue ----

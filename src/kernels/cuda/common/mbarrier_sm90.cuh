@@ -1,0 +1,39 @@
+// Shared-memory mbarriers (sm_90): init, arrive (release), cp.async-tracked arrive, and phase waits. A barrier
+// completes a phase when its expected count of arrivals is reached; waiters name the phase by its parity
+// (phase k of a barrier used once per loop iteration k: parity k & 1).
+#pragma once
+
+#include <cstdint>
+
+namespace dsacp::cuda {
+
+// One thread initializes; the block synchronizes (__syncthreads) before any other thread uses the barrier.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrive with release semantics: this thread's earlier memory accesses happen before the phase completes.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrive once every cp.async this thread issued so far has landed (counts as one of the expected arrivals:
+// .noinc). The copies are generic-proxy writes: a reader through the async proxy (wgmma) fences after its wait.
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait (acquire) until the phase of the given parity has completed. The loop is warp-uniform (vote), so a
+// wgmma issued after it does not see a divergent path.
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!__all_sync(0xffffffffu, mbar_try_wait(bar, parity))) {
+  }
+}
+
+}  // namespace dsacp::cuda
