@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   named_bar_sync(kBarConsumers, 256);  // Q visible to wgmma
 
   for (int pair = 0; pair < npairs; ++pair) {
-    // ---- S = Q K_own^T : [64 heads, 64 keys], own slabs first (they come back first), then the rest ----
+    // ---- S = Q K_own^T : [64 heads, 64 keys], the tile's parts in the order they come back ----
     const uint32_t par = pair & 1;
     {
       const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
