@@ -13,8 +13,8 @@
 //             HG = 64; 16x8 blocks on all 8 warps for HG <= 32, the 576-long reduction split in two for HG = 16),
 //             online softmax (exp2, running max and sum per row), P (bf16) to shared memory, then O += P V by
 //             mma with O [16, 512/CS] held in registers by each warp (warp = row tile x column slice).
-// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma.cu (decode) and
-// sparse_mla_wgmma_ws.cu (prefill) are the faster paths for 64-head groups.
+// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma_ws.cu (the
+// default) and sparse_mla_wgmma.cu are the faster paths for 64-head groups.
 //   epilogue  out = O / l, lse = m + ln l; with split-K, normalized partials and their LSE go to a workspace
 //             and launch_lse_merge combines them (exact, fixed order).
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in

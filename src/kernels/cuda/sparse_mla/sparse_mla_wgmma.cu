@@ -10,6 +10,9 @@
 //                   P (bf16) written to a swizzled [64, 64] tile; each warpgroup keeps its partial row sum
 //   O_w += P V_w    warpgroup w owns output columns [256w, 256w + 256): 4 x wgmma m64n256k16 with A = P and
 //                   B = the same key tile read MN-major (the latent part of the rows is V), O in 128 registers
+// Since session 7 the warp-specialized kernel (sparse_mla_wgmma_ws.cu) is faster on every 64-head case; this one
+// stays for comparison (DSACP_MLA_KERNEL=wgmma, the benchmark's other_kernel rows) and as the way around a
+// shared-memory base the other kernel cannot use.
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE).
 #include <cuda_bf16.h>
