@@ -299,7 +299,13 @@ int main(int argc, char** argv) {
     }
     unsetenv("DSACP_MLA_SPLITS");
   }
-  if (want("other_kernel")) {  // each 64-head case on the two-warpgroup wgmma kernel (the default: ws)
+  if (want("other_kernel")) {  // each 64-head case on the kernels the default does not pick for it
+    setenv("DSACP_MLA_KERNEL", "ws", 1);
+    bench_sparse_mla("other_kernel ws sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
+    bench_sparse_mla("other_kernel ws sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
+    setenv("DSACP_MLA_KERNEL", "ws32", 1);
+    bench_sparse_mla("other_kernel ws32 sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1,
+                     std::max(3, reps / 4));
     setenv("DSACP_MLA_KERNEL", "wgmma", 1);
     bench_sparse_mla("other_kernel wgmma sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
     bench_sparse_mla("other_kernel wgmma sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps);

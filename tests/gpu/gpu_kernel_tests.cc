@@ -976,7 +976,7 @@ int main(int argc, char** argv) {
     if (c.splits > 0) setenv("DSACP_MLA_SPLITS", std::to_string(c.splits).c_str(), 1);
     run_mla_case(*gpu, *cpu, c);  // default kernels (for 64-head groups: by tokens per request)
     if (c.H >= 64) {
-      for (const char* k : {"ws", "wgmma", "mma"}) {  // every kernel for 64-head groups
+      for (const char* k : {"ws", "ws32", "wgmma", "mma"}) {  // every kernel for 64-head groups
         setenv("DSACP_MLA_KERNEL", k, 1);
         MlaCase m = c;
         m.name += std::string(" [") + k + "]";

@@ -50,10 +50,10 @@ int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms);
 // f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1).
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits);
 Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx);
-// The kernel for 64-head groups (H = 64, 128): the warp-specialized wgmma kernel (decode and prefill; the
-// two-warpgroup wgmma kernel and mma.sync stay for comparison); DSACP_MLA_KERNEL = "ws", "wgmma" or "mma"
-// (mma.sync) forces one.
-enum class MlaKernel { kWgmmaWs, kWgmma, kMmaSync };
+// The kernel for 64-head groups (H = 64, 128), both warp-specialized wgmma kernels: 32-key tiles with two pairs in
+// flight for decode (num_tokens < 8 x num_requests), 64-key tiles refilled in parts for prefill; the two-warpgroup
+// wgmma kernel and mma.sync stay for comparison. DSACP_MLA_KERNEL = "ws", "ws32", "wgmma" or "mma" forces one.
+enum class MlaKernel { kWgmmaWs, kWgmmaWs32, kWgmma, kMmaSync };
 MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests);
 
 // ---- indexer + top-k -----------------------------------------------------------------------------------------

@@ -42,10 +42,12 @@ __device__ __forceinline__ int64_t mla_head_row(const MlaArgs& a, int64_t t, int
 }
 
 // The Hopper warpgroup-MMA kernels for 64-head groups (H = 64, 128): one CTA per (token, head group, split).
-// wgmma_ws: warp-specialized, a producer warpgroup and a pair of 64-key tiles per step (the default);
-// wgmma64: two warpgroups that gather and compute in turn (kept for comparison). sparse_mla_kernel_choice picks.
+// wgmma_ws: warp-specialized, a producer warpgroup and a pair of 64-key tiles per step (prefill); wgmma_ws32: the
+// same with 32-key tiles and two pairs in flight (decode); wgmma64: two warpgroups that gather and compute in turn
+// (kept for comparison). sparse_mla_kernel_choice picks.
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx);
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx);
+Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx);
 
 // The prologue both sparse MLA kernels share, for token t and key split `split`: checks the token's request
 // row and key length (a bad one is reported through a.err and the token uses no key), finds how many leading

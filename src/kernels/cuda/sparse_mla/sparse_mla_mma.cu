@@ -390,12 +390,12 @@ MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests) {
   if (k == "mma") return MlaKernel::kMmaSync;
   if (k == "wgmma") return MlaKernel::kWgmma;
   if (k == "ws") return MlaKernel::kWgmmaWs;
-  // The warp-specialized kernel refills each part of a tile as soon as it is read for the last time, which hides
-  // the gathers in decode (HBM) as well as in prefill (L2): it is faster on every measured 64-head case
-  // (BENCHMARKS.md, session 7). The arguments stay for shapes where that changes.
-  (void)num_tokens;
-  (void)num_requests;
-  return MlaKernel::kWgmmaWs;
+  if (k == "ws32") return MlaKernel::kWgmmaWs32;
+  // Decode (few tokens per request: every gather is new) runs the 32-key-tile kernel, whose two pairs of tiles in
+  // flight hide the gathers; prefill (many tokens share a request's keys, the gathers hit L2) runs the 64-key-tile
+  // kernel, whose QK^T reads less shared memory per key (BENCHMARKS.md, session 7: decode h=128 0.1016 against
+  // 0.1060 ms, prefill 413 against 424 TFLOP/s).
+  return num_tokens >= 8 * std::max<int64_t>(1, num_requests) ? MlaKernel::kWgmmaWs : MlaKernel::kWgmmaWs32;
 }
 
 Status sparse_mla_supported(const SparseMlaParams& p) {
@@ -490,6 +490,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
     default:
       switch (sparse_mla_kernel_choice(a.T, a.num_requests)) {
         case MlaKernel::kWgmmaWs: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma_ws(a, groups, ctx)); break;
+        case MlaKernel::kWgmmaWs32: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma_ws32(a, groups, ctx)); break;
         case MlaKernel::kWgmma: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma64(a, groups, ctx)); break;
         case MlaKernel::kMmaSync: DSACP_RETURN_IF_ERROR(launch_hg<64>(a, groups, ctx)); break;
       }

@@ -1,0 +1,387 @@
+// Sparse MLA attention for 64-head groups (H = 64, 128), warp-specialized, on Hopper wgmma (sm_90a), with 32-key
+// tiles so that two pairs of tiles are in flight: the producer gathers pair p + 1 (and p + 2 once pair p is
+// done) during the whole of pair p, where the 64-key-tile kernel (sparse_mla_wgmma_ws.cu) has room for one pair
+// and refills its parts as they are freed.
+//
+// One CTA = (token, 64 heads, key split), three warpgroups, keys in pairs of 32-key tiles, four tile slots
+// (pair parity x tile):
+//   WG2 (producer, 56 registers) resolves the chosen entries to cache rows and gathers each [32 keys, 576] tile
+//        with cp.async into its slot; "full" mbarriers per slot (cp.async.mbarrier.arrive.noinc), "empty" ones
+//        that both consumers arrive on after their last read of the pair.
+//   WG0 owns tile 0 of the pair and output columns [0, 256); WG1 owns tile 1 and columns [256, 512). Each scores
+//   its tile (S = Q K^T, m64n32k16, Q and K from shared memory), keeps P in registers for O_w += P_own
+//   V_own[:, cols_w] and hands P to the other warpgroup through shared memory in the register-fragment layout
+//   (thread i of one warpgroup holds the same rows as thread i of the other), so both P*V run with A from
+//   registers (m64n256k16 RS).
+//   FlashMLA's seesaw for the row maxima: WG0 publishes max(m, its tile's max) and does its local P*V against it;
+//   WG1 folds in its own tile and publishes the pair's max; WG0 then rescales the P it hands over, its O and its
+//   row sums.
+// An odd last tile is paired with an empty one (every key absent: zero-filled, masked).
+// Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
+// reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE). The layout needs the whole
+// 227 KB from a 1024-byte-aligned base (what the driver gives); a misaligned base is reported (kDevSmemAlign).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/common/mbarrier_sm90.cuh"
+#include "kernels/cuda/common/mma_sm80.cuh"
+#include "kernels/cuda/common/wgmma_sm90.cuh"
+#include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
+
+namespace dsacp::cuda {
+namespace {
+
+constexpr int kThreads = 384;  // consumers: warpgroups 0, 1; producer: warpgroup 2
+constexpr int kBN = 32;        // keys per tile
+constexpr int kDl = 512, kDr = 64;
+constexpr int kQSlabBytes = 64 * 128;            // Q: [64 rows, 64 bf16] swizzled slabs
+constexpr int kSlabBytes = kBN * 128;            // a tile: [32 rows, 64 bf16] swizzled slabs
+constexpr int kTileBytes = 9 * kSlabBytes;       // [32 rows, 576] = 36864
+constexpr int kSlots = 4;                        // tile slots: pair parity x tile
+constexpr int kOffQ = 0;                         // Q [64, 576]
+constexpr int kOffKV = kOffQ + 9 * kQSlabBytes;  // the four tile slots
+constexpr int kOffP = kOffKV + kSlots * kTileBytes;  // [2 warpgroups][2 k-steps][128 threads] uint4: P fragments
+constexpr int kOffMax = kOffP + 2 * 2 * 128 * 16;    // [2 pair parities][2][64] f32: WG0's, then the pair's max
+constexpr int kOffL = kOffMax + 2 * 2 * 64 * 4;      // [2][64] f32
+constexpr int kOffRing = kOffL + 2 * 64 * 4;         // [4 pairs][64] i32: the pair's cache rows, -1 = absent
+constexpr int kOffMisc = kOffRing + 4 * 64 * 4;      // [4] i32
+constexpr int kOffBar = kOffMisc + 16;               // mbarriers: full[slot], empty[slot]
+constexpr int kSmemBytes = kOffBar + 2 * kSlots * 8;
+static_assert(kSmemBytes <= 232448, "shared memory");
+
+// Named barriers (0 is __syncthreads); each hands data from one party to the other, waited on by the receiver only.
+constexpr int kBarMax0 = 7;       // WG0's max published (WG0 arrives, WG1 waits: 256)
+constexpr int kBarMax1 = 8;       // the pair's max published (WG1 arrives, WG0 waits)
+constexpr int kBarP = 9;          // + w: P of warpgroup w in shared memory (w arrives, the other waits)
+constexpr int kBarConsumers = 11; // both consumers wait (256): Q loaded; the row sums exchanged
+constexpr int kBarProducer = 12;  // the producer's 128 threads (the row ring)
+// full[slot]: the producer's 128 threads arrive twice (their copies landed: noinc; their ring rows: release).
+// empty[slot]: both consumers' 256 threads arrive after their last read of the pair. Pair k uses slot
+// (k % 2) * 2 + tile for the (k / 2)-th time: "full" phase parity (k / 2) & 1.
+constexpr int kFullArrivals = 256, kEmptyArrivals = 256;
+__device__ __forceinline__ uint32_t full_bar(uint32_t bars, int slot) { return bars + 8 * slot; }
+__device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int slot) { return bars + 8 * (kSlots + slot); }
+
+// Byte offset of 16-byte chunk c (0..71) of row r in a [rows, 576] tile of slab_bytes-sized slabs.
+__device__ __forceinline__ uint32_t chunk_off(int r, int c, int slab_bytes) {
+  return static_cast<uint32_t>((c >> 3) * slab_bytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(const MlaArgs a) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  if ((smem_u32(smem) & 1023) != 0) {  // uniform: every thread leaves before any barrier
+    if (threadIdx.x == 0) report_device_error(a.err, kDevSmemAlign, blockIdx.x);
+    return;
+  }
+  const uint32_t sQ = smem_u32(smem + kOffQ);
+  const uint32_t sKV = smem_u32(smem + kOffKV);
+  uint4* sP = reinterpret_cast<uint4*>(smem + kOffP);
+  float* sMax = reinterpret_cast<float*>(smem + kOffMax);
+  float* sL = reinterpret_cast<float*>(smem + kOffL);
+  int32_t* sRing = reinterpret_cast<int32_t*>(smem + kOffRing);
+  int32_t* sMisc = reinterpret_cast<int32_t*>(smem + kOffMisc);
+  const uint32_t bars = smem_u32(smem + kOffBar);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wl = warp & 3;  // warp-uniform to the compiler
+  const int64_t t = blockIdx.x;
+  const int h0 = blockIdx.y * 64;
+  const int split = blockIdx.z;
+  if (tid < 2 * kSlots) mbar_init(bars + 8 * tid, tid < kSlots ? kFullArrivals : kEmptyArrivals);  // visible after
+                                                                                                   // the prologue's
+                                                                                                   // __syncthreads
+
+  // ---- prologue (all threads): used entries ----
+  const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
+  const int32_t b = keys.request;
+  const int nkeys = keys.nkeys;
+  const int npairs = (nkeys + 2 * kBN - 1) / (2 * kBN);
+
+  if (wg == 2) {
+    // ==== producer ====
+    setmaxnreg_dec<56>();
+    const int p = tid - 256;  // 0..127
+    // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
+    auto resolve_pair = [&](int pair) {
+      if (p >= 64) return;
+      const int key = pair * 2 * kBN + p;
+      int32_t row = -1;
+      if (key < nkeys) {
+        const int32_t e = keys.entries[key];
+        const int32_t c = e / a.page_size;
+        const int32_t page = c < a.max_pages ? a.block_table[static_cast<int64_t>(b) * a.max_pages + c] : -1;
+        if (page < 0 || page >= a.num_pages) {
+          report_device_error(a.err, kDevBadPage, t);
+        } else {
+          row = page * a.page_size + e % a.page_size;
+        }
+      }
+      sRing[(pair & 3) * 64 + p] = row;
+    };
+    resolve_pair(0);
+    named_bar_sync(kBarProducer, 128);
+    for (int pair = 0; pair < npairs; ++pair) {
+#pragma unroll 1
+      for (int tile = 0; tile < 2; ++tile) {
+        const int slot = (pair & 1) * 2 + tile;
+        if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
+        // 8 threads per row, 16 rows per pass: each warp instruction reads 4 whole 128-byte segments.
+        const uint32_t base = sKV + slot * kTileBytes;
+        const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
+#pragma unroll 1  // the producer has 56 registers
+        for (int pass = 0; pass < 2; ++pass) {
+          const int r = (p >> 3) + 16 * pass;
+          const int32_t row = ring[r];
+          const int64_t row_ok = row < 0 ? 0 : row;
+          const __nv_bfloat16* lat = a.latent + row_ok * kDl + (p & 7) * 8;
+          const int bytes = row >= 0 ? 16 : 0;
+#pragma unroll
+          for (int k = 0; k < 8; ++k) cp_async_16(base + chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
+          cp_async_16(base + chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * kDr + (p & 7) * 8, bytes);
+        }
+        cp_async_mbar_arrive_noinc(full_bar(bars, slot));
+        mbar_arrive(full_bar(bars, slot));
+      }
+      // The next pair's rows (its ring slot was last read by pair - 3's gathers and masks, long done).
+      if (pair + 1 < npairs) resolve_pair(pair + 1);
+      named_bar_sync(kBarProducer, 128);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ==== consumers: warpgroup wg owns tile wg of each pair and output columns [256 wg, 256 wg + 256) ====
+  for (int idx = tid; idx < 64 * 72; idx += 256) {  // Q, while the producer gathers the first pairs
+    const int r = idx / 72, c = idx % 72;
+    const int64_t qrow = mla_head_row(a, t, h0 + r);
+    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
+                             : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
+    cp_async_16(sQ + chunk_off(r, c, kQSlabBytes), src, 16);
+  }
+  cp_async_commit();
+  setmaxnreg_inc<224>();
+  const int other = wg ^ 1;
+  const int wt = tid & 127;                          // this thread's index in its warpgroup
+  const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
+
+  float m0 = -INFINITY, m1 = -INFINITY;  // the running max (log2 domain), the same in both warpgroups
+  float l0 = 0.f, l1 = 0.f;              // this warpgroup's tiles' share of the row sums
+  float s[16];
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+
+  cp_async_wait<0>();
+  fence_proxy_async_smem();
+  named_bar_sync(kBarConsumers, 256);  // Q visible to wgmma
+
+  for (int pair = 0; pair < npairs; ++pair) {
+    const uint32_t par = (pair >> 1) & 1;
+    const int own_slot = (pair & 1) * 2 + wg, other_slot = (pair & 1) * 2 + other;
+    const uint32_t own_tile = sKV + own_slot * kTileBytes, other_tile = sKV + other_slot * kTileBytes;
+    // ---- S = Q K_own^T : [64 heads, 32 keys] ----
+    mbar_wait(full_bar(bars, own_slot), par);
+    fence_proxy_async_smem();
+    wgmma_fence();
+    {
+      const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
+      const uint64_t db0 = wgmma_desc_sw128(own_tile, 16, 1024);
+#pragma unroll
+      for (int ks = 0; ks < 36; ++ks) {
+        const uint32_t qoff = (ks >> 2) * kQSlabBytes + (ks & 3) * 32, koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
+        wgmma_m64n32k16<0>(s, da0 + (qoff >> 4), db0 + (koff >> 4), ks > 0 ? 1 : 0);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 16; ++i) reg_fence(s[i]);
+
+    // ---- mask, scale, this tile's row max ----
+    const int32_t* rows = sRing + (pair & 3) * 64 + wg * kBN;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = rows[j * 8 + (lane & 3) * 2 + e] >= 0;  // past the used entries: -1 too
+        s[j * 4 + e] = valid ? s[j * 4 + e] * a.scale_log2 : -INFINITY;
+        s[j * 4 + 2 + e] = valid ? s[j * 4 + 2 + e] * a.scale_log2 : -INFINITY;
+        mx0 = fmaxf(mx0, s[j * 4 + e]);
+        mx1 = fmaxf(mx1, s[j * 4 + 2 + e]);
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    // ---- the seesaw (buffers alternate by pair: a write never meets the previous pair's reads) ----
+    float* pmax = sMax + (pair & 1) * 128;
+    float tm0, tm1;  // the max this warpgroup's P is computed against (WG0: its own; WG1: the pair's)
+    if (wg == 0) {
+      tm0 = fmaxf(m0, mx0);
+      tm1 = fmaxf(m1, mx1);
+      if ((lane & 3) == 0) {
+        pmax[r0] = tm0;
+        pmax[r1] = tm1;
+      }
+      named_bar_arrive(kBarMax0, 256);
+    } else {
+      named_bar_sync(kBarMax0, 256);
+      tm0 = fmaxf(pmax[r0], mx0);
+      tm1 = fmaxf(pmax[r1], mx1);
+      if ((lane & 3) == 0) {
+        pmax[64 + r0] = tm0;
+        pmax[64 + r1] = tm1;
+      }
+      named_bar_arrive(kBarMax1, 256);
+    }
+    // P against tm (-inf rows: against 0, every P = 0); O and l from the running max m to tm
+    const float tu0 = tm0 == -INFINITY ? 0.f : tm0, tu1 = tm1 == -INFINITY ? 0.f : tm1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s[j * 4 + 0] = exp2f(s[j * 4 + 0] - tu0);
+      s[j * 4 + 1] = exp2f(s[j * 4 + 1] - tu0);
+      s[j * 4 + 2] = exp2f(s[j * 4 + 2] - tu1);
+      s[j * 4 + 3] = exp2f(s[j * 4 + 3] - tu1);
+      ps0 += s[j * 4 + 0] + s[j * 4 + 1];
+      ps1 += s[j * 4 + 2] + s[j * 4 + 3];
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      ps0 += __shfl_xor_sync(0xffffffffu, ps0, off);
+      ps1 += __shfl_xor_sync(0xffffffffu, ps1, off);
+    }
+    const float al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - tu0), al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - tu1);
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+    m0 = tm0;
+    m1 = tm1;
+    // P (bf16) as the A fragments of the two k-steps (keys 16 kk .. 16 kk + 15)
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    // P to the other warpgroup: fragment kk of thread wt at [wg][kk][wt] (thread wt of the other warpgroup holds
+    // the same rows and reads it back as its own A fragment)
+    auto store_p = [&](const uint32_t (&pv)[2][4]) {
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) sP[(wg * 2 + kk) * 128 + wt] = make_uint4(pv[kk][0], pv[kk][1], pv[kk][2], pv[kk][3]);
+      named_bar_arrive(kBarP + wg, 256);
+    };
+    if (wg == 1) store_p(pa);  // already against the pair's max
+
+    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max rarely moves after a few tiles
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[j * 4 + 0] *= al0;
+        o[j * 4 + 1] *= al0;
+        o[j * 4 + 2] *= al1;
+        o[j * 4 + 3] *= al1;
+      }
+    }
+    // O_w += P V[:, cols_w] over one tile (P from registers)
+    auto pv_tile = [&](const uint32_t (&pv)[2][4], uint32_t tile) {
+      const uint64_t vb = wgmma_desc_sw128(tile + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) wgmma_m64n256k16_rs<1>(o, pv[kk], vb + ((kk * 16 * 128) >> 4), 1);
+    };
+    // The other warpgroup's P, once handed over, and its tile (landed: the other warpgroup waited for it)
+    auto other_p = [&](uint32_t (&po)[2][4]) {
+      named_bar_sync(kBarP + other, 256);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint4 v = sP[(other * 2 + kk) * 128 + wt];
+        po[kk][0] = v.x;
+        po[kk][1] = v.y;
+        po[kk][2] = v.z;
+        po[kk][3] = v.w;
+      }
+      mbar_wait(full_bar(bars, other_slot), par);
+      fence_proxy_async_smem();
+    };
+    uint32_t po[2][4];
+    if (wg == 0) {
+      wgmma_fence();
+      pv_tile(pa, own_tile);  // local P*V against WG0's own max, while WG1 scores
+      wgmma_commit();
+      // From its max to the pair's (WG1's): f scales the P it hands over, then (once the local P*V is done) its O
+      // and l.
+      named_bar_sync(kBarMax1, 256);
+      const float pm0 = pmax[64 + r0], pm1 = pmax[64 + r1];
+      const float f0 = tm0 == -INFINITY ? 0.f : exp2f(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2f(tm1 - pm1);
+      uint32_t pf[2][4];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        pf[kk][0] = pack_bf16x2(s[8 * kk + 0] * f0, s[8 * kk + 1] * f0);
+        pf[kk][1] = pack_bf16x2(s[8 * kk + 2] * f1, s[8 * kk + 3] * f1);
+        pf[kk][2] = pack_bf16x2(s[8 * kk + 4] * f0, s[8 * kk + 5] * f0);
+        pf[kk][3] = pack_bf16x2(s[8 * kk + 6] * f1, s[8 * kk + 7] * f1);
+      }
+      store_p(pf);
+      l0 *= f0;
+      l1 *= f1;
+      m0 = pm0;
+      m1 = pm1;
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+      if (__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[j * 4 + 0] *= f0;
+          o[j * 4 + 1] *= f0;
+          o[j * 4 + 2] *= f1;
+          o[j * 4 + 3] *= f1;
+        }
+      }
+      other_p(po);
+      wgmma_fence();
+      pv_tile(po, other_tile);
+      wgmma_commit();
+    } else {
+      other_p(po);
+      wgmma_fence();
+      pv_tile(po, other_tile);
+      pv_tile(pa, own_tile);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+    mbar_arrive(empty_bar(bars, own_slot));  // both tiles of the pair: read for the last time by this warpgroup
+    mbar_arrive(empty_bar(bars, other_slot));
+  }
+
+  // ---- epilogue ----
+  if ((lane & 3) == 0) {
+    sL[wg * 64 + r0] = l0;
+    sL[wg * 64 + r1] = l1;
+  }
+  named_bar_sync(kBarConsumers, 256);
+  const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
+  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, L0, L1, m0, m1);
+}
+
+}  // namespace
+
+Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx) {
+  DSACP_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(sparse_mla_wgmma_ws32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
+  sparse_mla_wgmma_ws32_kernel<<<grid, kThreads, kSmemBytes, ctx.stream>>>(args);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma_ws32_kernel");
+  return Status::ok_status();
+}
+
+}  // namespace dsacp::cuda
