@@ -88,6 +88,33 @@ __device__ __forceinline__ MlaSplitKeys mla_split_keys(const MlaArgs& a, int64_t
   return MlaSplitKeys{b, trow + min(kb, a.K), max(0, ke - kb)};
 }
 
+// The cache row of split-local key `key` (-1: past the split's used entries, or a key whose page lies outside the
+// block table or the cache, which is reported).
+__device__ __forceinline__ int32_t mla_cache_row(const MlaArgs& a, const MlaSplitKeys& keys, int64_t t, int key) {
+  if (key >= keys.nkeys) return -1;
+  const int32_t e = keys.entries[key];
+  const int32_t c = e / a.page_size;
+  const int32_t page = c < a.max_pages ? a.block_table[static_cast<int64_t>(keys.request) * a.max_pages + c] : -1;
+  if (page < 0 || page >= a.num_pages) {
+    report_device_error(a.err, kDevBadPage, t);
+    return -1;
+  }
+  return page * a.page_size + e % a.page_size;
+}
+
+// Q rows [h0, h0 + kRows) of token t, 72 16-byte chunks a row (512 latent + 64 rope bf16), copied by cp.async from
+// kThreadsQ threads (index tid) to sQ + smem_off(r, c), the kernel's swizzled layout; the caller commits and waits.
+template <int kRows, int kThreadsQ, typename SmemOff>
+__device__ __forceinline__ void mla_load_q(const MlaArgs& a, int64_t t, int h0, int tid, uint32_t sQ, SmemOff smem_off) {
+  for (int idx = tid; idx < kRows * 72; idx += kThreadsQ) {
+    const int r = idx / 72, c = idx % 72;
+    const int64_t qrow = mla_head_row(a, t, h0 + r);
+    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * 512 + c * 8)
+                             : static_cast<const void*>(a.q_rope + qrow * 64 + (c - 64) * 8);
+    cp_async_16(sQ + smem_off(r, c), src, 16);
+  }
+}
+
 // The epilogue of the wgmma kernels: warpgroup wg's O [64 heads, 256 columns] in the m64n256 accumulator layout
 // (o[4j], o[4j+1]: row r0 = 16 (warp % 4) + lane / 4, columns 256 wg + 8 j + 2 (lane % 4) and +1; o[4j+2],
 // o[4j+3]: row r1 = r0 + 8), divided by the row sums L0, L1 (0 where a row has no key) and stored to the

@@ -111,29 +111,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
 
   // ---- prologue: used entries, this split's rows ----
   const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
-  const int32_t b = keys.request;
   const int nkeys = keys.nkeys;
-  for (int i = tid; i < nkeys; i += kThreads) {
-    const int32_t e = keys.entries[i];
-    const int32_t c = e / a.page_size;
-    int32_t page = -1;
-    if (c < a.max_pages) page = a.block_table[static_cast<int64_t>(b) * a.max_pages + c];
-    if (page < 0 || page >= a.num_pages) {
-      report_device_error(a.err, kDevBadPage, t);
-      sRow[i] = -1;
-    } else {
-      sRow[i] = page * a.page_size + e % a.page_size;
-    }
-  }
+  for (int i = tid; i < nkeys; i += kThreads) sRow[i] = mla_cache_row(a, keys, t, i);
 
   // ---- Q [HG, 576] ----
-  for (int idx = tid; idx < HG * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int64_t qrow = mla_head_row(a, t, h0 + r);
-    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
-                             : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
-    cp_async_16(sQ + swz(r, c), src, 16);
-  }
+  mla_load_q<HG, kThreads>(a, t, h0, tid, sQ, swz);
   __syncthreads();  // sRow visible to the gather
 
   const int ntiles = (nkeys + kBN - 1) / kBN;

@@ -31,7 +31,7 @@ namespace {
 
 constexpr int kThreads = 256;  // two warpgroups
 constexpr int kBN = 64;        // keys per tile
-constexpr int kDl = 512, kDr = 64, kChunks = 72;
+constexpr int kDl = 512, kDr = 64;
 constexpr int kSlabBytes = 64 * 128;             // one [64 rows, 64 bf16] swizzled slab
 constexpr int kTileBytes = 9 * kSlabBytes;       // [64 rows, 576] = 73728
 constexpr int kOffQ = 0;
@@ -71,32 +71,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
 
   // ---- prologue: used entries, first two tiles' rows, Q ----
   const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
-  const int32_t b = keys.request;
   const int nkeys = keys.nkeys;
   const int ntiles = (nkeys + kBN - 1) / kBN;
 
-  auto resolve = [&](int key) -> int32_t {  // split-local key -> cache row, -1 = absent
-    if (key >= nkeys) return -1;
-    const int32_t e = keys.entries[key];
-    const int32_t c = e / a.page_size;
-    const int32_t page = c < a.max_pages ? a.block_table[static_cast<int64_t>(b) * a.max_pages + c] : -1;
-    if (page < 0 || page >= a.num_pages) {
-      report_device_error(a.err, kDevBadPage, t);
-      return -1;
-    }
-    return page * a.page_size + e % a.page_size;
-  };
+  auto resolve = [&](int key) -> int32_t { return mla_cache_row(a, keys, t, key); };  // -1 = absent
   if (tid < 64) {
     sRing[tid] = resolve(tid);
     sRing[64 + tid] = resolve(64 + tid);
   }
-  for (int idx = tid; idx < 64 * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int64_t qrow = mla_head_row(a, t, h0 + r);
-    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
-                             : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
-    cp_async_16(sQ + tile_off(r, c), src, 16);
-  }
+  mla_load_q<64, kThreads>(a, t, h0, tid, sQ, tile_off);
   __syncthreads();  // ring slots 0, 1 visible
 
   // Gather of one tile: thread -> row j = tid / 4, chunks (tid % 4) + 4k, k < 18 (one row lookup per thread).

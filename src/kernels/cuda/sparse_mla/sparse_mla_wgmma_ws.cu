@@ -35,6 +35,7 @@
 #include "kernels/cuda/common/mma_sm80.cuh"
 #include "kernels/cuda/common/wgmma_sm90.cuh"
 #include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
+#include "kernels/cuda/sparse_mla/sparse_mla_seesaw.cuh"
 
 namespace dsacp::cuda {
 namespace {
@@ -106,7 +107,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
 
   // ---- prologue (all threads): used entries ----
   const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
-  const int32_t b = keys.request;
   const int nkeys = keys.nkeys;
   const int npairs = (nkeys + 2 * kBN - 1) / (2 * kBN);
 
@@ -119,19 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
       if (p >= 64) return;
 #pragma unroll
       for (int st = 0; st < 2; ++st) {  // both lookups in flight together
-        const int key = (2 * pair + st) * kBN + p;
-        int32_t row = -1;
-        if (key < nkeys) {
-          const int32_t e = keys.entries[key];
-          const int32_t c = e / a.page_size;
-          const int32_t page = c < a.max_pages ? a.block_table[static_cast<int64_t>(b) * a.max_pages + c] : -1;
-          if (page < 0 || page >= a.num_pages) {
-            report_device_error(a.err, kDevBadPage, t);
-          } else {
-            row = page * a.page_size + e % a.page_size;
-          }
-        }
-        sRing[((2 * pair + st) & 3) * 64 + p] = row;
+        sRing[((2 * pair + st) & 3) * 64 + p] = mla_cache_row(a, keys, t, (2 * pair + st) * kBN + p);
       }
     };
     // Gather part `part` (see kParts) of pair `pair`: 8 threads per row, 16 rows per pass (each warp instruction
@@ -180,13 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   }
 
   // ==== consumers: warpgroup wg owns stage wg's tile and output columns [256 wg, 256 wg + 256) ====
-  for (int idx = tid; idx < 64 * 72; idx += 256) {  // Q, while the producer gathers the first pair
-    const int r = idx / 72, c = idx % 72;
-    const int64_t qrow = mla_head_row(a, t, h0 + r);
-    const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * kDl + c * 8)
-                             : static_cast<const void*>(a.q_rope + qrow * kDr + (c - 64) * 8);
-    cp_async_16(sQ + tile_off(r, c), src, 16);
-  }
+  mla_load_q<64, 256>(a, t, h0, tid, sQ, tile_off);  // Q, while the producer gathers the first pair
   cp_async_commit();
   setmaxnreg_inc<224>();
   const int other = wg ^ 1;
@@ -255,79 +237,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
     for (int i = 0; i < 32; ++i) reg_fence(s[i]);
     if (wg == 0) mbar_arrive(empty_bar(bars, 0));  // tile 0's rope slab: read for the last time
 
-    // ---- mask, scale, this tile's row max ----
-    const int32_t* rows = sRing + ((2 * pair + wg) & 3) * 64;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool valid = rows[j * 8 + (lane & 3) * 2 + e] >= 0;  // past the used entries: -1 too
-        s[j * 4 + e] = valid ? s[j * 4 + e] * a.scale_log2 : -INFINITY;
-        s[j * 4 + 2 + e] = valid ? s[j * 4 + 2 + e] * a.scale_log2 : -INFINITY;
-        mx0 = fmaxf(mx0, s[j * 4 + e]);
-        mx1 = fmaxf(mx1, s[j * 4 + 2 + e]);
-      }
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    // ---- the seesaw (FlashMLA's schedule): WG0 needs only its own max for its local P*V, so it runs while WG1
-    // scores; WG1 folds WG0's max into the pair's; WG0 rescales what it hands over (and its O) afterwards.
-    // Buffers alternate by pair: a write never meets the previous pair's reads.
+    // ---- softmax, the seesaw way (sparse_mla_seesaw.cuh): WG0 needs only its own max for its local P*V, so it
+    // runs while WG1 scores; WG1 folds WG0's max into the pair's; WG0 rescales what it hands over (and its O) after.
+    float mx0, mx1, tm0, tm1, al0, al1;
+    seesaw_mask_rowmax<kBN>(s, sRing + ((2 * pair + wg) & 3) * 64, lane, a.scale_log2, mx0, mx1);
     float* pmax = sMax + (pair & 1) * 128;
-    float tm0, tm1;  // the max this warpgroup's P is computed against (WG0: its own; WG1: the pair's)
-    if (wg == 0) {
-      tm0 = fmaxf(m0, mx0);
-      tm1 = fmaxf(m1, mx1);
-      if ((lane & 3) == 0) {
-        pmax[r0] = tm0;
-        pmax[r1] = tm1;
-      }
-      named_bar_arrive(kBarMax0, 256);
-    } else {
-      named_bar_sync(kBarMax0, 256);
-      tm0 = fmaxf(pmax[r0], mx0);
-      tm1 = fmaxf(pmax[r1], mx1);
-      if ((lane & 3) == 0) {
-        pmax[64 + r0] = tm0;
-        pmax[64 + r1] = tm1;
-      }
-      named_bar_arrive(kBarMax1, 256);
-    }
-    // P against tm (-inf rows: against 0, every P = 0); O and l from the running max m to tm
-    const float tu0 = tm0 == -INFINITY ? 0.f : tm0, tu1 = tm1 == -INFINITY ? 0.f : tm1;
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[j * 4 + 0] = exp2f(s[j * 4 + 0] - tu0);
-      s[j * 4 + 1] = exp2f(s[j * 4 + 1] - tu0);
-      s[j * 4 + 2] = exp2f(s[j * 4 + 2] - tu1);
-      s[j * 4 + 3] = exp2f(s[j * 4 + 3] - tu1);
-      ps0 += s[j * 4 + 0] + s[j * 4 + 1];
-      ps1 += s[j * 4 + 2] + s[j * 4 + 3];
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      ps0 += __shfl_xor_sync(0xffffffffu, ps0, off);
-      ps1 += __shfl_xor_sync(0xffffffffu, ps1, off);
-    }
-    const float al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - tu0), al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - tu1);
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
-    m0 = tm0;
-    m1 = tm1;
-    // P (bf16) as the A fragments of the four k-steps
+    seesaw_exchange_max(wg, lane, r0, r1, pmax, m0, m1, mx0, mx1, kBarMax0, kBarMax1, tm0, tm1);
+    seesaw_exp_rowsum<kBN>(s, tm0, tm1, m0, m1, l0, l1, al0, al1);
     uint32_t pa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    seesaw_pack_p<kBN>(s, 1.f, 1.f, pa);
     // P into shared memory for the other warpgroup (WG0: its buffer; WG1: over tile 1's rope slab), keys
     // 8 j + 2 (lane % 4) (+1) of rows r0, r1 in a swizzled [64, 64] tile
     auto store_p = [&](const uint32_t (&pv)[4][4]) {
@@ -344,15 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
     };
     if (wg == 1) store_p(pa);  // already against the pair's max
 
-    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max rarely moves after a few tiles
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[j * 4 + 0] *= al0;
-        o[j * 4 + 1] *= al0;
-        o[j * 4 + 2] *= al1;
-        o[j * 4 + 3] *= al1;
-      }
-    }
+    seesaw_scale_o(o, al0, al1);
     // O_w += P_own V_own[:, cols_w] (P from registers)
     auto local_pv = [&] {
       wgmma_fence();
@@ -382,13 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
       const float pm0 = pmax[64 + r0], pm1 = pmax[64 + r1];
       const float f0 = tm0 == -INFINITY ? 0.f : exp2f(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2f(tm1 - pm1);
       uint32_t pf[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        pf[kk][0] = pack_bf16x2(s[8 * kk + 0] * f0, s[8 * kk + 1] * f0);
-        pf[kk][1] = pack_bf16x2(s[8 * kk + 2] * f1, s[8 * kk + 3] * f1);
-        pf[kk][2] = pack_bf16x2(s[8 * kk + 4] * f0, s[8 * kk + 5] * f0);
-        pf[kk][3] = pack_bf16x2(s[8 * kk + 6] * f1, s[8 * kk + 7] * f1);
-      }
+      seesaw_pack_p<kBN>(s, f0, f1, pf);
       store_p(pf);
       l0 *= f0;
       l1 *= f1;
@@ -398,15 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
       mbar_arrive(empty_bar(bars, 1));  // tile 0 slabs 0-3: read for the last time
-      if (__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) {
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[j * 4 + 0] *= f0;
-          o[j * 4 + 1] *= f0;
-          o[j * 4 + 2] *= f1;
-          o[j * 4 + 3] *= f1;
-        }
-      }
+      seesaw_scale_o(o, f0, f1);
       remote_pv(3);
       wgmma_wait<0>();
 #pragma unroll
