@@ -115,43 +115,77 @@ __device__ __forceinline__ void mla_load_q(const MlaArgs& a, int64_t t, int h0, 
   }
 }
 
-// The epilogue of the wgmma kernels: warpgroup wg's O [64 heads, 256 columns] in the m64n256 accumulator layout
-// (o[4j], o[4j+1]: row r0 = 16 (warp % 4) + lane / 4, columns 256 wg + 8 j + 2 (lane % 4) and +1; o[4j+2],
-// o[4j+3]: row r1 = r0 + 8), divided by the row sums L0, L1 (0 where a row has no key) and stored to the
-// caller's layout (splits == 1: bf16 or f32) or the split-K workspace (f32); warpgroup 0 stores the LSE too
-// (m0, m1: the rows' max in the log2 domain, -inf without keys).
+// Two adjacent output values at p: bf16 (the caller's bf16 out) or f32 (its f32 out, or split-K partials).
+__device__ __forceinline__ void mla_store_pair(__nv_bfloat16* p, float v0, float v1) {
+  *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(v0, v1);
+}
+__device__ __forceinline__ void mla_store_pair(float* p, float v0, float v1) {
+  *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+}
+// Calls body(out) once with the base of this split's output rows ([rows, 512]): the caller's out (splits == 1,
+// bf16 or f32) or this split's f32 partials. The type is chosen once, outside the caller's store loop.
+template <typename Body>
+__device__ __forceinline__ void mla_with_out_rows(const MlaArgs& a, int split, Body body) {
+  if (a.splits == 1 && a.out_bf16) {
+    body(static_cast<__nv_bfloat16*>(a.out));
+  } else {
+    body(a.splits == 1 ? static_cast<float*>(a.out) : a.part_out + static_cast<int64_t>(split) * a.T * a.H * 512);
+  }
+}
+
+// O (the m64n256 accumulator of this thread's rows r0, r1) times a0 / a1, skipped when no row of the warp moves
+// (the running max rarely moves after a few tiles).
+__device__ __forceinline__ void mla_scale_o_rows(float (&o)[128], float a0, float a1) {
+  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[j * 4 + 0] *= a0;
+      o[j * 4 + 1] *= a0;
+      o[j * 4 + 2] *= a1;
+      o[j * 4 + 3] *= a1;
+    }
+  }
+}
+
+// The wgmma kernels whose shared memory must start 1024-byte aligned (swizzle atoms, and no slack left to align
+// it): false (reported as kDevSmemAlign by thread 0) when it does not. Every thread gets the same answer, so the
+// block leaves before any barrier.
+__device__ __forceinline__ bool mla_smem_aligned(const MlaArgs& a, const void* smem) {
+  if ((smem_u32(smem) & 1023) == 0) return true;
+  if (threadIdx.x == 0) report_device_error(a.err, kDevSmemAlign, blockIdx.x);
+  return false;
+}
+
+// The epilogue of the wgmma kernels: each of the two warpgroups holds its tiles' share of the row sums (l0, l1 of
+// rows r0 = 16 (warp % 4) + lane / 4 and r1 = r0 + 8); they are added through sL ([2][64] f32 in shared memory,
+// after `sync`, a barrier of both warpgroups). Then warpgroup wg's O [64 heads, 256 columns] in the m64n256
+// accumulator layout (o[4j], o[4j+1]: row r0, columns 256 wg + 8 j + 2 (lane % 4) and +1; o[4j+2], o[4j+3]: row
+// r1), divided by the row sums (0 where a row has no key), goes to the caller's layout (splits == 1: bf16 or f32)
+// or the split-K workspace (f32); warpgroup 0 stores the LSE too (m0, m1: the rows' max in the log2 domain, -inf
+// without keys).
+template <typename Sync>
 __device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, int h0, int split, int wg, int lane,
-                                                   int r0, int r1, const float (&o)[128], float L0, float L1, float m0,
-                                                   float m1) {
-  constexpr int kDl = 512;
+                                                   int r0, int r1, const float (&o)[128], float l0, float l1,
+                                                   float* sL, Sync sync, float m0, float m1) {
   constexpr float kLn2 = 0.6931471805599453f;
+  if ((lane & 3) == 0) {
+    sL[wg * 64 + r0] = l0;
+    sL[wg * 64 + r1] = l1;
+  }
+  sync();
+  const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
   const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
   // Rows in the caller's layout (splits == 1) and in the split-K workspace (plain [T, H]).
   const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
   const int64_t row1 = a.splits == 1 ? mla_head_row(a, t, h0 + r1) : t * a.H + h0 + r1;
-  if (a.splits == 1) {
+  mla_with_out_rows(a, split, [&](auto* out) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int c = wg * 256 + j * 8 + (lane & 3) * 2;
-      if (a.out_bf16) {
-        auto* out = static_cast<__nv_bfloat16*>(a.out);
-        *reinterpret_cast<uint32_t*>(out + row0 * kDl + c) = pack_bf16x2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
-        *reinterpret_cast<uint32_t*>(out + row1 * kDl + c) = pack_bf16x2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
-      } else {
-        auto* out = static_cast<float*>(a.out);
-        *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
-        *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
-      }
+      mla_store_pair(out + row0 * 512 + c, o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+      mla_store_pair(out + row1 * 512 + c, o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
     }
-  } else {
-    float* out = a.part_out + static_cast<int64_t>(split) * a.T * a.H * kDl;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int c = wg * 256 + j * 8 + (lane & 3) * 2;
-      *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
-      *reinterpret_cast<float2*>(out + row1 * kDl + c) = make_float2(o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
-    }
-  }
+  });
   if (wg == 0 && (lane & 3) == 0) {
     const float v0 = L0 > 0.f ? (m0 + log2f(L0)) * kLn2 : -INFINITY;
     const float v1 = L1 > 0.f ? (m1 + log2f(L1)) * kLn2 : -INFINITY;

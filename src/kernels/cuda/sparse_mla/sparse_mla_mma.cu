@@ -313,29 +313,14 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   // (token, head) row of r0 in the caller's layout (splits == 1) or the split-K workspace; r0 + 8 is row0 + 8
   // (a head group never straddles a head block).
   const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
-  if (a.splits == 1) {
+  mla_with_out_rows(a, split, [&](auto* out) {
 #pragma unroll
     for (int i = 0; i < kNT; ++i) {
       const int c = pcs * kCols + i * 8 + (lane & 3) * 2;
-      if (a.out_bf16) {
-        auto* out = static_cast<__nv_bfloat16*>(a.out);
-        *reinterpret_cast<uint32_t*>(out + row0 * kDl + c) = pack_bf16x2(o[i][0] * inv0, o[i][1] * inv0);
-        *reinterpret_cast<uint32_t*>(out + (row0 + 8) * kDl + c) = pack_bf16x2(o[i][2] * inv1, o[i][3] * inv1);
-      } else {
-        auto* out = static_cast<float*>(a.out);
-        *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
-        *reinterpret_cast<float2*>(out + (row0 + 8) * kDl + c) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
-      }
+      mla_store_pair(out + row0 * kDl + c, o[i][0] * inv0, o[i][1] * inv0);
+      mla_store_pair(out + (row0 + 8) * kDl + c, o[i][2] * inv1, o[i][3] * inv1);
     }
-  } else {
-    float* out = a.part_out + static_cast<int64_t>(split) * a.T * a.H * kDl;
-#pragma unroll
-    for (int i = 0; i < kNT; ++i) {
-      const int c = pcs * kCols + i * 8 + (lane & 3) * 2;
-      *reinterpret_cast<float2*>(out + row0 * kDl + c) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
-      *reinterpret_cast<float2*>(out + (row0 + 8) * kDl + c) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
-    }
-  }
+  });
   if (tid < HG) {
     const float l = sL[tid];
     const float v = l > 0.f ? (sM[tid] + log2f(l)) * kLn2 : -INFINITY;

@@ -107,18 +107,4 @@ __device__ __forceinline__ void seesaw_pack_p(const float (&s)[kKeys / 2], float
   }
 }
 
-// O (the m64n256 accumulator of this thread's rows r0, r1) times a0 / a1, skipped when no row of the warp moves
-// (the running max rarely moves after a few tiles).
-__device__ __forceinline__ void seesaw_scale_o(float (&o)[128], float a0, float a1) {
-  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[j * 4 + 0] *= a0;
-      o[j * 4 + 1] *= a0;
-      o[j * 4 + 2] *= a1;
-      o[j * 4 + 3] *= a1;
-    }
-  }
-}
-
 }  // namespace dsacp::cuda

@@ -189,15 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
     __syncthreads();  // P (and the ring slot of tile + 2) complete
 
     // ---- O_w = alpha O_w + P V_w ----
-    if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f)) {  // the running max rarely moves after a few tiles
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[j * 4 + 0] *= al0;
-        o[j * 4 + 1] *= al0;
-        o[j * 4 + 2] *= al1;
-        o[j * 4 + 3] *= al1;
-      }
-    }
+    mla_scale_o_rows(o, al0, al1);
     wgmma_fence();
     const uint64_t pa0 = wgmma_desc_sw128(sPu, 16, 1024);
     const uint64_t vb0 = wgmma_desc_sw128(kv + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
@@ -214,13 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   cp_async_wait<0>();
 
   // ---- epilogue ----
-  if ((lane & 3) == 0) {
-    sL[wg * 64 + r0] = l0;
-    sL[wg * 64 + r1] = l1;
-  }
-  __syncthreads();
-  const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
-  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, L0, L1, m0, m1);
+  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { __syncthreads(); }, m0, m1);
 }
 
 }  // namespace

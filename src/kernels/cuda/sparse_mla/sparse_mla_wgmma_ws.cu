@@ -84,10 +84,7 @@ __device__ __forceinline__ uint32_t tile_off(int r, int c) {
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const MlaArgs a) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  if ((smem_u32(smem) & 1023) != 0) {  // uniform: every thread leaves before any barrier
-    if (threadIdx.x == 0) report_device_error(a.err, kDevSmemAlign, blockIdx.x);
-    return;
-  }
+  if (!mla_smem_aligned(a, smem)) return;
   const uint32_t sQ = smem_u32(smem + kOffQ);
   const uint32_t sKV = smem_u32(smem + kOffKV);
   float* sMax = reinterpret_cast<float*>(smem + kOffMax);
@@ -262,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
     };
     if (wg == 1) store_p(pa);  // already against the pair's max
 
-    seesaw_scale_o(o, al0, al1);
+    mla_scale_o_rows(o, al0, al1);
     // O_w += P_own V_own[:, cols_w] (P from registers)
     auto local_pv = [&] {
       wgmma_fence();
@@ -302,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
       mbar_arrive(empty_bar(bars, 1));  // tile 0 slabs 0-3: read for the last time
-      seesaw_scale_o(o, f0, f1);
+      mla_scale_o_rows(o, f0, f1);
       remote_pv(3);
       wgmma_wait<0>();
 #pragma unroll
@@ -321,13 +318,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   }
 
   // ---- epilogue ----
-  if ((lane & 3) == 0) {
-    sL[wg * 64 + r0] = l0;
-    sL[wg * 64 + r1] = l1;
-  }
-  named_bar_sync(kBarConsumers, 256);
-  const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
-  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, L0, L1, m0, m1);
+  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
+                     m1);
 }
 
 }  // namespace

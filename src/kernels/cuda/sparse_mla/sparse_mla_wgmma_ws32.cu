@@ -74,10 +74,7 @@ __device__ __forceinline__ uint32_t chunk_off(int r, int c, int slab_bytes) {
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(const MlaArgs a) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  if ((smem_u32(smem) & 1023) != 0) {  // uniform: every thread leaves before any barrier
-    if (threadIdx.x == 0) report_device_error(a.err, kDevSmemAlign, blockIdx.x);
-    return;
-  }
+  if (!mla_smem_aligned(a, smem)) return;
   const uint32_t sQ = smem_u32(smem + kOffQ);
   const uint32_t sKV = smem_u32(smem + kOffKV);
   uint4* sP = reinterpret_cast<uint4*>(smem + kOffP);
@@ -201,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     };
     if (wg == 1) store_p(pa);  // already against the pair's max
 
-    seesaw_scale_o(o, al0, al1);
+    mla_scale_o_rows(o, al0, al1);
     // O_w += P V[:, cols_w] over one tile (P from registers)
     auto pv_tile = [&](const uint32_t (&pv)[2][4], uint32_t tile) {
       const uint64_t vb = wgmma_desc_sw128(tile + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
@@ -242,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
-      seesaw_scale_o(o, f0, f1);
+      mla_scale_o_rows(o, f0, f1);
       other_p(po);
       wgmma_fence();
       pv_tile(po, other_tile);
@@ -262,13 +259,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   }
 
   // ---- epilogue ----
-  if ((lane & 3) == 0) {
-    sL[wg * 64 + r0] = l0;
-    sL[wg * 64 + r1] = l1;
-  }
-  named_bar_sync(kBarConsumers, 256);
-  const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
-  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, L0, L1, m0, m1);
+  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
+                     m1);
 }
 
 }  // namespace
