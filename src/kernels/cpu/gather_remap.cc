@@ -31,6 +31,21 @@ Status gather_rows(const GatherRowsParams& p, int num_threads) {
   return Status::ok_status();
 }
 
+namespace {
+
+// One top-k row (n entries, global positions or -1) remapped to part `cr`'s local positions under the interleave
+// I over Pt parts: that part's entries in order, then -1 up to K.
+void remap_row(const int32_t* in, int64_t n, int64_t K, int64_t Pt, int64_t I, int64_t cr, int32_t* out) {
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = in[i];
+    if (e >= 0 && (e / I) % Pt == cr) out[kept++] = static_cast<int32_t>((e / (Pt * I)) * I + e % I);
+  }
+  for (int64_t i = kept; i < K; ++i) out[i] = -1;
+}
+
+}  // namespace
+
 Status topk_remap(const TopkRemapParams& p, int num_threads) {
   const int64_t n = p.num_rows * p.K;
   for (int64_t i = 0; i < n; ++i) {
@@ -41,16 +56,7 @@ Status topk_remap(const TopkRemapParams& p, int num_threads) {
   }
   const int64_t Pt = p.Pt, I = p.I;
   parallel_for(p.num_rows, num_threads, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int32_t* in = p.topk + r * p.K;
-      int32_t* out = p.local + r * p.K;
-      int32_t kept = 0;
-      for (int32_t i = 0; i < p.K; ++i) {
-        const int64_t e = in[i];
-        if (e >= 0 && (e / I) % Pt == p.cr) out[kept++] = static_cast<int32_t>((e / (Pt * I)) * I + e % I);
-      }
-      for (int32_t i = kept; i < p.K; ++i) out[i] = -1;
-    }
+    for (int64_t r = begin; r < end; ++r) remap_row(p.topk + r * p.K, p.K, p.K, Pt, I, p.cr, p.local + r * p.K);
   });
   return Status::ok_status();
 }
@@ -88,16 +94,8 @@ Status topk_merge(const TopkMergeParams& p, int num_threads) {
       for (int64_t i = 0; i < n; ++i) out[i] = topk_rank_key_position(keys[i]);
       std::sort(out, out + n);
       for (int64_t i = n; i < K; ++i) out[i] = -1;
-      if (p.local_topk != nullptr) {
-        // The remap of the merged row (topk_remap's rule) to part local_part's local positions.
-        int32_t* local = p.local_topk + t * K;
-        int64_t kept = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t e = out[i];
-          if ((e / I) % S == p.local_part) local[kept++] = static_cast<int32_t>((e / (S * I)) * I + e % I);
-        }
-        for (int64_t i = kept; i < K; ++i) local[i] = -1;
-      }
+      // The merged row remapped to part local_part's local positions (topk_remap's rule).
+      if (p.local_topk != nullptr) remap_row(out, n, K, S, I, p.local_part, p.local_topk + t * K);
     }
   });
   return Status::ok_status();
