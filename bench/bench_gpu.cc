@@ -18,6 +18,7 @@
 #include "dsacp/dtype.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
+#include "gather_ceiling.h"
 
 using namespace dsacp;
 using namespace dsacp::cuda;
@@ -131,8 +132,9 @@ void record(const std::string& name, double ms, double flops, double bytes, cons
 LaunchContext g_ctx;
 
 // ---- sparse MLA --------------------------------------------------------------------------------------------
+// gather_ctas > 0: time the gather ceiling (bench/gather_ceiling.cu) on the same pages and entries instead.
 void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_per_token, int64_t num_requests,
-                      int reps) {
+                      int reps, int gather_ctas = 0) {
   const int K = 2048, page = 64, Dl = 512, Dr = 64;
   // request b owns keys_per_token keys; tokens are spread over requests evenly (decode: one token each)
   const int64_t pages_per_req = (keys_per_token + page - 1) / page;
@@ -172,6 +174,19 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
   CK(cudaMalloc(&p.out, T * H * Dl * 2));
   p.out_dtype = DType::kBF16;
   CK(cudaMalloc(&p.lse, T * H * 4));
+  if (gather_ctas > 0) {
+    uint32_t* sink = nullptr;
+    CK(cudaMalloc(&sink, 16));
+    const dsacp::bench::GatherCeilingArgs g{p.topk, p.rows.request, p.block_table.data, p.block_table.max_pages,
+                                            page, static_cast<const uint16_t*>(p.latent.data),
+                                            static_cast<const uint16_t*>(p.rope.data), T, K, sink};
+    const double ms = time_ms([&] { CK(dsacp::bench::launch_gather_ceiling(g, gather_ctas, g_ctx.stream)); }, reps,
+                              g_ctx.stream);
+    const double kv_rows =
+        std::min<double>(static_cast<double>(T) * K, static_cast<double>(num_requests) * keys_per_token);
+    record(name, ms, 0, kv_rows * 576 * 2, "ctas/token=" + std::to_string(gather_ctas));
+    CK(cudaFree(sink));
+  }
   const int splits = sparse_mla_num_splits(p, g_ctx.num_sms);
   float* ws = nullptr;
   const int64_t wsf = sparse_mla_workspace_floats(p, splits);
@@ -285,6 +300,10 @@ int main(int argc, char** argv) {
     bench_sparse_mla("sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps);
     bench_sparse_mla("sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
     bench_sparse_mla("sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
+  }
+  if (want("gather")) {  // the decodes' byte ceiling: the same rows gathered with no math (KV bytes only)
+    for (int c : {4, 8, 16})
+      bench_sparse_mla("gather_ceiling b=64 ctx32K ctas/token=" + std::to_string(c), 64, 16, 32768, 64, reps, c);
   }
   if (want("sparse_prefill")) {
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4));

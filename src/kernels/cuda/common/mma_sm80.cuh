@@ -43,6 +43,15 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const uint32_t* a, uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x with the hardware's approximation, denormal results flushed to zero: what exp2f compiles to under
+// --use_fast_math. exp2f without it adds a range fix-up (a conditional halving and squaring) for results below
+// 2^-126; a softmax weight that small is 0 against the row's maximum weight of 1 in bf16 and fp32 sums alike.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);

@@ -248,12 +248,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
       for (int off = TPR / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float m_new = fmaxf(m_run, mx);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m_run - m_use);
+      const float alpha = exp2_ftz(m_run - m_use);
       float psum = 0.f;
 #pragma unroll
       for (int i = 0; i < KPT; i += 2) {
-        const float p0 = exp2f(s[i] - m_use);
-        const float p1 = KPT > 1 ? exp2f(s[i + 1] - m_use) : 0.f;
+        const float p0 = exp2_ftz(s[i] - m_use);
+        const float p1 = KPT > 1 ? exp2_ftz(s[i + 1] - m_use) : 0.f;
         psum += p0 + p1;
         if (KPT > 1) {
           *reinterpret_cast<uint32_t*>(&sP[sr * kPStride + sk0 + i]) = pack_bf16x2(p0, p1);

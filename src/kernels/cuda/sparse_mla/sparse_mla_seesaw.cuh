@@ -74,10 +74,10 @@ __device__ __forceinline__ void seesaw_exp_rowsum(float (&s)[kKeys / 2], float t
   float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
   for (int j = 0; j < kKeys / 8; ++j) {
-    s[j * 4 + 0] = exp2f(s[j * 4 + 0] - tu0);
-    s[j * 4 + 1] = exp2f(s[j * 4 + 1] - tu0);
-    s[j * 4 + 2] = exp2f(s[j * 4 + 2] - tu1);
-    s[j * 4 + 3] = exp2f(s[j * 4 + 3] - tu1);
+    s[j * 4 + 0] = exp2_ftz(s[j * 4 + 0] - tu0);
+    s[j * 4 + 1] = exp2_ftz(s[j * 4 + 1] - tu0);
+    s[j * 4 + 2] = exp2_ftz(s[j * 4 + 2] - tu1);
+    s[j * 4 + 3] = exp2_ftz(s[j * 4 + 3] - tu1);
     ps0 += s[j * 4 + 0] + s[j * 4 + 1];
     ps1 += s[j * 4 + 2] + s[j * 4 + 3];
   }
@@ -86,8 +86,8 @@ __device__ __forceinline__ void seesaw_exp_rowsum(float (&s)[kKeys / 2], float t
     ps0 += __shfl_xor_sync(0xffffffffu, ps0, off);
     ps1 += __shfl_xor_sync(0xffffffffu, ps1, off);
   }
-  al0 = m0 == -INFINITY ? 0.f : exp2f(m0 - tu0);
-  al1 = m1 == -INFINITY ? 0.f : exp2f(m1 - tu1);
+  al0 = m0 == -INFINITY ? 0.f : exp2_ftz(m0 - tu0);
+  al1 = m1 == -INFINITY ? 0.f : exp2_ftz(m1 - tu1);
   l0 = l0 * al0 + ps0;
   l1 = l1 * al1 + ps1;
   m0 = tm0;

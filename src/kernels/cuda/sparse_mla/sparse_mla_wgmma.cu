@@ -162,14 +162,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
     const float mn1 = fmaxf(m1, fmaxf(sMax[r1], sMax[64 + r1]));
     const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
     const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float al0 = exp2f(m0 - mu0), al1 = exp2f(m1 - mu1);
+    const float al0 = exp2_ftz(m0 - mu0), al1 = exp2_ftz(m1 - mu1);
     m0 = mn0;
     m1 = mn1;
     float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float p00 = exp2f(s[j * 4 + 0] - mu0), p01 = exp2f(s[j * 4 + 1] - mu0);
-      const float p10 = exp2f(s[j * 4 + 2] - mu1), p11 = exp2f(s[j * 4 + 3] - mu1);
+      const float p00 = exp2_ftz(s[j * 4 + 0] - mu0), p01 = exp2_ftz(s[j * 4 + 1] - mu0);
+      const float p10 = exp2_ftz(s[j * 4 + 2] - mu1), p11 = exp2_ftz(s[j * 4 + 3] - mu1);
       ps0 += p00 + p01;
       ps1 += p10 + p11;
       const int kl = wg * 32 + j * 8 + (lane & 3) * 2;

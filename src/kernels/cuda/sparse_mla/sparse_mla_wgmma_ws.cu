@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
       // and l.
       named_bar_sync(kBarMax1, 256);
       const float pm0 = pmax[64 + r0], pm1 = pmax[64 + r1];
-      const float f0 = tm0 == -INFINITY ? 0.f : exp2f(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2f(tm1 - pm1);
+      const float f0 = tm0 == -INFINITY ? 0.f : exp2_ftz(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2_ftz(tm1 - pm1);
       uint32_t pf[4][4];
       seesaw_pack_p<kBN>(s, f0, f1, pf);
       store_p(pf);

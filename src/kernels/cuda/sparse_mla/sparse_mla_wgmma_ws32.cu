@@ -159,24 +159,28 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   fence_proxy_async_smem();
   named_bar_sync(kBarConsumers, 256);  // Q visible to wgmma
 
+  // S = Q K_own^T : [64 heads, 32 keys] for pair `pair`, one commit group; waited for at the top of the pair.
+  auto issue_qk = [&](int pair) {
+    const int slot = (pair & 1) * 2 + wg;
+    mbar_wait(full_bar(bars, slot), (pair >> 1) & 1);
+    fence_proxy_async_smem();
+    wgmma_fence();
+    const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
+    const uint64_t db0 = wgmma_desc_sw128(sKV + slot * kTileBytes, 16, 1024);
+#pragma unroll
+    for (int ks = 0; ks < 36; ++ks) {
+      const uint32_t qoff = (ks >> 2) * kQSlabBytes + (ks & 3) * 32, koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
+      wgmma_m64n32k16<0>(s, da0 + (qoff >> 4), db0 + (koff >> 4), ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  };
+  if (npairs > 0) issue_qk(0);
+
   for (int pair = 0; pair < npairs; ++pair) {
     const uint32_t par = (pair >> 1) & 1;
     const int own_slot = (pair & 1) * 2 + wg, other_slot = (pair & 1) * 2 + other;
     const uint32_t own_tile = sKV + own_slot * kTileBytes, other_tile = sKV + other_slot * kTileBytes;
-    // ---- S = Q K_own^T : [64 heads, 32 keys] ----
-    mbar_wait(full_bar(bars, own_slot), par);
-    fence_proxy_async_smem();
-    wgmma_fence();
-    {
-      const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
-      const uint64_t db0 = wgmma_desc_sw128(own_tile, 16, 1024);
-#pragma unroll
-      for (int ks = 0; ks < 36; ++ks) {
-        const uint32_t qoff = (ks >> 2) * kQSlabBytes + (ks & 3) * 32, koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
-        wgmma_m64n32k16<0>(s, da0 + (qoff >> 4), db0 + (koff >> 4), ks > 0 ? 1 : 0);
-      }
-    }
-    wgmma_commit();
+    // ---- this pair's S (issued at the end of the previous pair, behind its P*V) ----
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 16; ++i) reg_fence(s[i]);
@@ -228,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       // and l.
       named_bar_sync(kBarMax1, 256);
       const float pm0 = pmax[64 + r0], pm1 = pmax[64 + r1];
-      const float f0 = tm0 == -INFINITY ? 0.f : exp2f(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2f(tm1 - pm1);
+      const float f0 = tm0 == -INFINITY ? 0.f : exp2_ftz(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2_ftz(tm1 - pm1);
       uint32_t pf[2][4];
       seesaw_pack_p<kBN>(s, f0, f1, pf);
       store_p(pf);
@@ -251,7 +255,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       pv_tile(pa, own_tile);
       wgmma_commit();
     }
-    wgmma_wait<0>();
+    // The next pair's S goes to the tensor cores right behind this pair's P*V (its tiles landed during this pair:
+    // two pairs are in flight), so the pipe does not drain between pairs.
+    if (pair + 1 < npairs) {
+      issue_qk(pair + 1);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
 #pragma unroll
     for (int i = 0; i < 128; ++i) reg_fence(o[i]);
     mbar_arrive(empty_bar(bars, own_slot));  // both tiles of the pair: read for the last time by this warpgroup
@@ -259,6 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   }
 
   // ---- epilogue ----
+  wgmma_wait<0>();  // nothing is in flight here; said so the compiler need not infer it
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1);
 }
