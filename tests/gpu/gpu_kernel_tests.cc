@@ -275,6 +275,7 @@ struct MlaCase {
   int64_t extra_pages = 5;
   int head_blocks = 1;           // SparseMlaParams::head_blocks (the CPU oracle takes the same layout)
   int splits = 0;                // DSACP_MLA_SPLITS for this case (0: the backend's choice)
+  float scale = 0.0721f;         // softmax scale (the kernels fold a positive one into the exponent)
 };
 
 void run_mla_case(Backend& gpu, Backend& cpu, const MlaCase& c) {
@@ -311,7 +312,7 @@ void run_mla_case(Backend& gpu, Backend& cpu, const MlaCase& c) {
       for (int64_t i = n + 1; i < c.K; i += 3) topk[t * c.K + i] = static_cast<int32_t>(i % len);  // garbage after -1
     }
   }
-  const float scale = 0.0721f;
+  const float scale = c.scale;
   std::vector<float> out_c(T * c.H * Dl), lse_c(T * c.H);
   SparseMlaParams p;
   p.rows.num_tokens = T;
@@ -964,6 +965,19 @@ int main(int argc, char** argv) {
     hb.splits = 1;
     hb.out_dtype = DType::kBF16;
     mla.push_back(hb);
+  }
+  {
+    // The softmax scale's sign and size: a negative and a zero scale (scores scaled before the row max), a large
+    // one (logits in the hundreds: the exponent's range).
+    MlaCase sc{"decode H=64 page64 negative scale", 64, 2048, 64, {2000, 900}, {1, 1}};
+    sc.scale = -0.0721f;
+    mla.push_back(sc);
+    sc = MlaCase{"decode H=128 page64 zero scale", 128, 1024, 64, {1500}, {1}};
+    sc.scale = 0.f;
+    mla.push_back(sc);
+    sc = MlaCase{"prefill H=128 page64 K=512 scale 1.5", 128, 512, 64, {0}, {160}};
+    sc.scale = 1.5f;
+    mla.push_back(sc);
   }
   if (!quick) {
     // element offsets past 2^31: pages from 4.2M rows up (latent row offset * 512 > 2^31)

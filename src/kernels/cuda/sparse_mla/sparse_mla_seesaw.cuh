@@ -13,29 +13,50 @@
 
 namespace dsacp::cuda {
 
-// Scale the scores into the log2 domain, mask absent keys (rows[key] < 0: past the used entries, bad pages) to
-// -inf, and return the tile's row maxima (mx0, mx1) of this thread's two rows, reduced over the quad.
+// What seesaw_mask_rowmax leaves the scores to be multiplied by: the scale when positive, else 1 (scaled already).
+__device__ __forceinline__ float seesaw_score_scale(float scale_log2) { return scale_log2 > 0.f ? scale_log2 : 1.f; }
+
+// Mask absent keys (rows[key] < 0: past the used entries, bad pages) to -inf and return the tile's row maxima
+// (mx0, mx1) of this thread's two rows in the log2 domain, reduced over the quad. With a positive scale the scores
+// stay raw (seesaw_exp_rowsum folds the scale into its exponent: one FFMA a score instead of a multiply, a select
+// and a subtract); otherwise they are scaled here and the fold uses 1. A tile whose keys are all present (the
+// usual case, one vote a warp) skips the per-score mask.
 template <int kKeys>
 __device__ __forceinline__ void seesaw_mask_rowmax(float (&s)[kKeys / 2], const int32_t* rows, int lane,
                                                    float scale_log2, float& mx0, float& mx1) {
+  if (!(scale_log2 > 0.f)) {
+#pragma unroll
+    for (int i = 0; i < kKeys / 2; ++i) s[i] *= scale_log2;
+  }
+  bool present = true;
+#pragma unroll
+  for (int i = 0; i < kKeys; i += 32) present = present && rows[i + lane] >= 0;
+  if (!__all_sync(0xffffffffu, present)) {
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool valid = rows[j * 8 + (lane & 3) * 2 + e] >= 0;
+        s[j * 4 + e] = valid ? s[j * 4 + e] : -INFINITY;
+        s[j * 4 + 2 + e] = valid ? s[j * 4 + 2 + e] : -INFINITY;
+      }
+    }
+  }
   mx0 = -INFINITY;
   mx1 = -INFINITY;
 #pragma unroll
   for (int j = 0; j < kKeys / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const bool valid = rows[j * 8 + (lane & 3) * 2 + e] >= 0;
-      s[j * 4 + e] = valid ? s[j * 4 + e] * scale_log2 : -INFINITY;
-      s[j * 4 + 2 + e] = valid ? s[j * 4 + 2 + e] * scale_log2 : -INFINITY;
-      mx0 = fmaxf(mx0, s[j * 4 + e]);
-      mx1 = fmaxf(mx1, s[j * 4 + 2 + e]);
-    }
+    mx0 = fmaxf(mx0, fmaxf(s[j * 4 + 0], s[j * 4 + 1]));
+    mx1 = fmaxf(mx1, fmaxf(s[j * 4 + 2], s[j * 4 + 3]));
   }
 #pragma unroll
   for (int off = 1; off < 4; off <<= 1) {
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
   }
+  const float c = seesaw_score_scale(scale_log2);
+  mx0 *= c;
+  mx1 *= c;
 }
 
 // The max this warpgroup's P is computed against (tm0, tm1): WG0 its own max(m, mx), published in pmax[0..64) with
@@ -65,19 +86,21 @@ __device__ __forceinline__ void seesaw_exchange_max(int wg, int lane, int r0, in
   }
 }
 
-// P = exp2(s - tm) in place (-inf rows: against 0, every P = 0); the running row sums l move from the running max m
-// to tm and gain this tile's sums; al0, al1 = exp2(m - tm), the factor O must be scaled by; m becomes tm.
+// P = exp2(c s - tm) in place (c = seesaw_score_scale; -inf rows: against 0, every P = 0); the running row sums l
+// move from the running max m to tm and gain this tile's sums; al0, al1 = exp2(m - tm), the factor O must be scaled
+// by; m becomes tm.
 template <int kKeys>
-__device__ __forceinline__ void seesaw_exp_rowsum(float (&s)[kKeys / 2], float tm0, float tm1, float& m0, float& m1,
-                                                  float& l0, float& l1, float& al0, float& al1) {
+__device__ __forceinline__ void seesaw_exp_rowsum(float (&s)[kKeys / 2], float scale_log2, float tm0, float tm1,
+                                                  float& m0, float& m1, float& l0, float& l1, float& al0, float& al1) {
+  const float c = seesaw_score_scale(scale_log2);
   const float tu0 = tm0 == -INFINITY ? 0.f : tm0, tu1 = tm1 == -INFINITY ? 0.f : tm1;
   float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
   for (int j = 0; j < kKeys / 8; ++j) {
-    s[j * 4 + 0] = exp2_ftz(s[j * 4 + 0] - tu0);
-    s[j * 4 + 1] = exp2_ftz(s[j * 4 + 1] - tu0);
-    s[j * 4 + 2] = exp2_ftz(s[j * 4 + 2] - tu1);
-    s[j * 4 + 3] = exp2_ftz(s[j * 4 + 3] - tu1);
+    s[j * 4 + 0] = exp2_ftz(fmaf(s[j * 4 + 0], c, -tu0));
+    s[j * 4 + 1] = exp2_ftz(fmaf(s[j * 4 + 1], c, -tu0));
+    s[j * 4 + 2] = exp2_ftz(fmaf(s[j * 4 + 2], c, -tu1));
+    s[j * 4 + 3] = exp2_ftz(fmaf(s[j * 4 + 3], c, -tu1));
     ps0 += s[j * 4 + 0] + s[j * 4 + 1];
     ps1 += s[j * 4 + 2] + s[j * 4 + 3];
   }

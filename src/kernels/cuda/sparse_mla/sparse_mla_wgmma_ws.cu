@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
     seesaw_mask_rowmax<kBN>(s, sRing + ((2 * pair + wg) & 3) * 64, lane, a.scale_log2, mx0, mx1);
     float* pmax = sMax + (pair & 1) * 128;
     seesaw_exchange_max(wg, lane, r0, r1, pmax, m0, m1, mx0, mx1, kBarMax0, kBarMax1, tm0, tm1);
-    seesaw_exp_rowsum<kBN>(s, tm0, tm1, m0, m1, l0, l1, al0, al1);
+    seesaw_exp_rowsum<kBN>(s, a.scale_log2, tm0, tm1, m0, m1, l0, l1, al0, al1);
     uint32_t pa[4][4];
     seesaw_pack_p<kBN>(s, 1.f, 1.f, pa);
     // P into shared memory for the other warpgroup (WG0: its buffer; WG1: over tile 1's rope slab), keys
