@@ -198,8 +198,12 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
   // unique bytes: gathered KV rows (distinct per request), q, out (bf16), lse
   const double kv_rows = std::min<double>(static_cast<double>(T) * K, static_cast<double>(num_requests) * keys_per_token);
   const double bytes = kv_rows * 576 * 2 + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
-  if (time_mla) record(name, ms, flops, bytes, "splits=" + std::to_string(splits));
-  if (time_mla && splits > 1) {  // the split-K combine alone (part of the time above)
+  const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H));
+  if (time_mla) {
+    record(name, ms, flops, bytes,
+           "splits=" + std::to_string(splits) + (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : ""));
+  }
+  if (time_mla && splits > 1 && !merged_in_kernel) {  // the split-K combine alone (part of the time above)
     LseMergeParams m;
     m.num_parts = splits;
     m.num_rows = T * H;
@@ -322,6 +326,13 @@ int main(int argc, char** argv) {
   if (want("sparse_prefill")) {
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4));
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=64", 8192, 64, 8192, 1, std::max(3, reps / 4));
+  }
+  if (want("merge_kernel")) {  // the split decodes with the other split-K merge than the default's
+    setenv("DSACP_MLA_CLUSTER_MERGE", "0", 1);
+    bench_sparse_mla("merge_kernel sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps);
+    setenv("DSACP_MLA_CLUSTER_MERGE", "1", 1);
+    bench_sparse_mla("cluster_merge sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
+    unsetenv("DSACP_MLA_CLUSTER_MERGE");
   }
   if (want("splits")) {  // split-K sweep for the decodes (DSACP_MLA_SPLITS override)
     for (const char* sp : {"1", "2", "3", "4", "6"}) {

@@ -276,6 +276,8 @@ struct MlaCase {
   int head_blocks = 1;           // SparseMlaParams::head_blocks (the CPU oracle takes the same layout)
   int splits = 0;                // DSACP_MLA_SPLITS for this case (0: the backend's choice)
   float scale = 0.0721f;         // softmax scale (the kernels fold a positive one into the exponent)
+  int cluster_merge = -1;        // DSACP_MLA_CLUSTER_MERGE: 1 / 0 forces the split-K merge in a cluster / through
+                                 // the workspace and the merge kernel (-1: the default, cluster for 64-head groups)
 };
 
 void run_mla_case(Backend& gpu, Backend& cpu, const MlaCase& c) {
@@ -967,6 +969,31 @@ int main(int argc, char** argv) {
     mla.push_back(hb);
   }
   {
+    // Split-K merged by a cluster of the token's splits (2..8: an even, an odd and the largest cluster; forced for
+    // the 16 / 32-head kernel, whose default is the merge kernel), and a 64-head case through the workspace and the
+    // merge kernel; hostile rows leave some splits without keys.
+    MlaCase sk{"decode H=16 page64 splits=4 cluster merge", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}};
+    sk.splits = 4;
+    sk.cluster_merge = 1;
+    mla.push_back(sk);
+    sk = MlaCase{"decode H=32 page61 MTP splits=8 cluster merge", 32, 2048, 61, {5000, 2500}, {3, 2}};
+    sk.splits = 8;
+    sk.cluster_merge = 1;
+    mla.push_back(sk);
+    sk = MlaCase{"decode H=64 page64 splits=2 cluster merge bf16 out", 64, 2048, 64, {3000, 1500}, {1, 1},
+                 DType::kBF16};
+    sk.splits = 2;
+    mla.push_back(sk);
+    sk = MlaCase{"decode H=128 page64 splits=3 cluster merge head_blocks=2", 128, 2048, 64, {4000, 2000}, {1, 2}};
+    sk.splits = 3;
+    sk.head_blocks = 2;
+    mla.push_back(sk);
+    sk = MlaCase{"decode H=64 page64 splits=2 workspace merge", 64, 2048, 64, {3000, 1500}, {1, 1}};
+    sk.splits = 2;
+    sk.cluster_merge = 0;
+    mla.push_back(sk);
+  }
+  {
     // The softmax scale's sign and size: a negative and a zero scale (scores scaled before the row max), a large
     // one (logits in the hundreds: the exponent's range).
     MlaCase sc{"decode H=64 page64 negative scale", 64, 2048, 64, {2000, 900}, {1, 1}};
@@ -988,6 +1015,7 @@ int main(int argc, char** argv) {
   }
   for (const MlaCase& c : mla) {
     if (c.splits > 0) setenv("DSACP_MLA_SPLITS", std::to_string(c.splits).c_str(), 1);
+    if (c.cluster_merge >= 0) setenv("DSACP_MLA_CLUSTER_MERGE", std::to_string(c.cluster_merge).c_str(), 1);
     run_mla_case(*gpu, *cpu, c);  // default kernels (for 64-head groups: by tokens per request)
     if (c.H >= 64) {
       for (const char* k : {"ws", "ws32", "wgmma", "mma"}) {  // every kernel for 64-head groups
@@ -999,6 +1027,7 @@ int main(int argc, char** argv) {
       unsetenv("DSACP_MLA_KERNEL");
     }
     unsetenv("DSACP_MLA_SPLITS");
+    unsetenv("DSACP_MLA_CLUSTER_MERGE");
   }
 
   std::vector<IdxCase> idx;

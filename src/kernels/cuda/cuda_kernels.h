@@ -47,7 +47,12 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx);
 Status sparse_mla_supported(const SparseMlaParams& p);
 // How many key splits the launch uses (1 = no split-K): enough CTAs to fill the GPU for small batches.
 int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms);
-// f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1).
+// The heads one sparse MLA CTA handles: H, or 64 for H = 128.
+int mla_head_group(int H);
+// Whether the splits are merged inside the kernel (a cluster of each token's splits: 2..8 splits, 64-head groups
+// unless DSACP_MLA_CLUSTER_MERGE says otherwise); else partials go to a workspace and a merge kernel follows.
+bool sparse_mla_cluster_merge(int splits, int head_group);
+// f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1 or merged in the kernel).
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits);
 Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx);
 // The kernel for 64-head groups (H = 64, 128), both warp-specialized wgmma kernels: 32-key tiles with two pairs in

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/common/cluster_sm90.cuh"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/common/device_error.h"
 #include "kernels/cuda/common/mma_sm80.cuh"
@@ -32,6 +34,8 @@ struct MlaArgs {
   int64_t num_pages;
   float scale_log2;             // scale * log2(e)
   bool out_bf16;
+  bool cluster_merge;           // splits > 1 merged inside the kernel: the splits of a (token, head group) are one
+                                // cluster and combine through shared memory (mla_cluster_merge); else part_out
   DeviceErrorWord err;
 };
 
@@ -48,6 +52,27 @@ __device__ __forceinline__ int64_t mla_head_row(const MlaArgs& a, int64_t t, int
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx);
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx);
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx);
+
+// Launches an MLA kernel on the grid (T, head groups, splits); with a.cluster_merge the splits of a (token, head
+// group) form one cluster (dims (1, 1, splits)) and merge in the kernel.
+inline cudaError_t launch_mla_grid(void (*kernel)(MlaArgs), const MlaArgs& a, int groups, int threads, int smem_bytes,
+                                   cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(groups), static_cast<unsigned>(a.splits));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (a.cluster_merge) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = static_cast<unsigned>(a.splits);
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
 
 // The prologue both sparse MLA kernels share, for token t and key split `split`: checks the token's request
 // row and key length (a bad one is reported through a.err and the token uses no key), finds how many leading
@@ -122,15 +147,92 @@ __device__ __forceinline__ void mla_store_pair(__nv_bfloat16* p, float v0, float
 __device__ __forceinline__ void mla_store_pair(float* p, float v0, float v1) {
   *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
 }
-// Calls body(out) once with the base of this split's output rows ([rows, 512]): the caller's out (splits == 1,
-// bf16 or f32) or this split's f32 partials. The type is chosen once, outside the caller's store loop.
+
+// Where a CTA's result rows go. splits == 1: the caller's out / lse in its layout. Split-K merged in the cluster:
+// this CTA's shared memory from `smem_part` ([rows, 512] f32 partial rows, then [rows] f32 LSE; row = the head's
+// index in the group). Otherwise: this split's f32 partials in the workspace (plain t * H + h rows).
+__device__ __forceinline__ int64_t mla_out_row(const MlaArgs& a, int64_t t, int h0, int r) {
+  if (a.splits == 1) return mla_head_row(a, t, h0 + r);
+  return a.cluster_merge ? r : t * a.H + h0 + r;
+}
+__device__ __forceinline__ float* mla_lse_rows(const MlaArgs& a, int split, float* smem_part, int rows) {
+  if (a.splits == 1) return a.lse;
+  return a.cluster_merge ? smem_part + rows * 512 : a.part_lse + static_cast<int64_t>(split) * a.T * a.H;
+}
+// Calls body(out) once with the base of this CTA's output rows ([rows, 512], indexed by mla_out_row): the caller's
+// out (bf16 or f32), the cluster merge's shared memory or the workspace. The type is chosen once, outside the
+// caller's store loop.
 template <typename Body>
-__device__ __forceinline__ void mla_with_out_rows(const MlaArgs& a, int split, Body body) {
+__device__ __forceinline__ void mla_with_out_rows(const MlaArgs& a, int split, float* smem_part, Body body) {
   if (a.splits == 1 && a.out_bf16) {
     body(static_cast<__nv_bfloat16*>(a.out));
+  } else if (a.splits == 1) {
+    body(static_cast<float*>(a.out));
   } else {
-    body(a.splits == 1 ? static_cast<float*>(a.out) : a.part_out + static_cast<int64_t>(split) * a.T * a.H * 512);
+    body(a.cluster_merge ? smem_part : a.part_out + static_cast<int64_t>(split) * a.T * a.H * 512);
   }
+}
+
+// Bytes of shared memory the cluster merge uses from smem_part: the partial rows, their LSE, the merge weights.
+__host__ __device__ constexpr int mla_cluster_merge_bytes(int rows) { return rows * 512 * 4 + rows * 4 + rows * 8 * 4; }
+constexpr int kMlaMaxClusterSplits = 8;  // the portable cluster size
+
+// The split-K merge inside a cluster (a.cluster_merge): the a.splits CTAs of (token t, heads h0 ..) are one
+// cluster (ranks = splits), each with its normalized partial rows and their LSE in its own shared memory at
+// smem_part (mla_with_out_rows / mla_lse_rows). CTA rank k merges rows k, k + splits, ... reading every peer's
+// rows through distributed shared memory: out = sum_s w_s O_s, w_s = exp(lse_s - max) / sum exp(lse_j - max)
+// over the parts with a finite LSE (a fixed order: bit-identical reruns), lse = max + log(sum); no part with a key
+// gives out = 0, lse = -inf. Every thread of every CTA calls it (it has two cluster barriers and a CTA barrier);
+// `sync` is the CTA barrier.
+template <int kRows, int kThreads, typename Sync>
+__device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, int h0, float* smem_part, Sync sync) {
+  constexpr float kInf = INFINITY;
+  cluster_sync();  // every CTA's partial rows and LSE written
+  const int n = a.splits, rank = static_cast<int>(cluster_cta_rank()), tid = threadIdx.x;
+  const int my_rows = (kRows - rank + n - 1) / n;
+  const uint32_t part = smem_u32(smem_part), lse_off = kRows * 512 * 4;
+  float* weights = smem_part + kRows * 512 + kRows;  // [my_rows][8]
+  for (int i = tid; i < my_rows; i += kThreads) {
+    const int r = rank + n * i;
+    float l[kMlaMaxClusterSplits];
+    float mx = -kInf;
+#pragma unroll
+    for (int s = 0; s < kMlaMaxClusterSplits; ++s) {
+      l[s] = s < n ? ld_cluster_f32(cluster_map(part + lse_off + r * 4, s)) : -kInf;
+      if (isfinite(l[s])) mx = fmaxf(mx, l[s]);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMlaMaxClusterSplits; ++s) {
+      l[s] = mx != -kInf && isfinite(l[s]) ? expf(l[s] - mx) : 0.f;
+      sum += l[s];
+    }
+#pragma unroll
+    for (int s = 0; s < kMlaMaxClusterSplits; ++s) weights[i * 8 + s] = sum > 0.f ? l[s] / sum : 0.f;
+    a.lse[mla_head_row(a, t, h0 + r)] = sum > 0.f ? mx + logf(sum) : -kInf;
+  }
+  sync();  // the weights
+  for (int idx = tid; idx < my_rows * 128; idx += kThreads) {
+    const int i = idx >> 7, c = (idx & 127) * 4, r = rank + n * i;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < n; ++s) {
+      const float w = weights[i * 8 + s];
+      if (w == 0.f) continue;
+      const float4 v = ld_cluster_f32x4(cluster_map(part + (r * 512 + c) * 4, s));
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    const int64_t row = mla_head_row(a, t, h0 + r);
+    if (a.out_bf16) {
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + row * 512 + c;
+      *reinterpret_cast<uint2*>(o) = make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
+    } else {
+      *reinterpret_cast<float4*>(static_cast<float*>(a.out) + row * 512 + c) = acc;
+    }
+  }
+  cluster_sync();  // the peers are done reading this CTA's rows
 }
 
 // O (the m64n256 accumulator of this thread's rows r0, r1) times a0 / a1, skipped when no row of the warp moves
@@ -161,12 +263,12 @@ __device__ __forceinline__ bool mla_smem_aligned(const MlaArgs& a, const void* s
 // after `sync`, a barrier of both warpgroups). Then warpgroup wg's O [64 heads, 256 columns] in the m64n256
 // accumulator layout (o[4j], o[4j+1]: row r0, columns 256 wg + 8 j + 2 (lane % 4) and +1; o[4j+2], o[4j+3]: row
 // r1), divided by the row sums (0 where a row has no key), goes to the caller's layout (splits == 1: bf16 or f32)
-// or the split-K workspace (f32); warpgroup 0 stores the LSE too (m0, m1: the rows' max in the log2 domain, -inf
-// without keys).
+// or the split-K partials (f32: the workspace, or smem_part for the cluster merge, which must not overlap sL);
+// warpgroup 0 stores the LSE too (m0, m1: the rows' max in the log2 domain, -inf without keys).
 template <typename Sync>
 __device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, int h0, int split, int wg, int lane,
                                                    int r0, int r1, const float (&o)[128], float l0, float l1,
-                                                   float* sL, Sync sync, float m0, float m1) {
+                                                   float* sL, Sync sync, float m0, float m1, float* smem_part) {
   constexpr float kLn2 = 0.6931471805599453f;
   if ((lane & 3) == 0) {
     sL[wg * 64 + r0] = l0;
@@ -175,10 +277,8 @@ __device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, 
   sync();
   const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
   const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
-  // Rows in the caller's layout (splits == 1) and in the split-K workspace (plain [T, H]).
-  const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
-  const int64_t row1 = a.splits == 1 ? mla_head_row(a, t, h0 + r1) : t * a.H + h0 + r1;
-  mla_with_out_rows(a, split, [&](auto* out) {
+  const int64_t row0 = mla_out_row(a, t, h0, r0), row1 = mla_out_row(a, t, h0, r1);
+  mla_with_out_rows(a, split, smem_part, [&](auto* out) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int c = wg * 256 + j * 8 + (lane & 3) * 2;
@@ -189,7 +289,7 @@ __device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, 
   if (wg == 0 && (lane & 3) == 0) {
     const float v0 = L0 > 0.f ? (m0 + log2f(L0)) * kLn2 : -INFINITY;
     const float v1 = L1 > 0.f ? (m1 + log2f(L1)) * kLn2 : -INFINITY;
-    float* dst = a.splits == 1 ? a.lse : a.part_lse + static_cast<int64_t>(split) * a.T * a.H;
+    float* dst = mla_lse_rows(a, split, smem_part, 64);
     dst[row0] = v0;
     dst[row1] = v1;
   }

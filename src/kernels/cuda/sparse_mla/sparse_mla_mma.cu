@@ -15,8 +15,9 @@
 //             mma with O [16, 512/CS] held in registers by each warp (warp = row tile x column slice).
 // Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma_ws.cu (the
 // default) and sparse_mla_wgmma.cu are the faster paths for 64-head groups.
-//   epilogue  out = O / l, lse = m + ln l; with split-K, normalized partials and their LSE go to a workspace
-//             and launch_lse_merge combines them (exact, fixed order).
+//   epilogue  out = O / l, lse = m + ln l; with split-K, the normalized partials and their LSE are merged by the
+//             cluster of the token's splits through shared memory (mla_cluster_merge, up to 8 splits), or go to
+//             a workspace that launch_lse_merge combines (more splits, or DSACP_MLA_CLUSTER_MERGE=0).
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
 // unused cache slots never reaches the result. A token with no used entry gives out = 0, lse = -inf.
 #include <cuda_bf16.h>
@@ -310,10 +311,12 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   const float l0 = sL[r0], l1 = sL[r0 + 8];
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
   const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  // (token, head) row of r0 in the caller's layout (splits == 1) or the split-K workspace; r0 + 8 is row0 + 8
-  // (a head group never straddles a head block).
-  const int64_t row0 = a.splits == 1 ? mla_head_row(a, t, h0 + r0) : t * a.H + h0 + r0;
-  mla_with_out_rows(a, split, [&](auto* out) {
+  // (token, head) row of r0 in the caller's layout, the cluster merge's rows or the split-K workspace; r0 + 8 is
+  // row0 + 8 (a head group never straddles a head block).
+  float* smem_part = reinterpret_cast<float*>(smem);  // the cluster merge's partial rows, over Q and the tiles
+  static_assert(mla_cluster_merge_bytes(HG) <= L::kOffAlpha, "the cluster merge's rows fit below the row stats");
+  const int64_t row0 = mla_out_row(a, t, h0, r0);
+  mla_with_out_rows(a, split, smem_part, [&](auto* out) {
 #pragma unroll
     for (int i = 0; i < kNT; ++i) {
       const int c = pcs * kCols + i * 8 + (lane & 3) * 2;
@@ -323,13 +326,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   });
   if (tid < HG) {
     const float l = sL[tid];
-    const float v = l > 0.f ? (sM[tid] + log2f(l)) * kLn2 : -INFINITY;
-    if (a.splits == 1) {
-      a.lse[mla_head_row(a, t, h0 + tid)] = v;
-    } else {
-      a.part_lse[static_cast<int64_t>(split) * a.T * a.H + t * a.H + h0 + tid] = v;
-    }
+    mla_lse_rows(a, split, smem_part, HG)[mla_out_row(a, t, h0, tid)] =
+        l > 0.f ? (sM[tid] + log2f(l)) * kLn2 : -INFINITY;
   }
+  if (a.cluster_merge) mla_cluster_merge<HG, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
 }
 
 template <int HG>
@@ -338,8 +338,7 @@ Status launch_hg(const MlaArgs& args, int groups, const LaunchContext& ctx) {
   static_assert(bytes * ctas_per_sm_for<HG>() <= 227 * 1024, "shared memory");
   DSACP_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(sparse_mla_mma_kernel<HG>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
-  sparse_mla_mma_kernel<HG><<<grid, kThreads, bytes, ctx.stream>>>(args);
+  DSACP_CUDA_RETURN_IF_ERROR(launch_mla_grid(sparse_mla_mma_kernel<HG>, args, groups, kThreads, bytes, ctx.stream));
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_mma_kernel");
   return Status::ok_status();
 }
@@ -388,7 +387,7 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
                        supported);
   }
   if (p.rows.num_tokens >= (int64_t{1} << 31)) return unsupported("sparse_mla: T >= 2^31" + supported);
-  const int hg = p.H > 64 ? 64 : p.H;
+  const int hg = mla_head_group(p.H);
   if (p.head_blocks < 1 || p.H % p.head_blocks != 0 || (p.H / p.head_blocks) % hg != 0) {
     return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +
                        " (each block's heads must be a multiple of " + std::to_string(hg) +
@@ -396,6 +395,8 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
   }
   return Status::ok_status();
 }
+
+int mla_head_group(int H) { return H > 64 ? 64 : H; }
 
 int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
   const int64_t ctas = p.rows.num_tokens * (p.H > 64 ? p.H / 64 : 1);
@@ -410,8 +411,18 @@ int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
   return splits;
 }
 
+// Split-K merged inside the kernel by a cluster of the token's splits: by default for 64-head groups (the wgmma
+// kernels, one CTA an SM: decode h=64 0.0698 -> 0.0679 ms), not for the mma.sync kernel of 16 / 32-head groups
+// (two CTAs an SM for h=16, where clusters of 4 ran 0.063 -> 0.084 ms: the merge kernel stays). Never past a
+// portable cluster (8 splits). DSACP_MLA_CLUSTER_MERGE=1 / 0 forces it on / off (tests, comparisons).
+bool sparse_mla_cluster_merge(int splits, int head_group) {
+  if (splits < 2 || splits > kMlaMaxClusterSplits) return false;
+  if (const char* v = std::getenv("DSACP_MLA_CLUSTER_MERGE")) return std::string(v) != "0";
+  return head_group == 64;
+}
+
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits) {
-  if (splits <= 1) return 0;
+  if (splits <= 1 || sparse_mla_cluster_merge(splits, mla_head_group(p.H))) return 0;
   return static_cast<int64_t>(splits) * p.rows.num_tokens * p.H * (kDl + 1);
 }
 
@@ -442,14 +453,15 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   if (a.split_len > kMaxSplitKeys) return internal_error("sparse_mla: split of more than 2048 keys");
   a.scale_log2 = p.scale * kLog2e;
   a.out_bf16 = p.out_dtype == DType::kBF16;
+  a.cluster_merge = sparse_mla_cluster_merge(a.splits, mla_head_group(p.H));
   a.err = ctx.error;
   const int64_t rows = a.T * a.H;
-  if (a.splits > 1) {
+  if (a.splits > 1 && !a.cluster_merge) {
     if (workspace == nullptr) return internal_error("sparse_mla: split-K without a workspace");
     a.part_out = workspace;
     a.part_lse = workspace + static_cast<int64_t>(a.splits) * rows * kDl;
   }
-  const int hg = p.H > 64 ? 64 : p.H;
+  const int hg = mla_head_group(p.H);
   const int groups = p.H / hg;
   switch (hg) {
     case 16: DSACP_RETURN_IF_ERROR(launch_hg<16>(a, groups, ctx)); break;
@@ -463,7 +475,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
       }
       break;
   }
-  if (a.splits > 1) {
+  if (a.splits > 1 && !a.cluster_merge) {
     LseMergeParams m;
     m.num_parts = a.splits;
     m.num_rows = rows;

@@ -206,7 +206,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   cp_async_wait<0>();
 
   // ---- epilogue ----
-  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { __syncthreads(); }, m0, m1);
+  float* smem_part = reinterpret_cast<float*>(smem);  // the cluster merge's partial rows, over Q and the tiles
+  static_assert(mla_cluster_merge_bytes(64) <= kOffP, "the cluster merge's rows fit over Q and the tiles");
+  store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { __syncthreads(); }, m0, m1, smem_part);
+  if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
 }
 
 }  // namespace
@@ -214,8 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx) {
   DSACP_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(sparse_mla_wgmma64_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
-  sparse_mla_wgmma64_kernel<<<grid, kThreads, kSmemBytes, ctx.stream>>>(args);
+  DSACP_CUDA_RETURN_IF_ERROR(launch_mla_grid(sparse_mla_wgmma64_kernel, args, groups, kThreads, kSmemBytes, ctx.stream));
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma64_kernel");
   return Status::ok_status();
 }

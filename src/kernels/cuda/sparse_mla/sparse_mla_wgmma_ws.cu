@@ -92,6 +92,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   int32_t* sRing = reinterpret_cast<int32_t*>(smem + kOffRing);
   int32_t* sMisc = reinterpret_cast<int32_t*>(smem + kOffMisc);
   const uint32_t bars = smem_u32(smem + kOffBar);
+  float* smem_part = reinterpret_cast<float*>(smem);  // the cluster merge's partial rows, over Q and the tiles
+  static_assert(mla_cluster_merge_bytes(64) <= kOffP0, "the cluster merge's rows fit over Q and the tiles");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wl = warp & 3;  // warp-uniform to the compiler
@@ -161,6 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
       named_bar_sync(kBarProducer, 128);
     }
     cp_async_wait<0>();
+    if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
     return;
   }
 
@@ -319,7 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
 
   // ---- epilogue ----
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
-                     m1);
+                     m1, smem_part);
+  if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
 }
 
 }  // namespace
@@ -327,8 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx) {
   DSACP_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(sparse_mla_wgmma_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(args.T), static_cast<unsigned>(groups), static_cast<unsigned>(args.splits));
-  sparse_mla_wgmma_ws_kernel<<<grid, kThreads, kSmemBytes, ctx.stream>>>(args);
+  DSACP_CUDA_RETURN_IF_ERROR(launch_mla_grid(sparse_mla_wgmma_ws_kernel, args, groups, kThreads, kSmemBytes, ctx.stream));
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma_ws_kernel");
   return Status::ok_status();
 }
