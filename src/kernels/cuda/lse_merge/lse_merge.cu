@@ -1,7 +1,7 @@
 // LSE merge of S partial attention results over disjoint key sets (also the split-K combine of sparse MLA).
-// One warp per (token, head) row, four rows a CTA: lane 0 derives the part weights (fixed order, f64 like the CPU
-// oracle), then every lane scales its columns, 8 at a time with 16-byte loads when the rows allow it. A part
-// whose LSE is not finite has weight 0 and its out is never read.
+// One warp per (token, head) row, four rows a CTA: the lanes derive the part weights together (f64 like the CPU
+// oracle, a fixed reduction order), then every lane scales its columns, 8 at a time with 16-byte loads when the
+// rows allow it. A part whose LSE is not finite has weight 0 and its out is never read.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -59,32 +59,34 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (r >= rows) return;  // warps are independent: nothing below synchronizes the block
   const bool shared_weights = num_parts <= kMaxSharedParts;
+  // The LSE of part s is read by lane s % 32 (all lanes at once, not one lane in a loop): max, then the sum of
+  // exp(lse - max) over the parts with a finite LSE, both in f64 like the CPU oracle, reduced over the warp.
   double max_lse = -INFINITY, sum = 0.0;
-  if (lane == 0) {
-    for (int s = 0; s < num_parts; ++s) {
+  for (int s = lane; s < num_parts; s += 32) {
+    const float l = part_lse[s * rows + r];
+    if (isfinite(l)) max_lse = fmax(max_lse, static_cast<double>(l));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) max_lse = fmax(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, off));
+  if (max_lse != -INFINITY) {
+    for (int s = lane; s < num_parts; s += 32) {
       const float l = part_lse[s * rows + r];
-      if (isfinite(l)) max_lse = fmax(max_lse, static_cast<double>(l));
-    }
-    if (max_lse != -INFINITY) {
-      for (int s = 0; s < num_parts; ++s) {
-        const float l = part_lse[s * rows + r];
-        if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
-      }
-    }
-    for (int s = 0; shared_weights && s < num_parts; ++s) {
-      const float l = part_lse[s * rows + r];
-      weight[warp][s] = max_lse != -INFINITY && isfinite(l)
-                            ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
+      if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
     }
   }
-  max_lse = __shfl_sync(0xffffffffu, max_lse, 0);
-  sum = __shfl_sync(0xffffffffu, sum, 0);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  // Weights in shared memory (-1: the part is left out, its LSE is not finite, its rows are never read).
+  for (int s = lane; shared_weights && s < num_parts; s += 32) {
+    const float l = part_lse[s * rows + r];
+    weight[warp][s] = isfinite(l) ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : -1.f;
+  }
   __syncwarp();
-  // The weight of part s; `use` false when the part is left out (its LSE is not finite).
+  // The weight of part s; `use` false when the part is left out.
   auto part_weight = [&](int s, bool* use) -> float {
     if (shared_weights) {
       const float w = weight[warp][s];
-      *use = w != 0.f || isfinite(part_lse[s * rows + r]);
+      *use = w >= 0.f;
       return w;
     }
     const float l = part_lse[s * rows + r];

@@ -53,12 +53,22 @@ Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchCo
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx);
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx);
 
-// Launches an MLA kernel on the grid (T, head groups, splits); with a.cluster_merge the splits of a (token, head
-// group) form one cluster (dims (1, 1, splits)) and merge in the kernel.
+// The grid is (T x head groups, 1, splits) with a token's head groups next to each other in launch order, so that
+// they run together and the second reads the token's rows from L2 (H = 128, and more CTAs than the GPU holds at
+// once: MTP decode, prefill). blockIdx.x = t * groups + head group.
+__device__ __forceinline__ int64_t mla_cta_token(const MlaArgs& a, int head_group) {
+  return blockIdx.x / static_cast<unsigned>(a.H / head_group);
+}
+__device__ __forceinline__ int mla_cta_head0(const MlaArgs& a, int head_group) {
+  return static_cast<int>(blockIdx.x % static_cast<unsigned>(a.H / head_group)) * head_group;
+}
+
+// Launches an MLA kernel on that grid; with a.cluster_merge the splits of a (token, head group) form one cluster
+// (dims (1, 1, splits)) and merge in the kernel.
 inline cudaError_t launch_mla_grid(void (*kernel)(MlaArgs), const MlaArgs& a, int groups, int threads, int smem_bytes,
                                    cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(groups), static_cast<unsigned>(a.splits));
+  cfg.gridDim = dim3(static_cast<unsigned>(a.T * groups), 1, static_cast<unsigned>(a.splits));
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   cfg.stream = stream;
@@ -254,7 +264,7 @@ __device__ __forceinline__ void mla_scale_o_rows(float (&o)[128], float a0, floa
 // block leaves before any barrier.
 __device__ __forceinline__ bool mla_smem_aligned(const MlaArgs& a, const void* smem) {
   if ((smem_u32(smem) & 1023) == 0) return true;
-  if (threadIdx.x == 0) report_device_error(a.err, kDevSmemAlign, blockIdx.x);
+  if (threadIdx.x == 0) report_device_error(a.err, kDevSmemAlign, mla_cta_token(a, 64));
   return false;
 }
 

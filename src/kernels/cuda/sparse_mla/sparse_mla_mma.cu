@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   int32_t* sMisc = reinterpret_cast<int32_t*>(smem + L::kOffMisc);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t t = blockIdx.x;
-  const int h0 = blockIdx.y * HG;
+  const int64_t t = mla_cta_token(a, HG);
+  const int h0 = mla_cta_head0(a, HG);
   const int split = blockIdx.z;
 
   // ---- prologue: used entries, this split's rows ----
@@ -386,7 +386,9 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
     return unsupported("sparse_mla: num_pages * page_size=" + std::to_string(p.latent.num_pages * p.latent.page_size) +
                        supported);
   }
-  if (p.rows.num_tokens >= (int64_t{1} << 31)) return unsupported("sparse_mla: T >= 2^31" + supported);
+  if (p.rows.num_tokens * (p.H > 64 ? p.H / 64 : 1) >= (int64_t{1} << 31)) {
+    return unsupported("sparse_mla: T * (H / 64) >= 2^31 (CUDA grid limit)" + supported);
+  }
   const int hg = mla_head_group(p.H);
   if (p.head_blocks < 1 || p.H % p.head_blocks != 0 || (p.H / p.head_blocks) % hg != 0) {
     return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +

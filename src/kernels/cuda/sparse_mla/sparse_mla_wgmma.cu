@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = tid >> 7, wl = warp & 3;
-  const int64_t t = blockIdx.x;
-  const int h0 = blockIdx.y * 64;
+  const int64_t t = mla_cta_token(a, 64);
+  const int h0 = mla_cta_head0(a, 64);
   const int split = blockIdx.z;
 
   // ---- prologue: used entries, first two tiles' rows, Q ----

@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), wl = warp & 3;  // warp-uniform to the compiler
-  const int64_t t = blockIdx.x;
-  const int h0 = blockIdx.y * 64;
+  const int64_t t = mla_cta_token(a, 64);
+  const int h0 = mla_cta_head0(a, 64);
   const int split = blockIdx.z;
   if (tid < 2 * kParts) mbar_init(bars + 8 * tid, tid < kParts ? kFullArrivals : kEmptyArrivals);  // visible after
                                                                                                    // the prologue's
