@@ -970,8 +970,8 @@ int main(int argc, char** argv) {
   }
   {
     // Split-K merged by a cluster of the token's splits (2..8: an even, an odd and the largest cluster; forced for
-    // the 16 / 32-head kernel, whose default is the merge kernel), and a 64-head case through the workspace and the
-    // merge kernel; hostile rows leave some splits without keys.
+    // the 16 / 32-head kernel, whose default is the merge kernel), and 64-head cases through the workspace and the
+    // merge kernel (forced, and past 8 splits); hostile rows leave some splits without keys.
     MlaCase sk{"decode H=16 page64 splits=4 cluster merge", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}};
     sk.splits = 4;
     sk.cluster_merge = 1;
@@ -988,9 +988,13 @@ int main(int argc, char** argv) {
     sk.splits = 3;
     sk.head_blocks = 2;
     mla.push_back(sk);
-    sk = MlaCase{"decode H=64 page64 splits=2 workspace merge", 64, 2048, 64, {3000, 1500}, {1, 1}};
+    sk = MlaCase{"decode H=64 page64 splits=2 merge kernel", 64, 2048, 64, {3000, 1500}, {1, 1}};
     sk.splits = 2;
     sk.cluster_merge = 0;
+    mla.push_back(sk);
+    sk = MlaCase{"decode H=128 page64 splits=12 merge kernel bf16 out", 128, 2048, 64, {4000, 2500}, {1, 1},
+                 DType::kBF16};
+    sk.splits = 12;  // more than a cluster holds
     mla.push_back(sk);
   }
   {

@@ -30,9 +30,11 @@ struct LseMergeRows {
   int64_t T = 0;
   int32_t H = 1, block_heads = 1;
 };
-// out (f32 or bf16) = LSE merge of num_parts partial (f32) results; lse may be null.
+// out (f32 or bf16) = LSE merge of num_parts partial (f32) results; lse may be null. after_producer: the parts
+// were written by the kernel launched just before on the same stream, and the merge may launch as its programmatic
+// dependent (it starts while that kernel's last CTAs finish and waits for its writes on the device).
 Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx,
-                        const LseMergeRows& rows = LseMergeRows{});
+                        const LseMergeRows& rows = LseMergeRows{}, bool after_producer = false);
 
 // ---- context-parallel helpers ----
 Status launch_gather_rows(const GatherRowsParams& p, const LaunchContext& ctx);

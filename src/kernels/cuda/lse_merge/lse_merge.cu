@@ -54,6 +54,9 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
                                                              const float* __restrict__ part_lse, int num_parts,
                                                              int64_t rows, int dl, bool vec, OutT* __restrict__ out,
                                                              float* __restrict__ lse, LseMergeRows map) {
+  // Launched as a programmatic dependent of the kernel that wrote the parts (launch_lse_merge's after_producer):
+  // wait here until that grid completed and its writes are visible. A no-op in a plain launch.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   __shared__ float weight[kWarps][kMaxSharedParts];  // 0 for a part that is not used
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -105,14 +108,23 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
   if (vec) {
     for (int c = lane * 8; c < dl; c += 32 * 8) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int s = 0; s < num_parts && any; ++s) {
-        bool use = false;
-        const float w = part_weight(s, &use);
-        if (!use) continue;
-        float x[8];
-        load8(part_out + (s * rows + r) * dl + c, x);
+      // Four parts at a time: their loads are all issued before the first is used (one round trip, not four);
+      // the sums keep the parts' order.
+      for (int s0 = 0; s0 < num_parts && any; s0 += 4) {
+        float x[4][8], w[4];
+        bool use[4];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += w * x[i];
+        for (int u = 0; u < 4; ++u) {
+          use[u] = false;
+          w[u] = s0 + u < num_parts ? part_weight(s0 + u, &use[u]) : 0.f;
+          if (use[u]) load8(part_out + ((s0 + u) * rows + r) * dl + c, x[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (!use[u]) continue;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] += w[u] * x[u][i];
+        }
       }
       store8(o + c, acc);
     }
@@ -138,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
 }  // namespace
 
 Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, const LaunchContext& ctx,
-                        const LseMergeRows& rows) {
+                        const LseMergeRows& rows, bool after_producer) {
   if (p.num_rows == 0) return Status::ok_status();
   if (p.num_rows >= (int64_t{1} << 31)) return unsupported("lse_merge: num_rows >= 2^31 (CUDA grid limit)");
   LseMergeRows map = rows;
@@ -150,24 +162,37 @@ Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, con
     using PartT = std::remove_const_t<std::remove_pointer_t<decltype(typed_parts)>>;
     // 8 columns at a time when every row starts on a 16-byte boundary (of both the parts and the output).
     const bool vec = p.Dl % 8 == 0 && aligned(typed_parts, 16) && aligned(typed_out, 16);
-    lse_merge_kernel<OutT, PartT><<<grid, kThreads, 0, ctx.stream>>>(typed_parts, p.part_lse, p.num_parts,
-                                                                     p.num_rows, p.Dl, vec, typed_out, p.lse, map);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = ctx.stream;
+    cudaLaunchAttribute attr[1];
+    if (after_producer) {  // may start while the producer's last CTAs finish; griddepcontrol.wait orders the reads
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&cfg, lse_merge_kernel<OutT, PartT>, typed_parts, p.part_lse, p.num_parts,
+                              p.num_rows, p.Dl, vec, typed_out, p.lse, map);
   };
   const bool bf16_parts = p.part_dtype == DType::kBF16;
+  cudaError_t launched = cudaSuccess;
   if (!bf16_parts && p.part_dtype != DType::kF32) {
     return unsupported(std::string("lse_merge: part dtype ") + dtype_name(p.part_dtype) + " (supported: F32, BF16)");
   }
   if (out_dtype == DType::kBF16) {
     auto* o = static_cast<__nv_bfloat16*>(out);
-    if (bf16_parts) launch(o, static_cast<const __nv_bfloat16*>(p.part_out));
-    else launch(o, static_cast<const float*>(p.part_out));
+    launched = bf16_parts ? launch(o, static_cast<const __nv_bfloat16*>(p.part_out))
+                          : launch(o, static_cast<const float*>(p.part_out));
   } else if (out_dtype == DType::kF32) {
     auto* o = static_cast<float*>(out);
-    if (bf16_parts) launch(o, static_cast<const __nv_bfloat16*>(p.part_out));
-    else launch(o, static_cast<const float*>(p.part_out));
+    launched = bf16_parts ? launch(o, static_cast<const __nv_bfloat16*>(p.part_out))
+                          : launch(o, static_cast<const float*>(p.part_out));
   } else {
     return unsupported(std::string("lse_merge: out dtype ") + dtype_name(out_dtype) + " (supported: F32, BF16)");
   }
+  DSACP_CUDA_RETURN_IF_ERROR(launched);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("lse_merge_kernel");
   return Status::ok_status();
 }

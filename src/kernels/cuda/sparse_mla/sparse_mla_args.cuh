@@ -150,6 +150,10 @@ __device__ __forceinline__ void mla_load_q(const MlaArgs& a, int64_t t, int h0, 
   }
 }
 
+// The epilogue has begun: a kernel launched as this one's programmatic dependent (launch_lse_merge's split-K
+// combine) may be scheduled once every CTA got here; it waits for this grid's writes itself (griddepcontrol.wait).
+__device__ __forceinline__ void mla_allow_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 // Two adjacent output values at p: bf16 (the caller's bf16 out) or f32 (its f32 out, or split-K partials).
 __device__ __forceinline__ void mla_store_pair(__nv_bfloat16* p, float v0, float v1) {
   *reinterpret_cast<uint32_t*>(p) = pack_bf16x2(v0, v1);
@@ -280,6 +284,7 @@ __device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, 
                                                    int r0, int r1, const float (&o)[128], float l0, float l1,
                                                    float* sL, Sync sync, float m0, float m1, float* smem_part) {
   constexpr float kLn2 = 0.6931471805599453f;
+  mla_allow_dependents();
   if ((lane & 3) == 0) {
     sL[wg * 64 + r0] = l0;
     sL[wg * 64 + r1] = l1;

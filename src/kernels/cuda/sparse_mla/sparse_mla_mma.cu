@@ -302,6 +302,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   cp_async_wait<0>();
 
   // ---- epilogue ----
+  mla_allow_dependents();
   if ((tid % TPR) == 0) {
     sL[sr] = l_run;
     sM[sr] = m_run;
@@ -486,7 +487,8 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
     m.part_lse = a.part_lse;
     m.out = nullptr;
     m.lse = p.lse;
-    DSACP_RETURN_IF_ERROR(launch_lse_merge(m, p.out, p.out_dtype, ctx, LseMergeRows{a.T, a.H, a.block_heads}));
+    DSACP_RETURN_IF_ERROR(
+        launch_lse_merge(m, p.out, p.out_dtype, ctx, LseMergeRows{a.T, a.H, a.block_heads}, /*after_producer=*/true));
   }
   return Status::ok_status();
 }
