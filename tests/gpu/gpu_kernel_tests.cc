@@ -972,43 +972,34 @@ int main(int argc, char** argv) {
     // Split-K merged by a cluster of the token's splits (2..8: an even, an odd and the largest cluster; forced for
     // the 16 / 32-head kernel, whose default is the merge kernel), and 64-head cases through the workspace and the
     // merge kernel (forced, and past 8 splits); hostile rows leave some splits without keys.
-    MlaCase sk{"decode H=16 page64 splits=4 cluster merge", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}};
-    sk.splits = 4;
-    sk.cluster_merge = 1;
-    mla.push_back(sk);
-    sk = MlaCase{"decode H=32 page61 MTP splits=8 cluster merge", 32, 2048, 61, {5000, 2500}, {3, 2}};
-    sk.splits = 8;
-    sk.cluster_merge = 1;
-    mla.push_back(sk);
-    sk = MlaCase{"decode H=64 page64 splits=2 cluster merge bf16 out", 64, 2048, 64, {3000, 1500}, {1, 1},
-                 DType::kBF16};
-    sk.splits = 2;
-    mla.push_back(sk);
-    sk = MlaCase{"decode H=128 page64 splits=3 cluster merge head_blocks=2", 128, 2048, 64, {4000, 2000}, {1, 2}};
-    sk.splits = 3;
-    sk.head_blocks = 2;
-    mla.push_back(sk);
-    sk = MlaCase{"decode H=64 page64 splits=2 merge kernel", 64, 2048, 64, {3000, 1500}, {1, 1}};
-    sk.splits = 2;
-    sk.cluster_merge = 0;
-    mla.push_back(sk);
-    sk = MlaCase{"decode H=128 page64 splits=12 merge kernel bf16 out", 128, 2048, 64, {4000, 2500}, {1, 1},
-                 DType::kBF16};
-    sk.splits = 12;  // more than a cluster holds
-    mla.push_back(sk);
+    auto add_split = [&](MlaCase c, int splits, int cluster_merge, int head_blocks = 1) {
+      c.splits = splits;
+      c.cluster_merge = cluster_merge;
+      c.head_blocks = head_blocks;
+      mla.push_back(c);
+    };
+    add_split({"decode H=16 page64 splits=4 cluster merge", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}}, 4, 1);
+    add_split({"decode H=32 page61 MTP splits=8 cluster merge", 32, 2048, 61, {5000, 2500}, {3, 2}}, 8, 1);
+    add_split({"decode H=64 page64 splits=2 cluster merge bf16 out", 64, 2048, 64, {3000, 1500}, {1, 1}, DType::kBF16},
+              2, -1);
+    add_split({"decode H=128 page64 splits=3 cluster merge head_blocks=2", 128, 2048, 64, {4000, 2000}, {1, 2}}, 3, -1,
+              2);
+    add_split({"decode H=64 page64 splits=2 merge kernel", 64, 2048, 64, {3000, 1500}, {1, 1}}, 2, 0);
+    // more splits than a cluster holds
+    add_split({"decode H=128 page64 splits=12 merge kernel bf16 out", 128, 2048, 64, {4000, 2500}, {1, 1},
+               DType::kBF16},
+              12, -1);
   }
   {
     // The softmax scale's sign and size: a negative and a zero scale (scores scaled before the row max), a large
     // one (logits in the hundreds: the exponent's range).
-    MlaCase sc{"decode H=64 page64 negative scale", 64, 2048, 64, {2000, 900}, {1, 1}};
-    sc.scale = -0.0721f;
-    mla.push_back(sc);
-    sc = MlaCase{"decode H=128 page64 zero scale", 128, 1024, 64, {1500}, {1}};
-    sc.scale = 0.f;
-    mla.push_back(sc);
-    sc = MlaCase{"prefill H=128 page64 K=512 scale 1.5", 128, 512, 64, {0}, {160}};
-    sc.scale = 1.5f;
-    mla.push_back(sc);
+    auto add_scaled = [&](MlaCase c, float scale) {
+      c.scale = scale;
+      mla.push_back(c);
+    };
+    add_scaled({"decode H=64 page64 negative scale", 64, 2048, 64, {2000, 900}, {1, 1}}, -0.0721f);
+    add_scaled({"decode H=128 page64 zero scale", 128, 1024, 64, {1500}, {1}}, 0.f);
+    add_scaled({"prefill H=128 page64 K=512 scale 1.5", 128, 512, 64, {0}, {160}}, 1.5f);
   }
   if (!quick) {
     // element offsets past 2^31: pages from 4.2M rows up (latent row offset * 512 > 2^31)

@@ -13,11 +13,12 @@
 //             HG = 64; 16x8 blocks on all 8 warps for HG <= 32, the 576-long reduction split in two for HG = 16),
 //             online softmax (exp2, running max and sum per row), P (bf16) to shared memory, then O += P V by
 //             mma with O [16, 512/CS] held in registers by each warp (warp = row tile x column slice).
-// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma_ws.cu (the
-// default) and sparse_mla_wgmma.cu are the faster paths for 64-head groups.
+// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma_ws32.cu (decode)
+// and sparse_mla_wgmma_ws.cu (prefill) are the defaults for 64-head groups.
 //   epilogue  out = O / l, lse = m + ln l; with split-K, the normalized partials and their LSE are merged by the
-//             cluster of the token's splits through shared memory (mla_cluster_merge, up to 8 splits), or go to
-//             a workspace that launch_lse_merge combines (more splits, or DSACP_MLA_CLUSTER_MERGE=0).
+//             cluster of the token's splits through shared memory (mla_cluster_merge: up to 8 splits, the default
+//             for 64-head groups), or go to a workspace that launch_lse_merge combines (16 / 32-head groups, more
+//             than 8 splits; DSACP_MLA_CLUSTER_MERGE=1 / 0 forces either).
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
 // unused cache slots never reaches the result. A token with no used entry gives out = 0, lse = -inf.
 #include <cuda_bf16.h>
