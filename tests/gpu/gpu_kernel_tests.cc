@@ -928,10 +928,14 @@ int main(int argc, char** argv) {
   dsacp::testing::install_crash_trace();
   bool quick = false;
   const char* json = nullptr;
+  std::string only;  // --only TEXT: just the sparse MLA and indexer cases whose name contains TEXT (for a sanitizer
+                     // run of one case); the other checks are skipped
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+    if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
   }
+  auto selected = [&](const std::string& name) { return only.empty() || name.find(only) != std::string::npos; };
   auto gr = make_cuda_backend(0);
   if (!gr.ok()) {
     std::printf("SKIP: %s\n", gr.status().to_string().c_str());
@@ -940,13 +944,15 @@ int main(int argc, char** argv) {
   std::unique_ptr<Backend> gpu = std::move(gr).value();
   std::unique_ptr<Backend> cpu = make_cpu_backend(0);
 
-  test_unsupported(*gpu);
-  test_cache_write(*gpu, *cpu);
-  test_lse_merge(*gpu, *cpu);
-  test_cp_kernels(*gpu, *cpu);
-  test_deferred_errors(*gpu);
-  test_block_cache(*gpu, !quick);
-  test_lanes(*gpu);
+  if (only.empty()) {
+    test_unsupported(*gpu);
+    test_cache_write(*gpu, *cpu);
+    test_lse_merge(*gpu, *cpu);
+    test_cp_kernels(*gpu, *cpu);
+    test_deferred_errors(*gpu);
+    test_block_cache(*gpu, !quick);
+    test_lanes(*gpu);
+  }
 
   std::vector<MlaCase> mla;
   mla.push_back({"decode H=16 page64 K=2048 split-K", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});
@@ -1009,6 +1015,7 @@ int main(int argc, char** argv) {
     mla.push_back(big);
   }
   for (const MlaCase& c : mla) {
+    if (!selected(c.name)) continue;
     if (c.splits > 0) setenv("DSACP_MLA_SPLITS", std::to_string(c.splits).c_str(), 1);
     if (c.cluster_merge >= 0) setenv("DSACP_MLA_CLUSTER_MERGE", std::to_string(c.cluster_merge).c_str(), 1);
     run_mla_case(*gpu, *cpu, c);  // default kernels (for 64-head groups: by tokens per request)
@@ -1046,9 +1053,15 @@ int main(int argc, char** argv) {
     // element offsets past 2^31 in the indexer pool: pages from 16.8M rows up (row offset * 128 > 2^31)
     idx.push_back({"decode, key offsets past 2^31", 2048, 64, {5000, 3000}, {1, 2}, (int64_t{1} << 31) / 128 / 64 + 10});
   }
-  for (const IdxCase& c : idx) run_indexer_case(*gpu, *cpu, c);
+  for (const IdxCase& c : idx) {
+    if (selected(c.name)) run_indexer_case(*gpu, *cpu, c);
+  }
 
   std::printf("\n%d checks, %d failures\n", g_log.checks(), g_log.failures());
   g_log.write_json(json != nullptr ? json : "");
+  if (!only.empty() && g_log.checks() == 0) {
+    std::printf("no sparse MLA or indexer case's name contains \"%s\"\n", only.c_str());
+    return 2;
+  }
   return g_log.failures() == 0 ? 0 : 1;
 }
