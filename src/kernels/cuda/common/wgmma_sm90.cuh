@@ -7,6 +7,13 @@
 
 namespace dsacp::cuda {
 
+// Byte offset of 16-byte chunk c of row r in a 128B-swizzled K-major tile stored as slabs of 64 bf16 columns
+// (slab = c / 8, each slab_bytes long, rows 128 B apart; the chunk index XOR row % 8 within the row): the layout
+// that wgmma_desc_sw128 describes.
+__device__ __forceinline__ uint32_t sw128_chunk_off(int r, int c, int slab_bytes) {
+  return static_cast<uint32_t>((c >> 3) * slab_bytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
 // Descriptor of a 128B-swizzled operand tile in shared memory. K-major: rows of 64 bf16 (128 B), 8-row atoms
 // 1024 B apart (sbo); lbo unused. MN-major: 64-element blocks along MN lbo apart, 8-row (K) groups sbo apart.
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {

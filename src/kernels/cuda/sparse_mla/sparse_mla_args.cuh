@@ -6,8 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/cuda/common/cluster_sm90.cuh"
+#include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/common/device_error.h"
 #include "kernels/cuda/common/mma_sm80.cuh"
@@ -63,10 +65,15 @@ __device__ __forceinline__ int mla_cta_head0(const MlaArgs& a, int head_group) {
   return static_cast<int>(blockIdx.x % static_cast<unsigned>(a.H / head_group)) * head_group;
 }
 
-// Launches an MLA kernel on that grid; with a.cluster_merge the splits of a (token, head group) form one cluster
-// (dims (1, 1, splits)) and merge in the kernel.
-inline cudaError_t launch_mla_grid(void (*kernel)(MlaArgs), const MlaArgs& a, int groups, int threads, int smem_bytes,
-                                   cudaStream_t stream) {
+// Launches MLA kernel `name` on that grid with smem_bytes of dynamic shared memory (the attribute is set first);
+// with a.cluster_merge the splits of a (token, head group) form one cluster (dims (1, 1, splits)) and merge in the
+// kernel. Any failure comes back as a Status naming the kernel.
+inline Status launch_mla_grid(void (*kernel)(MlaArgs), const char* name, const MlaArgs& a, int groups, int threads,
+                              int smem_bytes, cudaStream_t stream) {
+  const std::string what = std::string("launch of ") + name;
+  DSACP_RETURN_IF_ERROR(cuda_status(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), what.c_str(), __FILE__,
+      __LINE__));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(a.T * groups), 1, static_cast<unsigned>(a.splits));
   cfg.blockDim = dim3(static_cast<unsigned>(threads));
@@ -81,7 +88,8 @@ inline cudaError_t launch_mla_grid(void (*kernel)(MlaArgs), const MlaArgs& a, in
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&cfg, kernel, a);
+  DSACP_RETURN_IF_ERROR(cuda_status(cudaLaunchKernelEx(&cfg, kernel, a), what.c_str(), __FILE__, __LINE__));
+  return cuda_status(cudaGetLastError(), what.c_str(), __FILE__, __LINE__);
 }
 
 // The prologue both sparse MLA kernels share, for token t and key split `split`: checks the token's request
@@ -196,11 +204,12 @@ constexpr int kMlaMaxClusterSplits = 8;  // the portable cluster size
 // smem_part (mla_with_out_rows / mla_lse_rows). CTA rank k merges rows k, k + splits, ... reading every peer's
 // rows through distributed shared memory: out = sum_s w_s O_s, w_s = exp(lse_s - max) / sum exp(lse_j - max)
 // over the parts with a finite LSE (a fixed order: bit-identical reruns), lse = max + log(sum); no part with a key
-// gives out = 0, lse = -inf. Every thread of every CTA calls it (it has two cluster barriers and a CTA barrier);
-// `sync` is the CTA barrier.
-template <int kRows, int kThreads, typename Sync>
-__device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, int h0, float* smem_part, Sync sync) {
+// gives out = 0, lse = -inf. Every thread of every CTA calls it after its rows are stored (it has two cluster
+// barriers and a __syncthreads); without a.cluster_merge it returns at once.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, int h0, float* smem_part) {
   constexpr float kInf = INFINITY;
+  if (!a.cluster_merge) return;
   cluster_sync();  // every CTA's partial rows and LSE written
   const int n = a.splits, rank = static_cast<int>(cluster_cta_rank()), tid = threadIdx.x;
   const int my_rows = (kRows - rank + n - 1) / n;
@@ -225,7 +234,7 @@ __device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, i
     for (int s = 0; s < kMlaMaxClusterSplits; ++s) weights[i * 8 + s] = sum > 0.f ? l[s] / sum : 0.f;
     a.lse[mla_head_row(a, t, h0 + r)] = sum > 0.f ? mx + logf(sum) : -kInf;
   }
-  sync();  // the weights
+  __syncthreads();  // the weights
   for (int idx = tid; idx < my_rows * 128; idx += kThreads) {
     const int i = idx >> 7, c = (idx & 127) * 4, r = rank + n * i;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -331,18 +331,14 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
     mla_lse_rows(a, split, smem_part, HG)[mla_out_row(a, t, h0, tid)] =
         l > 0.f ? (sM[tid] + log2f(l)) * kLn2 : -INFINITY;
   }
-  if (a.cluster_merge) mla_cluster_merge<HG, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
+  mla_cluster_merge<HG, kThreads>(a, t, h0, smem_part);
 }
 
 template <int HG>
 Status launch_hg(const MlaArgs& args, int groups, const LaunchContext& ctx) {
   constexpr int bytes = Smem<HG>::kBytes;
   static_assert(bytes * ctas_per_sm_for<HG>() <= 227 * 1024, "shared memory");
-  DSACP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(sparse_mla_mma_kernel<HG>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  DSACP_CUDA_RETURN_IF_ERROR(launch_mla_grid(sparse_mla_mma_kernel<HG>, args, groups, kThreads, bytes, ctx.stream));
-  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_mma_kernel");
-  return Status::ok_status();
+  return launch_mla_grid(sparse_mla_mma_kernel<HG>, "sparse_mla_mma_kernel", args, groups, kThreads, bytes, ctx.stream);
 }
 
 int split_len_for(int K, int splits) {
@@ -388,7 +384,7 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
     return unsupported("sparse_mla: num_pages * page_size=" + std::to_string(p.latent.num_pages * p.latent.page_size) +
                        supported);
   }
-  if (p.rows.num_tokens * (p.H > 64 ? p.H / 64 : 1) >= (int64_t{1} << 31)) {
+  if (p.rows.num_tokens * (p.H / mla_head_group(p.H)) >= (int64_t{1} << 31)) {
     return unsupported("sparse_mla: T * (H / 64) >= 2^31 (CUDA grid limit)" + supported);
   }
   const int hg = mla_head_group(p.H);
@@ -403,7 +399,7 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
 int mla_head_group(int H) { return H > 64 ? 64 : H; }
 
 int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
-  const int64_t ctas = p.rows.num_tokens * (p.H > 64 ? p.H / 64 : 1);
+  const int64_t ctas = p.rows.num_tokens * (p.H / mla_head_group(p.H));
   const int64_t slots = static_cast<int64_t>(num_sms) * (p.H == 16 ? ctas_per_sm_for<16>() : 1);  // CTAs at once
   int splits = 1;
   if (ctas > 0 && ctas * 3 / 2 < slots) splits = static_cast<int>((slots + ctas / 2) / ctas);

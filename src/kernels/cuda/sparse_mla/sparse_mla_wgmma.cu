@@ -46,10 +46,8 @@ constexpr int kSmemBytes = kSmemUsed + 1024;     // slack to align the base to 1
 static_assert(kSmemBytes <= 232448, "shared memory");
 // Three barriers per tile: max exchange, P complete, end of tile (which also publishes the next tile).
 
-// Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile (slab = c / 8, XOR swizzle in the slab).
-__device__ __forceinline__ uint32_t tile_off(int r, int c) {
-  return static_cast<uint32_t>((c >> 3) * kSlabBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
+// Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile.
+__device__ __forceinline__ uint32_t tile_off(int r, int c) { return sw128_chunk_off(r, c, kSlabBytes); }
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const MlaArgs a) {
   extern __shared__ unsigned char smem_raw[];
@@ -209,17 +207,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   float* smem_part = reinterpret_cast<float*>(smem);  // the cluster merge's partial rows, over Q and the tiles
   static_assert(mla_cluster_merge_bytes(64) <= kOffP, "the cluster merge's rows fit over Q and the tiles");
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { __syncthreads(); }, m0, m1, smem_part);
-  if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
+  mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
 }
 
 }  // namespace
 
 Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx) {
-  DSACP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(sparse_mla_wgmma64_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  DSACP_CUDA_RETURN_IF_ERROR(launch_mla_grid(sparse_mla_wgmma64_kernel, args, groups, kThreads, kSmemBytes, ctx.stream));
-  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma64_kernel");
-  return Status::ok_status();
+  return launch_mla_grid(sparse_mla_wgmma64_kernel, "sparse_mla_wgmma64_kernel", args, groups, kThreads, kSmemBytes, ctx.stream);
 }
 
 }  // namespace dsacp::cuda

@@ -77,10 +77,8 @@ constexpr int kFullArrivals = 256, kEmptyArrivals = 128;
 __device__ __forceinline__ uint32_t full_bar(uint32_t bars, int part) { return bars + 8 * part; }
 __device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int part) { return bars + 8 * (kParts + part); }
 
-// Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile (slab = c / 8, XOR swizzle in the slab).
-__device__ __forceinline__ uint32_t tile_off(int r, int c) {
-  return static_cast<uint32_t>((c >> 3) * kSlabBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
+// Byte offset of 16-byte chunk c (0..71) of row r in a [64, 576] tile.
+__device__ __forceinline__ uint32_t tile_off(int r, int c) { return sw128_chunk_off(r, c, kSlabBytes); }
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const MlaArgs a) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -163,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
       named_bar_sync(kBarProducer, 128);
     }
     cp_async_wait<0>();
-    if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
+    mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
     return;
   }
 
@@ -323,17 +321,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   // ---- epilogue ----
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1, smem_part);
-  if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
+  mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
 }
 
 }  // namespace
 
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx) {
-  DSACP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(sparse_mla_wgmma_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  DSACP_CUDA_RETURN_IF_ERROR(launch_mla_grid(sparse_mla_wgmma_ws_kernel, args, groups, kThreads, kSmemBytes, ctx.stream));
-  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma_ws_kernel");
-  return Status::ok_status();
+  return launch_mla_grid(sparse_mla_wgmma_ws_kernel, "sparse_mla_wgmma_ws_kernel", args, groups, kThreads, kSmemBytes, ctx.stream);
 }
 
 }  // namespace dsacp::cuda

@@ -67,11 +67,6 @@ constexpr int kFullArrivals = 256, kEmptyArrivals = 256;
 __device__ __forceinline__ uint32_t full_bar(uint32_t bars, int slot) { return bars + 8 * slot; }
 __device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int slot) { return bars + 8 * (kSlots + slot); }
 
-// Byte offset of 16-byte chunk c (0..71) of row r in a [rows, 576] tile of slab_bytes-sized slabs.
-__device__ __forceinline__ uint32_t chunk_off(int r, int c, int slab_bytes) {
-  return static_cast<uint32_t>((c >> 3) * slab_bytes + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(const MlaArgs a) {
   extern __shared__ __align__(1024) unsigned char smem[];
   if (!mla_smem_aligned(a, smem)) return;
@@ -127,8 +122,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
           const __nv_bfloat16* lat = a.latent + row_ok * kDl + (p & 7) * 8;
           const int bytes = row >= 0 ? 16 : 0;
 #pragma unroll
-          for (int k = 0; k < 8; ++k) cp_async_16(base + chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
-          cp_async_16(base + chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * kDr + (p & 7) * 8, bytes);
+          for (int k = 0; k < 8; ++k) {
+            cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
+          }
+          cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * kDr + (p & 7) * 8, bytes);
         }
         cp_async_mbar_arrive_noinc(full_bar(bars, slot));
         mbar_arrive(full_bar(bars, slot));
@@ -138,13 +135,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       named_bar_sync(kBarProducer, 128);
     }
     cp_async_wait<0>();
-    if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
+    mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
     return;
   }
 
   // ==== consumers: warpgroup wg owns tile wg of each pair and output columns [256 wg, 256 wg + 256) ====
   // Q, while the producer gathers the first pairs
-  mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return chunk_off(r, c, kQSlabBytes); });
+  mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return sw128_chunk_off(r, c, kQSlabBytes); });
   cp_async_commit();
   setmaxnreg_inc<224>();
   const int other = wg ^ 1;
@@ -276,17 +273,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   wgmma_wait<0>();  // nothing is in flight here; said so the compiler need not infer it
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1, smem_part);
-  if (a.cluster_merge) mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, [] { __syncthreads(); });
+  mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
 }
 
 }  // namespace
 
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx) {
-  DSACP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(sparse_mla_wgmma_ws32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  DSACP_CUDA_RETURN_IF_ERROR(launch_mla_grid(sparse_mla_wgmma_ws32_kernel, args, groups, kThreads, kSmemBytes, ctx.stream));
-  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("sparse_mla_wgmma_ws32_kernel");
-  return Status::ok_status();
+  return launch_mla_grid(sparse_mla_wgmma_ws32_kernel, "sparse_mla_wgmma_ws32_kernel", args, groups, kThreads, kSmemBytes, ctx.stream);
 }
 
 }  // namespace dsacp::cuda
