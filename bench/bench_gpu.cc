@@ -174,7 +174,10 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
   CK(cudaMalloc(&p.out, T * H * Dl * 2));
   p.out_dtype = DType::kBF16;
   CK(cudaMalloc(&p.lse, T * H * 4));
-  if (gather_ctas > 0) {
+  // gathered KV rows (distinct per request)
+  const double kv_rows = std::min<double>(static_cast<double>(T) * K, static_cast<double>(num_requests) * keys_per_token);
+  float* ws = nullptr;
+  if (gather_ctas > 0) {  // the rows alone, no attention
     uint32_t* sink = nullptr;
     CK(cudaMalloc(&sink, 16));
     const dsacp::bench::GatherCeilingArgs g{p.topk, p.rows.request, p.block_table.data, p.block_table.max_pages,
@@ -182,38 +185,32 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
                                             static_cast<const uint16_t*>(p.rope.data), T, K, sink};
     const double ms = time_ms([&] { CK(dsacp::bench::launch_gather_ceiling(g, gather_ctas, g_ctx.stream)); }, reps,
                               g_ctx.stream);
-    const double kv_rows =
-        std::min<double>(static_cast<double>(T) * K, static_cast<double>(num_requests) * keys_per_token);
     record(name, ms, 0, kv_rows * 576 * 2, "ctas/token=" + std::to_string(gather_ctas));
     CK(cudaFree(sink));
-  }
-  const bool time_mla = gather_ctas == 0;
-  const int splits = sparse_mla_num_splits(p, g_ctx.num_sms);
-  float* ws = nullptr;
-  const int64_t wsf = sparse_mla_workspace_floats(p, splits);
-  if (wsf > 0) CK(cudaMalloc(&ws, wsf * 4));
-  const double ms =
-      time_mla ? time_ms([&] { CS(launch_sparse_mla(p, splits, ws, g_ctx)); }, reps, g_ctx.stream) : 0.0;
-  const double flops = 2.0 * T * H * K * (576 + 512);
-  // unique bytes: gathered KV rows (distinct per request), q, out (bf16), lse
-  const double kv_rows = std::min<double>(static_cast<double>(T) * K, static_cast<double>(num_requests) * keys_per_token);
-  const double bytes = kv_rows * 576 * 2 + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
-  const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H));
-  if (time_mla) {
+  } else {
+    const int splits = sparse_mla_num_splits(p, g_ctx.num_sms);
+    const int64_t wsf = sparse_mla_workspace_floats(p, splits);
+    if (wsf > 0) CK(cudaMalloc(&ws, wsf * 4));
+    const double ms = time_ms([&] { CS(launch_sparse_mla(p, splits, ws, g_ctx)); }, reps, g_ctx.stream);
+    const double flops = 2.0 * T * H * K * (576 + 512);
+    // unique bytes: the KV rows, q, out (bf16), lse, top-k
+    const double bytes = kv_rows * 576 * 2 + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
+    const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H));
     record(name, ms, flops, bytes,
-           "splits=" + std::to_string(splits) + (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : ""));
-  }
-  if (time_mla && splits > 1 && !merged_in_kernel) {  // the split-K combine alone (part of the time above)
-    LseMergeParams m;
-    m.num_parts = splits;
-    m.num_rows = T * H;
-    m.Dl = Dl;
-    m.part_out = ws;
-    m.part_lse = ws + static_cast<int64_t>(splits) * T * H * Dl;
-    m.lse = p.lse;
-    const double mms = time_ms([&] { CS(launch_lse_merge(m, p.out, p.out_dtype, g_ctx, LseMergeRows{T, H, H})); },
-                               reps, g_ctx.stream);
-    std::printf("  of which the split-K combine: %.4f ms\n", mms);
+           "splits=" + std::to_string(splits) +
+               (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : ""));
+    if (splits > 1 && !merged_in_kernel) {  // the split-K combine alone (part of the time above)
+      LseMergeParams m;
+      m.num_parts = splits;
+      m.num_rows = T * H;
+      m.Dl = Dl;
+      m.part_out = ws;
+      m.part_lse = ws + static_cast<int64_t>(splits) * T * H * Dl;
+      m.lse = p.lse;
+      const double mms = time_ms([&] { CS(launch_lse_merge(m, p.out, p.out_dtype, g_ctx, LseMergeRows{T, H, H})); },
+                                 reps, g_ctx.stream);
+      std::printf("  of which the split-K combine: %.4f ms\n", mms);
+    }
   }
   for (void* q : {const_cast<void*>(p.q_nope), const_cast<void*>(p.q_rope), p.latent.data, p.rope.data, p.out,
                   static_cast<void*>(p.lse), static_cast<void*>(ws), static_cast<void*>(const_cast<int32_t*>(p.topk)),
