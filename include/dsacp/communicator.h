@@ -52,6 +52,7 @@ struct CommStats {
   double busy_ms = 0;
   double enqueue_ms = 0;
   double wait_ms = 0;
+  int64_t peer_collectives = 0;  // of `collectives`, those a GPU communicator moved by its peer exchange
 };
 
 class Communicator {

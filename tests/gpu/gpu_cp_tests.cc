@@ -58,7 +58,9 @@ struct RankSetup {
 };
 
 // Two ranks (GPU 0 and 1) as threads, one NCCL communicator each.
-std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::shared_ptr<AbortSignal> signal) {
+// peer: the communicators' peer exchange on (NcclOptions' default) or off (every collective through NCCL).
+std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::shared_ptr<AbortSignal> signal,
+                                      bool peer = true) {
   std::vector<RankSetup> ranks(2);
   auto id = nccl_make_id();
   if (!id.ok()) {
@@ -76,6 +78,7 @@ std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::sh
     o.device = r;
     o.timeout = timeout;
     o.abort_signal = signal;
+    if (!peer) o.peer_exchange_bytes = 0;
     auto c = NcclCommunicator::create(*id, 2, r, o);
     if (!c.ok()) {
       ranks[r].status = c.status();
@@ -86,8 +89,9 @@ std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::sh
   return ranks;
 }
 
-void test_nccl_collectives(uint64_t seed) {
-  auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr);
+void test_nccl_collectives(uint64_t seed, bool peer) {
+  auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr, peer);
+  const std::string via = peer ? " (peer exchange)" : " (NCCL only)";
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
     report(false, "nccl: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
     return;
@@ -149,14 +153,16 @@ void test_nccl_collectives(uint64_t seed) {
       }
     }
   }
-  report(ag, "nccl: all_gather 2 x 3 MB matches host");
-  report(a2a, "nccl: all_to_all matches host");
-  report(bc, "nccl: broadcast from rank 1");
-  report(dim, "nccl: all_gather_dim [3, 2x2, 5] int32");
+  report(ag, "nccl: all_gather 2 x 3 MB matches host" + via);
+  report(a2a, "nccl: all_to_all matches host" + via);
+  report(bc, "nccl: broadcast from rank 1" + via);
+  report(dim, "nccl: all_gather_dim [3, 2x2, 5] int32" + via);
   const CommStats st = ranks[0].comm->stats();
-  report(st.collectives >= 5 && st.busy_ms > 0, "nccl: stats count collectives and device time",
-         std::to_string(st.collectives) + " collectives, busy " + std::to_string(st.busy_ms) + " ms, wait " +
-             std::to_string(st.wait_ms) + " ms");
+  // all_gather, all_to_all and all_gather_dim's all_gather move 3 MB or less: the peer exchange when it is on.
+  report(st.collectives >= 5 && st.busy_ms > 0 && st.peer_collectives == (peer ? 3 : 0),
+         "nccl: stats count collectives, device time and peer exchanges" + via,
+         std::to_string(st.collectives) + " collectives (" + std::to_string(st.peer_collectives) +
+             " peer exchanges), busy " + std::to_string(st.busy_ms) + " ms, wait " + std::to_string(st.wait_ms) + " ms");
 
   // split into singletons: a collective on a 1-rank communicator is a copy.
   std::vector<std::string> split_err(n);
@@ -175,7 +181,7 @@ void test_nccl_collectives(uint64_t seed) {
     if (!s.ok()) split_err[r] = s.to_string();
     if (!be.copy_to_host(y.data(), b->get(), 64).ok() || x != y) split_err[r] = "data";
   });
-  report(split_err[0].empty() && split_err[1].empty(), "nccl: split into 1-rank communicators",
+  report(split_err[0].empty() && split_err[1].empty(), "nccl: split into 1-rank communicators" + via,
          split_err[0] + split_err[1]);
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });  // released by each rank's own thread
 }
@@ -237,8 +243,9 @@ void test_nccl_abort() {
 
 // Grouped all-gathers and all-to-alls of odd sizes (0.3 to 12 MB) launched back to back without waiting, then
 // every result against the host, and the stats counting each op once.
-void test_back_to_back(uint64_t seed) {
-  auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr);
+void test_back_to_back(uint64_t seed, bool peer) {
+  auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr, peer);
+  const std::string via = peer ? " (peer exchange and NCCL mixed)" : " (NCCL only)";
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
     report(false, "nccl back to back: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
     return;
@@ -301,11 +308,12 @@ void test_back_to_back(uint64_t seed) {
       }
     }
   }
-  report(wrong == 0, "nccl: 9 grouped ops back to back match host",
-         std::to_string(wrong) + " blocks wrong");
+  report(wrong == 0, "nccl: 9 grouped ops back to back match host" + via, std::to_string(wrong) + " blocks wrong");
   const CommStats st = ranks[0].comm->stats();
-  report(st.collectives == ops && st.busy_ms > 0, "nccl: stats count every op once",
-         std::to_string(st.collectives) + " collectives");
+  // Op 4 (2 x 12 MB) is past the peer exchange's 8 MiB slot: NCCL; the other eight fit.
+  report(st.collectives == ops && st.busy_ms > 0 && st.peer_collectives == (peer ? ops - 1 : 0),
+         "nccl: stats count every op once" + via,
+         std::to_string(st.collectives) + " collectives, " + std::to_string(st.peer_collectives) + " peer exchanges");
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
 }
 
@@ -539,8 +547,10 @@ int main(int argc, char** argv) {
     std::_Exit(g_log.failures() == 0 ? 0 : 1);
   }
   if (*count >= 2 && nccl_available()) {
-    test_nccl_collectives(seed);
-    test_back_to_back(seed);
+    for (bool peer : {true, false}) {
+      test_nccl_collectives(seed, peer);
+      test_back_to_back(seed, peer);
+    }
     test_nccl_timeout();
     test_nccl_abort();
   } else {

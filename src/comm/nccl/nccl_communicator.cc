@@ -2,6 +2,7 @@
 // ncclCommGetAsyncError; creation, split and finalization bounded on helper threads.
 #include "dsacp/nccl_communicator.h"
 
+#include "kernels/cuda/comm/peer_exchange.h"
 #include "kernels/cuda/common/timeline.h"
 
 #include <cuda_runtime_api.h>
@@ -16,6 +17,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 namespace dsacp {
 namespace {
@@ -283,6 +286,7 @@ class NcclComm final : public NcclCommunicator {
     std::lock_guard<std::mutex> lock(g_destroy_mu);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     if (producer_ready_ != nullptr) (void)cudaEventDestroy(producer_ready_);
+    release_peer_exchange();
     (void)cudaFree(flag_);
     (void)cudaStreamDestroy(stream_);
   }
@@ -296,11 +300,13 @@ class NcclComm final : public NcclCommunicator {
   bool orders_on_device() const override { return true; }
 
   Result<std::unique_ptr<CollectiveHandle>> all_gather_async(const void* send, void* recv, size_t bytes) override {
+    if (peer_fits({{send, recv, bytes}})) return peer_collective("p2p all_gather", false, {{send, recv, bytes}});
     return launch("all_gather", bytes * (size_ - 1),
                   [&] { return ncclAllGather(send, recv, bytes, ncclUint8, comm_, stream_); }, bytes == 0);
   }
 
   Result<std::unique_ptr<CollectiveHandle>> all_to_all_async(const void* send, void* recv, size_t bytes) override {
+    if (peer_fits({{send, recv, bytes}})) return peer_collective("p2p all_to_all", true, {{send, recv, bytes}});
     return launch("all_to_all", bytes * (size_ - 1), [&] {
       ncclResult_t r = copy_own_block(send, recv, bytes);
       if (r == ncclSuccess) r = ncclGroupStart();
@@ -333,6 +339,7 @@ class NcclComm final : public NcclCommunicator {
   }
 
   Result<std::unique_ptr<CollectiveHandle>> all_gather_group_async(const std::vector<Part>& parts) override {
+    if (peer_fits(parts)) return peer_collective("p2p all_gather group", false, parts);
     size_t sent = 0;
     for (const Part& p : parts) sent += p.bytes * (size_ - 1);
     return launch("all_gather group", sent, [&] {
@@ -346,6 +353,7 @@ class NcclComm final : public NcclCommunicator {
   }
 
   Result<std::unique_ptr<CollectiveHandle>> all_to_all_group_async(const std::vector<Part>& parts) override {
+    if (peer_fits(parts)) return peer_collective("p2p all_to_all group", true, parts);
     size_t sent = 0;
     for (const Part& p : parts) sent += p.bytes * (size_ - 1);
     return launch("all_to_all group", sent, [&] {
@@ -447,7 +455,9 @@ class NcclComm final : public NcclCommunicator {
       if (stream != nullptr) (void)cudaStreamDestroy(stream);
       return cuda_error(e, "NCCL communicator stream");
     }
-    return std::unique_ptr<NcclCommunicator>(new NcclComm(comm, rank, size, options, stream, flag));
+    std::unique_ptr<NcclComm> made(new NcclComm(comm, rank, size, options, stream, flag));
+    DSACP_RETURN_IF_ERROR(made->setup_peer_exchange());
+    return std::unique_ptr<NcclCommunicator>(std::move(made));
   }
 
   // Called by NcclHandle::wait: polls the end event; fails on an async NCCL error, the shared abort signal or
@@ -486,6 +496,13 @@ class NcclComm final : public NcclCommunicator {
       }
       backoff();
     }
+    if (result.ok() && peer_words_ != nullptr && peer_words_[1] != 0) {
+      result = options_.abort_signal && options_.abort_signal->raised()
+                   ? Status(StatusCode::kBackendError, "communicator aborted: " + options_.abort_signal->reason())
+                   : Status(StatusCode::kTimeout, "rank " + std::to_string(rank_) + ": " + what + ": rank " +
+                                                std::to_string(peer_words_[1] - 1) + " did not deliver its blocks within " +
+                                                std::to_string(options_.timeout.count()) + " ms (peer exchange)");
+    }
     stats_.wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     cuda::timeline::host_span(options_.device, tl0, label, "wait");
     if (!result.ok()) {
@@ -510,8 +527,170 @@ class NcclComm final : public NcclCommunicator {
 
   void fail(const std::string& reason) {
     if (failure_.empty()) failure_ = reason;
+    if (peer_words_ != nullptr) peer_words_[0] = 1;  // a peer exchange kernel waiting on this rank ends
     abort_comm(comm_);
     comm_ = nullptr;
+  }
+
+  // ---- The peer exchange (kernels/cuda/comm/peer_exchange.h) ----
+
+  // What each rank tells the others when a communicator is made.
+  struct PeerInfo {
+    int32_t want = 0;    // this rank has an exchange area and wants to use it
+    int32_t device = 0;
+    int32_t ipc_ok = 0;  // ipc holds a handle to the area
+    int32_t pad = 0;
+    uint64_t host = 0;   // hash of the host name
+    int64_t pid = 0;
+    uint64_t area = 0;   // the area's address in its own process
+    cudaIpcMemHandle_t ipc{};
+  };
+
+  // Registers an exchange area with every peer: a collective, run by every rank at creation and split. Ranks in
+  // this process address a peer's area through peer access, ranks in other processes of this host through CUDA
+  // IPC. Used only when every rank can reach every other (else every collective stays with NCCL); the only
+  // error is a failed exchange of the areas' details.
+  Status setup_peer_exchange() {
+    if (size_ < 2 || size_ > cuda::peer::kMaxRanks) return Status();
+    const char* env = std::getenv("DSACP_NCCL_PEER_EXCHANGE");
+    const bool wanted = options_.peer_exchange_bytes >= 4096 * static_cast<size_t>(2 * size_) &&
+                        !(env != nullptr && std::string(env) == "0");
+    PeerInfo me;
+    me.device = options_.device;
+    me.pid = static_cast<int64_t>(getpid());
+    char host[256] = {};
+    (void)gethostname(host, sizeof(host) - 1);
+    me.host = std::hash<std::string>{}(host);
+    if (wanted) {
+      slot_bytes_ = options_.peer_exchange_bytes / (2 * static_cast<size_t>(size_)) / 256 * 256;
+      void* words = nullptr;
+      cudaError_t e = cudaMalloc(&area_, cuda::peer::area_bytes(size_, slot_bytes_));
+      if (e == cudaSuccess) e = cudaMemsetAsync(area_, 0, cuda::peer::kFlagBytes, stream_);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+      if (e == cudaSuccess) e = cudaHostAlloc(&words, 2 * sizeof(int32_t), cudaHostAllocMapped);
+      if (e == cudaSuccess) {
+        peer_words_ = static_cast<volatile int32_t*>(words);
+        peer_words_[0] = 0;
+        peer_words_[1] = 0;
+        e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&peer_words_dev_), words, 0);
+      }
+      if (e == cudaSuccess) {
+        me.want = 1;
+        me.area = reinterpret_cast<uint64_t>(area_);
+        me.ipc_ok = cudaIpcGetMemHandle(&me.ipc, area_) == cudaSuccess;
+      }
+      (void)cudaGetLastError();
+    }
+    DSACP_ASSIGN_OR_RETURN(std::vector<PeerInfo> all, exchange_setup_record(me));
+    int32_t ok = 1;
+    for (const PeerInfo& p : all) ok &= p.want;
+    for (int k = 0; k < size_ && ok; ++k) {
+      const PeerInfo& p = all[static_cast<size_t>(k)];
+      if (k == rank_) {
+        peer_areas_[k] = area_;
+      } else if (p.host == me.host && p.pid == me.pid) {
+        int can = 0;
+        if (p.device != me.device) {
+          if (cudaDeviceCanAccessPeer(&can, me.device, p.device) != cudaSuccess || !can) ok = 0;
+          const cudaError_t e = ok ? cudaDeviceEnablePeerAccess(p.device, 0) : cudaSuccess;
+          if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) ok = 0;
+        }
+        peer_areas_[k] = reinterpret_cast<char*>(p.area);
+      } else if (p.host == me.host && p.ipc_ok) {
+        void* mapped = nullptr;
+        if (cudaIpcOpenMemHandle(&mapped, p.ipc, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess) {
+          peer_areas_[k] = static_cast<char*>(mapped);
+          ipc_opened_.push_back(mapped);
+        } else {
+          ok = 0;
+        }
+      } else {
+        ok = 0;
+      }
+      (void)cudaGetLastError();
+    }
+    // Every rank must agree, or ranks would pair a peer exchange with NCCL.
+    PeerInfo vote;
+    vote.want = ok;
+    DSACP_ASSIGN_OR_RETURN(std::vector<PeerInfo> votes, exchange_setup_record(vote));
+    bool all_ok = true;
+    for (const PeerInfo& v : votes) all_ok &= v.want != 0;
+    if (!all_ok) {
+      release_peer_exchange();
+      return Status();
+    }
+    peer_ready_ = true;
+    return Status();
+  }
+
+  // All-gathers one PeerInfo per rank through NCCL (creation time only).
+  Result<std::vector<PeerInfo>> exchange_setup_record(const PeerInfo& mine) {
+    std::vector<PeerInfo> all(static_cast<size_t>(size_));
+    void* dev = nullptr;
+    cudaError_t e = cudaMalloc(&dev, sizeof(PeerInfo) * (size_ + 1));
+    if (e == cudaSuccess) e = cudaMemcpy(dev, &mine, sizeof(PeerInfo), cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+      if (dev != nullptr) (void)cudaFree(dev);
+      return cuda_error(e, "peer exchange setup");
+    }
+    char* recv = static_cast<char*>(dev) + sizeof(PeerInfo);
+    Status s;
+    {
+      auto h = launch("all_gather", 0, [&] { return ncclAllGather(dev, recv, sizeof(PeerInfo), ncclUint8, comm_, stream_); });
+      s = h.ok() ? (*h)->wait() : h.status();
+    }
+    if (s.ok()) {
+      e = cudaMemcpy(all.data(), recv, sizeof(PeerInfo) * size_, cudaMemcpyDeviceToHost);
+      if (e != cudaSuccess) s = cuda_error(e, "peer exchange setup");
+    }
+    (void)cudaFree(dev);
+    stats_ = CommStats{};  // setup traffic is not the caller's
+    if (!s.ok()) return s.with_context("NCCL communicator: peer exchange setup");
+    return all;
+  }
+
+  void release_peer_exchange() {
+    peer_ready_ = false;
+    for (void* p : ipc_opened_) (void)cudaIpcCloseMemHandle(p);
+    ipc_opened_.clear();
+    if (area_ != nullptr) (void)cudaFree(area_);
+    area_ = nullptr;
+    if (peer_words_ != nullptr) (void)cudaFreeHost(const_cast<int32_t*>(peer_words_));
+    peer_words_ = nullptr;
+    (void)cudaGetLastError();
+  }
+
+  // True when these parts go through the peer exchange (set up, at most kMaxParts, the message fits a slot).
+  bool peer_fits(const std::vector<Part>& parts) const {
+    if (!peer_ready_ || parts.empty() || parts.size() > static_cast<size_t>(cuda::peer::kMaxParts)) return false;
+    std::vector<cuda::peer::Part> p;
+    for (const Part& x : parts) p.push_back({x.send, x.recv, x.bytes});
+    return cuda::peer::message_bytes(p.data(), static_cast<int>(p.size())) <= slot_bytes_;
+  }
+
+  Result<std::unique_ptr<CollectiveHandle>> peer_collective(const char* what, bool all_to_all,
+                                                            const std::vector<Part>& parts) {
+    cuda::peer::ExchangeArgs a;
+    a.kind = all_to_all ? cuda::peer::Kind::kAllToAll : cuda::peer::Kind::kAllGather;
+    a.rank = rank_;
+    a.size = size_;
+    size_t sent = 0;
+    for (const Part& p : parts) {
+      sent += p.bytes * (size_ - 1);
+      if (p.bytes > 0) a.parts[a.num_parts++] = {p.send, p.recv, p.bytes};
+    }
+    for (int k = 0; k < size_; ++k) a.areas[k] = peer_areas_[k];
+    a.slot_bytes = slot_bytes_;
+    a.timeout_ns = static_cast<uint64_t>(options_.timeout.count()) * 1000000ull;
+    a.abort_word = peer_words_dev_;
+    a.error_word = const_cast<int32_t*>(peer_words_dev_);
+    ++stats_.peer_collectives;
+    return launch(what, sent, [&] {
+      a.seq = ++peer_seq_;  // only exchanges that launch count, the same on every rank
+      if (cuda::peer::launch_exchange(a, stream_) == cudaSuccess) return ncclSuccess;
+      (void)cudaGetLastError();
+      return ncclUnhandledCudaError;
+    }, a.num_parts == 0);
   }
 
   cudaError_t take_event(cudaEvent_t* e) {
@@ -587,6 +766,16 @@ class NcclComm final : public NcclCommunicator {
   CommStats stats_;
   std::vector<cudaEvent_t> free_events_;  // timing events of finished collectives, reused
   cudaEvent_t producer_ready_ = nullptr;  // recorded on options_.producer_stream before each collective
+  // The peer exchange: this rank's area, every rank's area as this device addresses it, the host words
+  // ([0] abort, raised by fail(); [1] 1 + a rank that did not deliver) and the exchanges launched so far.
+  bool peer_ready_ = false;
+  char* area_ = nullptr;
+  std::array<char*, cuda::peer::kMaxRanks> peer_areas_{};
+  std::vector<void*> ipc_opened_;
+  size_t slot_bytes_ = 0;
+  volatile int32_t* peer_words_ = nullptr;
+  int32_t* peer_words_dev_ = nullptr;
+  uint64_t peer_seq_ = 0;
 };
 
 NcclHandle::~NcclHandle() {

@@ -1,0 +1,165 @@
+// The peer exchange kernel (peer_exchange.h): one launch per all-gather / all-to-all, CTA c moving byte range c
+// of the message to every peer, then waiting for every peer's range c.
+#include "kernels/cuda/comm/peer_exchange.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+namespace dsacp::cuda::peer {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr size_t kChunkTarget = 32 * 1024;  // bytes per CTA before the CTA count reaches kMaxCtas
+
+// Where each part's block sits in a message, and the split of the message between the CTAs.
+struct MessageLayout {
+  size_t offset[kMaxParts];
+  size_t total;
+  size_t chunk;  // a multiple of kAlign
+};
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t* flag_at(char* area, int sender, int cta) {
+  return reinterpret_cast<uint64_t*>(area) + sender * kMaxCtas + cta;
+}
+__device__ __forceinline__ char* slot_at(const ExchangeArgs& a, char* area, int sender) {
+  return area + kFlagBytes + (static_cast<size_t>(sender) * 2 + (a.seq & 1)) * a.slot_bytes;
+}
+// Rank k's block of part i in this rank's send buffer (all-gather: the one block every rank gets).
+__device__ __forceinline__ const char* send_block(const ExchangeArgs& a, int i, int k) {
+  const char* s = static_cast<const char*>(a.parts[i].send);
+  return a.kind == Kind::kAllToAll ? s + static_cast<size_t>(k) * a.parts[i].bytes : s;
+}
+// Where rank k's block of part i lands in this rank's receive buffer.
+__device__ __forceinline__ char* recv_block(const ExchangeArgs& a, int i, int k) {
+  return static_cast<char*>(a.parts[i].recv) + static_cast<size_t>(k) * a.parts[i].bytes;
+}
+
+// The CTA's threads copy n bytes, 16 at a time where both ends and n allow it (4 loads in flight per thread).
+__device__ void copy_bytes(char* __restrict__ dst, const char* __restrict__ src, size_t n) {
+  const int tid = threadIdx.x;
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n;
+  if ((bits & 15) == 0) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    const size_t m = n / 16;
+    size_t i = tid;
+    for (; i + 3 * kThreads < m; i += 4 * kThreads) {
+      const uint4 v0 = s[i], v1 = s[i + kThreads], v2 = s[i + 2 * kThreads], v3 = s[i + 3 * kThreads];
+      d[i] = v0;
+      d[i + kThreads] = v1;
+      d[i + 2 * kThreads] = v2;
+      d[i + 3 * kThreads] = v3;
+    }
+    for (; i < m; i += kThreads) d[i] = s[i];
+  } else if ((bits & 3) == 0) {
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+    for (size_t i = tid; i < n / 4; i += kThreads) d[i] = s[i];
+  } else {
+    for (size_t i = tid; i < n; i += kThreads) dst[i] = src[i];
+  }
+}
+
+// Calls body(i, from, to) for each part i whose block overlaps the message range [lo, hi), with the overlap as
+// byte offsets into the part's block.
+template <typename Body>
+__device__ __forceinline__ void for_pieces(const ExchangeArgs& a, const MessageLayout& m, size_t lo, size_t hi,
+                                           Body body) {
+  for (int i = 0; i < a.num_parts; ++i) {
+    const size_t b0 = m.offset[i], b1 = b0 + a.parts[i].bytes;
+    const size_t x0 = lo > b0 ? lo : b0, x1 = hi < b1 ? hi : b1;
+    if (x0 < x1) body(i, x0 - b0, x1 - b0, x0);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) peer_exchange_kernel(const ExchangeArgs a, const MessageLayout m) {
+  const int c = blockIdx.x;
+  const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
+  char* own = a.areas[a.rank];
+  // 1. This rank's range: its own block into recv, every peer's block into that peer's slot for this rank.
+  for (int k = 0; k < a.size; ++k) {
+    char* slot = k == a.rank ? nullptr : slot_at(a, a.areas[k], a.rank);
+    for_pieces(a, m, lo, hi, [&](int i, size_t from, size_t to, size_t at) {
+      copy_bytes(k == a.rank ? recv_block(a, i, k) + from : slot + at, send_block(a, i, k) + from, to - from);
+    });
+  }
+  __syncthreads();
+  __shared__ int delivered;
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // the CTA's stores above (ordered by the barrier) before the flags
+    for (int k = 0; k < a.size; ++k) {
+      if (k != a.rank) st_release_sys(flag_at(a.areas[k], a.rank, c), a.seq);
+    }
+    // 2. Every peer's range c in this rank's slots (bounded).
+    delivered = 1;
+    const uint64_t t0 = global_timer_ns();
+    for (int k = 0; k < a.size && delivered; ++k) {
+      if (k == a.rank) continue;
+      const uint64_t* flag = flag_at(own, k, c);
+      for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
+        if ((spins & 255) == 0 && (*a.abort_word != 0 || global_timer_ns() - t0 > a.timeout_ns)) {
+          *reinterpret_cast<volatile int32_t*>(a.error_word) = 1 + k;
+          __threadfence_system();
+          delivered = 0;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (!delivered) return;
+  // 3. The peers' blocks from this rank's slots into recv.
+  for (int k = 0; k < a.size; ++k) {
+    if (k == a.rank) continue;
+    const char* slot = slot_at(a, own, k);
+    for_pieces(a, m, lo, hi, [&](int i, size_t from, size_t to, size_t at) {
+      copy_bytes(recv_block(a, i, k) + from, slot + at, to - from);
+    });
+  }
+}
+
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+size_t message_bytes(const Part* parts, int num_parts) {
+  size_t total = 0;
+  for (int i = 0; i < num_parts; ++i) total += align_up(parts[i].bytes);
+  return total;
+}
+
+size_t area_bytes(int size, size_t slot_bytes) { return kFlagBytes + static_cast<size_t>(size) * 2 * slot_bytes; }
+
+cudaError_t launch_exchange(const ExchangeArgs& args, cudaStream_t stream) {
+  if (args.num_parts < 1 || args.num_parts > kMaxParts || args.size < 2 || args.size > kMaxRanks) {
+    return cudaErrorInvalidValue;
+  }
+  MessageLayout m{};
+  for (int i = 0; i < args.num_parts; ++i) {
+    m.offset[i] = m.total;
+    m.total += align_up(args.parts[i].bytes);
+  }
+  if (m.total == 0 || m.total > args.slot_bytes) return cudaErrorInvalidValue;
+  const size_t ctas0 = std::min<size_t>(kMaxCtas, (m.total + kChunkTarget - 1) / kChunkTarget);
+  m.chunk = align_up((m.total + ctas0 - 1) / ctas0);
+  const unsigned ctas = static_cast<unsigned>((m.total + m.chunk - 1) / m.chunk);
+  peer_exchange_kernel<<<ctas, kThreads, 0, stream>>>(args, m);
+  return cudaGetLastError();
+}
+
+}  // namespace dsacp::cuda::peer
