@@ -118,6 +118,7 @@ struct Measure {
   double step_ms = 0;
   StepPhaseTimes phases;  // rank 0, per step (averaged over the timed reps)
   double comm_busy_ms = 0, comm_enqueue_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
+  double collectives = 0, peer_collectives = 0;  // rank 0, per step: all, and those by the peer exchange
   size_t kv_bytes_per_gpu = 0;
 };
 
@@ -127,9 +128,9 @@ std::string measure_json(const Measure& m) {
   std::snprintf(buf, sizeof buf,
                 "{\"step_ms\":%.4f,\"kv_ms\":%.4f,\"topk_ms\":%.4f,\"attention_ms\":%.4f,\"comm_busy_ms\":%.4f,"
                 "\"comm_enqueue_ms\":%.4f,\"comm_wait_ms\":%.4f,\"comm_bytes\":%.0f,\"overlap\":%.3f,"
-                "\"kv_bytes_per_gpu\":%zu}",
+                "\"collectives\":%.1f,\"peer_collectives\":%.1f,\"kv_bytes_per_gpu\":%zu}",
                 m.step_ms, m.phases.kv_ms, m.phases.topk_ms, m.phases.attention_ms, m.comm_busy_ms, m.comm_enqueue_ms,
-                m.comm_wait_ms, m.comm_bytes, overlap, m.kv_bytes_per_gpu);
+                m.comm_wait_ms, m.comm_bytes, overlap, m.collectives, m.peer_collectives, m.kv_bytes_per_gpu);
   return buf;
 }
 
@@ -263,6 +264,8 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       m.comm_enqueue_ms += s.enqueue_ms;
       m.comm_wait_ms += s.wait_ms;
       m.comm_bytes += static_cast<double>(s.bytes);
+      m.collectives += static_cast<double>(s.collectives);
+      m.peer_collectives += static_cast<double>(s.peer_collectives);
     }
   }
   scale_phases(m.phases, reps);
@@ -270,6 +273,8 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   m.comm_enqueue_ms /= reps;
   m.comm_wait_ms /= reps;
   m.comm_bytes /= reps;
+  m.collectives /= reps;
+  m.peer_collectives /= reps;
   m.step_ms = median(times);
   on_ranks(Pt, [&](int cr) { comms[cr] = OwnedCpComms{}; });
   return m;

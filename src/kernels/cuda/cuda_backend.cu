@@ -425,6 +425,7 @@ class CudaBackend final : public Backend {
     const int32_t* h_key_len = p.host_key_len;
     cuda::IndexerPlan plan;
     Lane& ln = lane();
+    const int64_t* d_offsets = nullptr;
     {
       TraceScope plan_trace(trace_, "indexer_topk: plan + upload");
       if (h_request == nullptr || h_key_len == nullptr) {
@@ -443,21 +444,28 @@ class CudaBackend final : public Backend {
       }
       TraceScope t3(trace_, "indexer_topk: plan upload");
       DSACP_RETURN_IF_ERROR(ln.plan_items.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
-      DSACP_RETURN_IF_ERROR(ln.plan_groups.reserve(std::max<size_t>(1, plan.groups.size()) * sizeof(cuda::ScoreGroup)));
-      DSACP_RETURN_IF_ERROR(ln.plan_offsets.reserve(std::max<size_t>(1, plan.score_offset.size()) * sizeof(int64_t)));
+      // The groups and the score offsets go up in one copy (one pinned-ring slot, one DMA): [groups | offsets].
+      const size_t groups_bytes = plan.groups.size() * sizeof(cuda::ScoreGroup);
+      const size_t offsets_at = (groups_bytes + 255) / 256 * 256;
+      const size_t plan_bytes = offsets_at + plan.score_offset.size() * sizeof(int64_t);
+      DSACP_RETURN_IF_ERROR(ln.plan_upload.reserve(std::max<size_t>(1, plan_bytes)));
       DSACP_RETURN_IF_ERROR(ln.scores.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
-      DSACP_RETURN_IF_ERROR(
-          copy_to_device(ln.plan_groups.ptr, plan.groups.data(), plan.groups.size() * sizeof(cuda::ScoreGroup)));
-      DSACP_RETURN_IF_ERROR(
-          copy_to_device(ln.plan_offsets.ptr, plan.score_offset.data(), plan.score_offset.size() * sizeof(int64_t)));
-      DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(static_cast<const cuda::ScoreGroup*>(ln.plan_groups.ptr),
+      ln.plan_host.resize(plan_bytes);
+      if (groups_bytes > 0) std::memcpy(ln.plan_host.data(), plan.groups.data(), groups_bytes);
+      if (plan_bytes > offsets_at) {
+        std::memcpy(ln.plan_host.data() + offsets_at, plan.score_offset.data(), plan_bytes - offsets_at);
+      }
+      DSACP_RETURN_IF_ERROR(copy_to_device(ln.plan_upload.ptr, ln.plan_host.data(), plan_bytes));
+      const auto* d_groups = static_cast<const cuda::ScoreGroup*>(ln.plan_upload.ptr);
+      d_offsets = reinterpret_cast<const int64_t*>(static_cast<const char*>(ln.plan_upload.ptr) + offsets_at);
+      DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(d_groups,
                                                             static_cast<int64_t>(plan.groups.size()),
                                                             static_cast<cuda::ScoreItem*>(ln.plan_items.ptr),
                                                             plan.num_items, ctx(nullptr)));
     }
     cuda::IndexerPlanDevice dev;
     dev.items = static_cast<const cuda::ScoreItem*>(ln.plan_items.ptr);
-    dev.score_offset = static_cast<const int64_t*>(ln.plan_offsets.ptr);
+    dev.score_offset = d_offsets;
     dev.scores = static_cast<float*>(ln.scores.ptr);
     const cuda::timeline::Span span = cuda::timeline::open(device_, ln.stream);
     DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx("indexer_topk")));
@@ -597,13 +605,14 @@ class CudaBackend final : public Backend {
   // A lane: its stream and the scratch its kernels use (each lane its own, so the lanes' work can overlap).
   struct Lane {
     cudaStream_t stream = nullptr;
-    Scratch plan_items, plan_groups, plan_offsets, scores, mla_ws;
+    Scratch plan_items, plan_upload, scores, mla_ws;
+    std::vector<char> plan_host;  // the indexer plan's upload, staged
     void set_stream(cudaStream_t s) {
       stream = s;
-      for (Scratch* x : {&plan_items, &plan_groups, &plan_offsets, &scores, &mla_ws}) x->stream = s;
+      for (Scratch* x : {&plan_items, &plan_upload, &scores, &mla_ws}) x->stream = s;
     }
     void release() {
-      for (Scratch* x : {&plan_items, &plan_groups, &plan_offsets, &scores, &mla_ws}) x->release();
+      for (Scratch* x : {&plan_items, &plan_upload, &scores, &mla_ws}) x->release();
     }
   };
 

@@ -1,5 +1,5 @@
-// The peer exchange kernel (peer_exchange.h): one launch per all-gather / all-to-all, CTA c moving byte range c
-// of the message to every peer, then waiting for every peer's range c.
+// The peer exchange kernels (peer_exchange.h): per all-gather / all-to-all, a put (CTA c stores byte range c of
+// the message into every peer and raises its flag), a one-CTA wait for every peer's flags, and an unpack.
 #include "kernels/cuda/comm/peer_exchange.h"
 
 #include <cuda_runtime.h>
@@ -87,11 +87,12 @@ __device__ __forceinline__ void for_pieces(const ExchangeArgs& a, const MessageL
   }
 }
 
-__global__ void __launch_bounds__(kThreads) peer_exchange_kernel(const ExchangeArgs a, const MessageLayout m) {
+// 1. Put: CTA c stores its range of this rank's blocks into every peer's slot for this rank (and its own block
+// into recv), then raises its flag in every peer's area. No waiting: CTAs that run alongside other kernels (a
+// gather during the indexer) finish as soon as they are scheduled.
+__global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a, const MessageLayout m) {
   const int c = blockIdx.x;
   const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
-  char* own = a.areas[a.rank];
-  // 1. This rank's range: its own block into recv, every peer's block into that peer's slot for this rank.
   for (int k = 0; k < a.size; ++k) {
     char* slot = k == a.rank ? nullptr : slot_at(a, a.areas[k], a.rank);
     for_pieces(a, m, lo, hi, [&](int i, size_t from, size_t to, size_t at) {
@@ -99,34 +100,41 @@ __global__ void __launch_bounds__(kThreads) peer_exchange_kernel(const ExchangeA
     });
   }
   __syncthreads();
-  __shared__ int delivered;
   if (threadIdx.x == 0) {
     __threadfence_system();  // the CTA's stores above (ordered by the barrier) before the flags
     for (int k = 0; k < a.size; ++k) {
       if (k != a.rank) st_release_sys(flag_at(a.areas[k], a.rank, c), a.seq);
     }
-    // 2. Every peer's range c in this rank's slots (bounded).
-    delivered = 1;
-    const uint64_t t0 = global_timer_ns();
-    for (int k = 0; k < a.size && delivered; ++k) {
-      if (k == a.rank) continue;
-      const uint64_t* flag = flag_at(own, k, c);
-      for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
-        if ((spins & 255) == 0 && (*a.abort_word != 0 || global_timer_ns() - t0 > a.timeout_ns)) {
-          *reinterpret_cast<volatile int32_t*>(a.error_word) = 1 + k;
-          __threadfence_system();
-          delivered = 0;
-          break;
-        }
+  }
+}
+
+// 2. Wait: one CTA, a thread per (peer, CTA) flag, bounded by the timeout and the host's abort word. The only
+// kernel of the exchange that waits, so a late peer holds one CTA's slot, not the put's or the unpack's.
+__global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs a, int ctas) {
+  char* own = a.areas[a.rank];
+  const uint64_t t0 = global_timer_ns();
+  for (int f = threadIdx.x; f < a.size * ctas; f += kThreads) {
+    const int k = f / ctas, c = f % ctas;
+    if (k == a.rank) continue;
+    const uint64_t* flag = flag_at(own, k, c);
+    for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
+      if ((spins & 255) == 0 && (*a.abort_word != 0 || global_timer_ns() - t0 > a.timeout_ns)) {
+        *reinterpret_cast<volatile int32_t*>(a.error_word) = 1 + k;
+        __threadfence_system();
+        return;
       }
     }
   }
-  __syncthreads();
-  if (!delivered) return;
-  // 3. The peers' blocks from this rank's slots into recv.
+}
+
+// 3. Unpack: the peers' blocks from this rank's slots into recv (after the wait, in stream order; after a failed
+// wait it copies whatever the slots hold, and the collective reports the error).
+__global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArgs a, const MessageLayout m) {
+  const int c = blockIdx.x;
+  const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
   for (int k = 0; k < a.size; ++k) {
     if (k == a.rank) continue;
-    const char* slot = slot_at(a, own, k);
+    const char* slot = slot_at(a, a.areas[a.rank], k);
     for_pieces(a, m, lo, hi, [&](int i, size_t from, size_t to, size_t at) {
       copy_bytes(recv_block(a, i, k) + from, slot + at, to - from);
     });
@@ -158,7 +166,9 @@ cudaError_t launch_exchange(const ExchangeArgs& args, cudaStream_t stream) {
   const size_t ctas0 = std::min<size_t>(kMaxCtas, (m.total + kChunkTarget - 1) / kChunkTarget);
   m.chunk = align_up((m.total + ctas0 - 1) / ctas0);
   const unsigned ctas = static_cast<unsigned>((m.total + m.chunk - 1) / m.chunk);
-  peer_exchange_kernel<<<ctas, kThreads, 0, stream>>>(args, m);
+  peer_put_kernel<<<ctas, kThreads, 0, stream>>>(args, m);
+  peer_wait_kernel<<<1, kThreads, 0, stream>>>(args, static_cast<int>(ctas));
+  peer_unpack_kernel<<<ctas, kThreads, 0, stream>>>(args, m);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,7 @@
-// Peer exchange: all-gathers and all-to-alls between the GPUs of one machine done by one kernel per rank that
-// stores its blocks straight into the peers' memory (NVLink) and waits for theirs, with no NCCL call. The NCCL
+// Peer exchange: all-gathers and all-to-alls between the GPUs of one machine done by dsacp's own kernels: each
+// rank stores its blocks straight into the peers' memory (NVLink), one CTA waits for theirs, and they are
+// unpacked into the receive buffer; no NCCL call. Only the wait kernel ever waits, on one CTA, so an exchange
+// launched beside a long kernel (the decode queries' gather during the indexer) does not hold SMs from it. The NCCL
 // communicator uses it for messages up to its slot size (the decode step's candidates, partial outputs and
 // queries: 0.5-8 MiB), where NCCL's per-collective latency (24 us for 1 MiB, 47 for 4 MiB on the H200 pair)
 // is most of the time; larger messages keep NCCL.
@@ -9,13 +11,13 @@
 //   flags [kMaxRanks senders][kMaxCtas] uint64: sender s's CTA c stores the exchange's sequence number there
 //         (release, system scope) after its stores into this area;
 //   data  [size senders][2 parities][slot_bytes]: sender s's message of exchange `seq` in parity seq & 1.
-// CTA c of every rank moves byte range c of the message, so the receiver's CTA c waits only for the sender's
-// CTA c. Two parities make the area safe without any reset: a sender writes parity p at exchange seq only after
-// its exchange seq - 1 saw the receiver's flags of seq - 1, which the receiver's kernel of seq - 1 stored after
-// its kernel of seq - 2 (the last reader of parity p) had ended (one stream per communicator).
+// The put's CTA c moves byte range c of the message and raises flag c. Two parities make the area safe without
+// any reset: a sender writes parity p at exchange seq only after its wait of seq - 1 saw the receiver's flags of
+// seq - 1, which the receiver's put of seq - 1 stored after its unpack of seq - 2 (the last reader of parity p)
+// had ended (one stream per communicator).
 //
-// A wait is bounded: past timeout_ns, or once the host raises the abort word, the kernel stores 1 + the late
-// peer's rank in the error word (host memory) and ends; the host turns that into the collective's error.
+// The wait is bounded: past timeout_ns, or once the host raises the abort word, it stores 1 + the late peer's
+// rank in the error word (host memory) and ends; the host turns that into the collective's error.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -55,7 +57,7 @@ struct ExchangeArgs {
 size_t message_bytes(const Part* parts, int num_parts);
 // Bytes of one rank's area for `size` ranks and slots of slot_bytes.
 size_t area_bytes(int size, size_t slot_bytes);
-// Enqueues the exchange on `stream`. The message must fit a slot (message_bytes <= slot_bytes).
+// Enqueues the exchange (put, wait, unpack) on `stream`. The message must fit a slot (message_bytes <= slot_bytes).
 cudaError_t launch_exchange(const ExchangeArgs& args, cudaStream_t stream);
 
 }  // namespace dsacp::cuda::peer
