@@ -668,8 +668,9 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
 
   // topk_merge (device bitonic merge; host merge past 16384 candidates per row): parts of ascending local rows
   // with scores full of ties, NaN and -inf, garbage after a part's first -1 (ignored, as on the CPU).
+  // narrow: distinct scores in [1.499, 1.501) (the candidates share their leading bytes, as a real row's do).
   auto merge_case = [&](int Pt, int Km, int64_t mrows, int I, uint64_t seed, const std::string& name,
-                        bool shuffled = false) {
+                        bool shuffled = false, bool narrow = false) {
     std::vector<int32_t> part_topk(static_cast<size_t>(Pt) * mrows * Km, -1);
     std::vector<float> part_scores(part_topk.size(), -INFINITY);
     for (int s = 0; s < Pt; ++s) {
@@ -679,7 +680,10 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
         for (int i = 0; i < m; ++i) {
           part_topk[base + i] = i * 2 + static_cast<int>(mix(seed + 7 * i) % 2);  // ascending local positions
           const uint64_t h = mix(seed * 3 + base + i);
-          part_scores[base + i] = h % 97 == 0 ? NAN : h % 89 == 0 ? -INFINITY : std::round(8.f * uni(seed, base + i));
+          part_scores[base + i] = narrow        ? 1.5f + 0.001f * uni(seed, base + i)
+                                  : h % 97 == 0 ? NAN
+                                  : h % 89 == 0 ? -INFINITY
+                                                : std::round(8.f * uni(seed, base + i));
         }
         for (int i = m - 1; shuffled && i > 0; --i) {  // not the canonical ascending order
           const size_t j = base + mix(seed + 31 * i) % (i + 1);
@@ -727,6 +731,8 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
   };
   merge_case(3, K, rows, 4, 960, "topk_merge 3 parts K=100 with ties");
   merge_case(2, 2048, 64, 64, 970, "topk_merge 2 parts K=2048 (device)");
+  merge_case(2, 2048, 64, 64, 975, "topk_merge 2 parts K=2048, distinct scores sharing leading bytes", false, true);
+  merge_case(4, 2048, 16, 1, 977, "topk_merge 4 parts K=2048, distinct scores sharing leading bytes", false, true);
   merge_case(8, 2048, 9, 1, 980, "topk_merge 8 parts K=2048 (device, 192 KB shared)");
   merge_case(16, 2048, 5, 3, 990, "topk_merge 16 parts K=2048 (host fallback)");
   merge_case(2, 512, 16, 3, 995, "topk_merge 2 parts K=512, positions not ascending (sort fallback)", true);
