@@ -295,12 +295,13 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
   std::vector<std::string> rows;
   CpLayout l = layout_of(n, 1, IndexerMode::kSharded);
   std::vector<OwnedCpComms> comms = make_comms(be, l);
-  std::printf("\n%-10s %12s %10s %10s %10s %12s\n", "op", "size", "time us", "algbw GB/s", "busbw GB/s",
-              "one-by-one us");
+  std::printf("\n%-10s %12s %10s %10s %10s %12s  %s\n", "op", "size", "time us", "algbw GB/s", "busbw GB/s",
+              "one-by-one us", "via");
   for (const char* op : {"all_gather", "all_to_all"}) {
     for (size_t size = size_t{1} << 20; size <= (size_t{1} << 30); size <<= (quick ? 4 : 1)) {
       const size_t per_rank = size / n;
       std::vector<double> us(static_cast<size_t>(n)), single_us(static_cast<size_t>(n));
+      comms[0].world->reset_stats();
       on_ranks(n, [&](int r) {
         DeviceBuffer send = take(be[r]->allocate(size), "allocate"), recv = take(be[r]->allocate(size), "allocate");
         Communicator& c = *comms[r].world;
@@ -333,12 +334,14 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
       const double algbw = static_cast<double>(size) / (t * 1e-6) / 1e9;
       const double bus = algbw * (n - 1) / n;
       const double single = *std::max_element(single_us.begin(), single_us.end());
-      std::printf("%-10s %12zu %10.1f %10.1f %10.1f %12.1f\n", op, size, t, algbw, bus, single);
-      char buf[240];
+      // Which transport moved it: the communicator's peer exchange (sizes that fit its slot) or NCCL.
+      const char* via = comms[0].world->stats().peer_collectives > 0 ? "peer" : "nccl";
+      std::printf("%-10s %12zu %10.1f %10.1f %10.1f %12.1f  %s\n", op, size, t, algbw, bus, single, via);
+      char buf[260];
       std::snprintf(buf, sizeof buf,
                     "{\"op\":\"%s\",\"ranks\":%d,\"bytes\":%zu,\"us\":%.2f,\"algbw\":%.2f,\"busbw\":%.2f,"
-                    "\"single_us\":%.2f}",
-                    op, n, size, t, algbw, bus, single);
+                    "\"single_us\":%.2f,\"via\":\"%s\"}",
+                    op, n, size, t, algbw, bus, single, via);
       rows.push_back(buf);
     }
   }
