@@ -258,8 +258,8 @@ class NcclComm;
 
 class NcclHandle final : public CollectiveHandle {
  public:
-  NcclHandle(NcclComm* comm, cudaEvent_t start, cudaEvent_t end, const char* what)
-      : comm_(comm), start_(start), end_(end), label_(what), what_(what) {}
+  NcclHandle(NcclComm* comm, cudaEvent_t start, cudaEvent_t end, const char* what, cudaStream_t stream)
+      : comm_(comm), start_(start), end_(end), label_(what), what_(what), stream_(stream) {}
   ~NcclHandle() override;
   Status wait() override;
   bool order_before(void* stream) override;
@@ -269,6 +269,7 @@ class NcclHandle final : public CollectiveHandle {
   cudaEvent_t start_, end_;
   const char* label_;  // a literal
   std::string what_;
+  cudaStream_t stream_;  // where the collective was enqueued
   bool waited_ = false;
   Status result_;
 };
@@ -286,6 +287,7 @@ class NcclComm final : public NcclCommunicator {
     std::lock_guard<std::mutex> lock(g_destroy_mu);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     if (producer_ready_ != nullptr) (void)cudaEventDestroy(producer_ready_);
+    if (last_peer_end_ != nullptr) (void)cudaEventDestroy(last_peer_end_);
     release_peer_exchange();
     (void)cudaFree(flag_);
     (void)cudaStreamDestroy(stream_);
@@ -685,12 +687,29 @@ class NcclComm final : public NcclCommunicator {
     a.abort_word = peer_words_dev_;
     a.error_word = const_cast<int32_t*>(peer_words_dev_);
     ++stats_.peer_collectives;
-    return launch(what, sent, [&] {
+    // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
+    // exchanges of this communicator must still run one after another (the area's parity argument): an
+    // exchange on another stream than the last one waits for the last one's end.
+    const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
+                                                                : stream_;
+    if (last_peer_stream_ != nullptr && last_peer_stream_ != on) {
+      const cudaError_t e = cudaStreamWaitEvent(on, last_peer_end_, 0);
+      if (e != cudaSuccess) return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+    }
+    auto h = launch(what, sent, [&] {
       a.seq = ++peer_seq_;  // only exchanges that launch count, the same on every rank
-      if (cuda::peer::launch_exchange(a, stream_) == cudaSuccess) return ncclSuccess;
+      if (cuda::peer::launch_exchange(a, on) == cudaSuccess) return ncclSuccess;
       (void)cudaGetLastError();
       return ncclUnhandledCudaError;
-    }, a.num_parts == 0);
+    }, a.num_parts == 0, on);
+    if (h.ok() && a.num_parts > 0) {
+      cudaError_t e = last_peer_end_ == nullptr ? cudaEventCreateWithFlags(&last_peer_end_, cudaEventDisableTiming)
+                                                : cudaSuccess;
+      if (e == cudaSuccess) e = cudaEventRecord(last_peer_end_, on);
+      if (e != cudaSuccess) return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+      last_peer_stream_ = on;
+    }
+    return h;
   }
 
   cudaError_t take_event(cudaEvent_t* e) {
@@ -710,29 +729,32 @@ class NcclComm final : public NcclCommunicator {
   }
 
  private:
+  // Enqueues a collective on the communicator's stream, after the producer stream's work so far; with `on`
+  // (the peer exchange), on that stream itself, in line with the producer's kernels (no cross-stream hops).
   template <typename Enqueue>
   Result<std::unique_ptr<CollectiveHandle>> launch(const char* what, size_t sent_bytes, Enqueue enqueue,
-                                                   bool empty = false) {
+                                                   bool empty = false, cudaStream_t on = nullptr) {
     DSACP_RETURN_IF_ERROR(usable());
     const auto t0 = Clock::now();
     cudaError_t e = cudaSetDevice(options_.device);
     cudaEvent_t start = nullptr, end = nullptr;
     if (e == cudaSuccess) e = take_event(&start);
     if (e == cudaSuccess) e = take_event(&end);
-    if (e == cudaSuccess && options_.producer_stream != nullptr) {
+    const cudaStream_t stream = on != nullptr ? on : stream_;
+    if (e == cudaSuccess && on == nullptr && options_.producer_stream != nullptr) {
       // Start after the producer's work so far (its kernels may still run: deferred errors).
       if (producer_ready_ == nullptr) e = cudaEventCreateWithFlags(&producer_ready_, cudaEventDisableTiming);
       if (e == cudaSuccess) e = cudaEventRecord(producer_ready_, static_cast<cudaStream_t>(options_.producer_stream));
       if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, producer_ready_, 0);
     }
-    if (e == cudaSuccess) e = cudaEventRecord(start, stream_);
+    if (e == cudaSuccess) e = cudaEventRecord(start, stream);
     if (e != cudaSuccess) {
       give_back_events(start, end);
       return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
     }
     const std::string name = std::string("rank ") + std::to_string(rank_) + ": " + what;
     Status s;
-    const cuda::timeline::Span span = cuda::timeline::open(options_.device, stream_);
+    const cuda::timeline::Span span = cuda::timeline::open(options_.device, stream);
     if (!empty) {
       const ncclResult_t r = enqueue();
       if (r == ncclInProgress) {
@@ -742,10 +764,10 @@ class NcclComm final : public NcclCommunicator {
       }
     }
     if (s.ok()) {
-      e = cudaEventRecord(end, stream_);
+      e = cudaEventRecord(end, stream);
       if (e != cudaSuccess) s = cuda_error(e, name);
     }
-    cuda::timeline::close(options_.device, span, stream_, what, "nccl");
+    cuda::timeline::close(options_.device, span, stream, what, on != nullptr ? "peer" : "nccl");
     if (!s.ok()) {
       fail(s.message());
       give_back_events(start, end);
@@ -754,7 +776,7 @@ class NcclComm final : public NcclCommunicator {
     stats_.enqueue_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     ++stats_.collectives;
     stats_.bytes += static_cast<int64_t>(sent_bytes);
-    return std::unique_ptr<CollectiveHandle>(new NcclHandle(this, start, end, what));
+    return std::unique_ptr<CollectiveHandle>(new NcclHandle(this, start, end, what, stream));
   }
 
   ncclComm_t comm_;
@@ -776,6 +798,8 @@ class NcclComm final : public NcclCommunicator {
   volatile int32_t* peer_words_ = nullptr;
   int32_t* peer_words_dev_ = nullptr;
   uint64_t peer_seq_ = 0;
+  cudaStream_t last_peer_stream_ = nullptr;  // where the last exchange ran, and its end
+  cudaEvent_t last_peer_end_ = nullptr;
 };
 
 NcclHandle::~NcclHandle() {
@@ -785,6 +809,7 @@ NcclHandle::~NcclHandle() {
 
 bool NcclHandle::order_before(void* stream) {
   if (waited_) return true;  // already complete
+  if (static_cast<cudaStream_t>(stream) == stream_) return true;  // enqueued there: in order already
   if (cudaSetDevice(comm_->device()) != cudaSuccess ||
       cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), end_, 0) != cudaSuccess) {
     (void)cudaGetLastError();

@@ -121,70 +121,18 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   // Radix select: winners are the nonzero keys with (key & mask) >= prefix.
   uint64_t prefix = 0, mask = 0;
   if (valid > K) {
-    // The leading bytes every candidate shares (a row's scores have similar magnitudes: usually the top one or
-    // two) are taken as they are; the passes start at the first byte where candidates differ.
-    uint64_t all_and = ~uint64_t{0}, all_or = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint64_t k = keys[i];
-      if (k != 0) {
-        all_and &= k;
-        all_or |= k;
-      }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    uint32_t and_hi = __reduce_and_sync(0xffffffffu, static_cast<uint32_t>(all_and >> 32));
-    uint32_t and_lo = __reduce_and_sync(0xffffffffu, static_cast<uint32_t>(all_and));
-    uint32_t or_hi = __reduce_or_sync(0xffffffffu, static_cast<uint32_t>(all_or >> 32));
-    uint32_t or_lo = __reduce_or_sync(0xffffffffu, static_cast<uint32_t>(all_or));
-    __shared__ uint32_t red[4][32];
-    if (lane == 0) {
-      red[0][warp] = and_hi;
-      red[1][warp] = and_lo;
-      red[2][warp] = or_hi;
-      red[3][warp] = or_lo;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      const int warps = blockDim.x >> 5;
-      and_hi = __reduce_and_sync(0xffffffffu, lane < warps ? red[0][lane] : ~0u);
-      and_lo = __reduce_and_sync(0xffffffffu, lane < warps ? red[1][lane] : ~0u);
-      or_hi = __reduce_or_sync(0xffffffffu, lane < warps ? red[2][lane] : 0u);
-      or_lo = __reduce_or_sync(0xffffffffu, lane < warps ? red[3][lane] : 0u);
-      if (lane == 0) {
-        red[0][0] = and_hi;
-        red[1][0] = and_lo;
-        red[2][0] = or_hi;
-        red[3][0] = or_lo;
-      }
-    }
-    __syncthreads();
-    const uint64_t same = ~((static_cast<uint64_t>(red[0][0]) << 32 | red[1][0]) ^
-                           (static_cast<uint64_t>(red[2][0]) << 32 | red[3][0]));
-    int first_byte = 7;
-    while (first_byte > 0 && ((same >> (8 * first_byte)) & 0xFF) == 0xFF) {
-      mask |= uint64_t{0xFF} << (8 * first_byte);
-      --first_byte;
-    }
-    prefix = (static_cast<uint64_t>(red[2][0]) << 32 | red[3][0]) & mask;
     int need = K;
-    for (int byte = first_byte; byte >= 0; --byte) {
+    for (int byte = 7; byte >= 0; --byte) {
       for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
       __syncthreads();
       const int shift = 8 * byte;
-      // Warp-aggregated: the lanes of a warp with the same digit add once (a row's candidates crowd few bins).
-      for (int base = 0; base < n; base += blockDim.x) {
-        const int i = base + threadIdx.x;
-        const uint64_t k = i < n ? keys[i] : 0;
-        const bool counted = k != 0 && (k & mask) == prefix;
-        const unsigned active = __ballot_sync(0xffffffffu, counted);
-        if (counted) {
-          const unsigned digit = static_cast<unsigned>(k >> shift) & 0xFF;
-          const unsigned peers = __match_any_sync(active, digit);
-          if (lane == __ffs(peers) - 1) atomicAdd(&hist[digit], static_cast<unsigned>(__popc(peers)));
-        }
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const uint64_t k = keys[i];
+        if (k != 0 && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 0xFF], 1u);
       }
       __syncthreads();
       if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
         int local = 0;
         for (int j = 0; j < 8; ++j) local += static_cast<int>(hist[lane * 8 + j]);
         int incl = local;  // bins of lanes >= lane
