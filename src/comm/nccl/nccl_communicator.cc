@@ -288,6 +288,8 @@ class NcclComm final : public NcclCommunicator {
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     if (producer_ready_ != nullptr) (void)cudaEventDestroy(producer_ready_);
     if (last_peer_end_ != nullptr) (void)cudaEventDestroy(last_peer_end_);
+    print_stamps();
+    if (peer_stamps_ != nullptr) (void)cudaFree(peer_stamps_);
     release_peer_exchange();
     (void)cudaFree(flag_);
     (void)cudaStreamDestroy(stream_);
@@ -622,7 +624,38 @@ class NcclComm final : public NcclCommunicator {
       return Status();
     }
     peer_ready_ = true;
+    const char* stamps = std::getenv("DSACP_PEER_STAMPS");
+    if (stamps != nullptr && std::string(stamps) == "1") {
+      const size_t bytes = sizeof(unsigned long long) * cuda::peer::kStampRing * cuda::peer::kStamps;
+      if (cudaMalloc(&peer_stamps_, bytes) != cudaSuccess) peer_stamps_ = nullptr;
+      reset_stamps();
+    }
     return Status();
+  }
+
+  // DSACP_PEER_STAMPS=1: each exchange's phases (put, wait, unpack) from the kernels' global timer.
+  void reset_stamps() {
+    if (peer_stamps_ == nullptr) return;
+    std::vector<unsigned long long> init(cuda::peer::kStampRing * cuda::peer::kStamps);
+    for (size_t i = 0; i < init.size(); ++i) init[i] = i % 2 == 0 ? ~0ull : 0ull;
+    (void)cudaMemcpy(peer_stamps_, init.data(), init.size() * sizeof(init[0]), cudaMemcpyHostToDevice);
+  }
+  void print_stamps() {
+    if (peer_stamps_ == nullptr) return;
+    std::vector<unsigned long long> st(cuda::peer::kStampRing * cuda::peer::kStamps);
+    if (cudaMemcpy(st.data(), peer_stamps_, st.size() * sizeof(st[0]), cudaMemcpyDeviceToHost) != cudaSuccess) return;
+    std::string out = "peer exchange stamps, rank " + std::to_string(rank_) + " (us from put start: put end, wait start, wait end, unpack start, unpack end):\n";
+    const uint64_t last = std::min<uint64_t>(peer_seq_, cuda::peer::kStampRing - 1);
+    for (uint64_t q = last > 24 ? last - 23 : 1; q <= last; ++q) {
+      const unsigned long long* x = st.data() + q * cuda::peer::kStamps;
+      if (x[0] == ~0ull) continue;
+      char line[200];
+      auto us = [&](unsigned long long t) { return (static_cast<double>(t) - static_cast<double>(x[0])) / 1000.0; };
+      std::snprintf(line, sizeof line, "  seq %llu: %.1f %.1f %.1f %.1f %.1f\n", static_cast<unsigned long long>(q), us(x[1]),
+                    us(x[2]), us(x[3]), us(x[4]), us(x[5]));
+      out += line;
+    }
+    std::fprintf(stderr, "%s", out.c_str());
   }
 
   // All-gathers one PeerInfo per rank through NCCL (creation time only).
@@ -685,6 +718,7 @@ class NcclComm final : public NcclCommunicator {
     a.slot_bytes = slot_bytes_;
     a.timeout_ns = static_cast<uint64_t>(options_.timeout.count()) * 1000000ull;
     a.abort_word = peer_words_dev_;
+    a.stamps = peer_stamps_;
     a.error_word = const_cast<int32_t*>(peer_words_dev_);
     ++stats_.peer_collectives;
     // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
@@ -798,6 +832,7 @@ class NcclComm final : public NcclCommunicator {
   volatile int32_t* peer_words_ = nullptr;
   int32_t* peer_words_dev_ = nullptr;
   uint64_t peer_seq_ = 0;
+  unsigned long long* peer_stamps_ = nullptr;  // DSACP_PEER_STAMPS=1
   cudaStream_t last_peer_stream_ = nullptr;  // where the last exchange ran, and its end
   cudaEvent_t last_peer_end_ = nullptr;
 };

@@ -33,6 +33,18 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// The diagnostic stamps: slot 2j keeps the earliest start (atomicMin), 2j + 1 the latest end (atomicMax).
+__device__ __forceinline__ void stamp(const ExchangeArgs& a, int j, bool end) {
+  if (a.stamps == nullptr || threadIdx.x != 0 || a.seq >= kStampRing) return;  // the first exchanges only
+  unsigned long long* s = a.stamps + a.seq * kStamps + 2 * j;
+  const unsigned long long t = global_timer_ns();
+  if (end) {
+    atomicMax(s + 1, t);
+  } else {
+    atomicMin(s, t);
+  }
+}
+
 __device__ __forceinline__ uint64_t* flag_at(char* area, int sender, int cta) {
   return reinterpret_cast<uint64_t*>(area) + sender * kMaxCtas + cta;
 }
@@ -93,6 +105,7 @@ __device__ __forceinline__ void for_pieces(const ExchangeArgs& a, const MessageL
 __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a, const MessageLayout m) {
   const int c = blockIdx.x;
   const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
+  stamp(a, 0, false);
   for (int k = 0; k < a.size; ++k) {
     char* slot = k == a.rank ? nullptr : slot_at(a, a.areas[k], a.rank);
     for_pieces(a, m, lo, hi, [&](int i, size_t from, size_t to, size_t at) {
@@ -106,6 +119,7 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a
       if (k != a.rank) st_release_sys(flag_at(a.areas[k], a.rank, c), a.seq);
     }
   }
+  stamp(a, 0, true);
 }
 
 // 2. Wait: one CTA, a thread per (peer, CTA) flag, bounded by the timeout and the host's abort word. The only
@@ -113,7 +127,9 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a
 __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs a, int ctas) {
   char* own = a.areas[a.rank];
   const uint64_t t0 = global_timer_ns();
-  for (int f = threadIdx.x; f < a.size * ctas; f += kThreads) {
+  stamp(a, 1, false);
+  bool failed = false;
+  for (int f = threadIdx.x; f < a.size * ctas && !failed; f += kThreads) {
     const int k = f / ctas, c = f % ctas;
     if (k == a.rank) continue;
     const uint64_t* flag = flag_at(own, k, c);
@@ -121,10 +137,13 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs 
       if ((spins & 255) == 0 && (*a.abort_word != 0 || global_timer_ns() - t0 > a.timeout_ns)) {
         *reinterpret_cast<volatile int32_t*>(a.error_word) = 1 + k;
         __threadfence_system();
-        return;
+        failed = true;
+        break;
       }
     }
   }
+  __syncthreads();
+  stamp(a, 1, true);
 }
 
 // 3. Unpack: the peers' blocks from this rank's slots into recv (after the wait, in stream order; after a failed
@@ -132,6 +151,7 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs 
 __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArgs a, const MessageLayout m) {
   const int c = blockIdx.x;
   const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
+  stamp(a, 2, false);
   for (int k = 0; k < a.size; ++k) {
     if (k == a.rank) continue;
     const char* slot = slot_at(a, a.areas[a.rank], k);
@@ -139,6 +159,8 @@ __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArg
       copy_bytes(recv_block(a, i, k) + from, slot + at, to - from);
     });
   }
+  __syncthreads();
+  stamp(a, 2, true);
 }
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }

@@ -51,7 +51,11 @@ struct ExchangeArgs {
   uint64_t timeout_ns = 0;
   const volatile int32_t* abort_word = nullptr;  // mapped host memory, raised by the host on failure
   int32_t* error_word = nullptr;                 // mapped host memory: 1 + the rank that did not deliver
+  // Diagnostic (DSACP_PEER_STAMPS=1): device memory [kStampRing][kStamps] of global-timer ns for exchanges
+  // seq < kStampRing: put first start / last end, wait start / end, unpack first start / last end.
+  unsigned long long* stamps = nullptr;
 };
+constexpr int kStampRing = 64, kStamps = 6;
 
 // Bytes a message of these parts takes in a slot (each part's block rounded up to kAlign).
 size_t message_bytes(const Part* parts, int num_parts);
