@@ -29,8 +29,8 @@ namespace dsacp::cuda::peer {
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxParts = 8;
-constexpr int kMaxCtas = 64;
-constexpr size_t kFlagBytes = sizeof(uint64_t) * kMaxRanks * kMaxCtas;  // the data starts here (4 KiB)
+constexpr int kMaxCtas = 128;
+constexpr size_t kFlagBytes = sizeof(uint64_t) * kMaxRanks * kMaxCtas;  // the data starts here (8 KiB)
 constexpr size_t kAlign = 16;  // each part's block in a message starts 16-byte aligned
 
 enum class Kind : int32_t { kAllGather = 0, kAllToAll = 1 };
