@@ -75,11 +75,12 @@ struct NcclOptions {
   // stream (Backend::native_stream()). Each collective starts after the work enqueued there before it, so
   // the producer need not synchronize first (deferred errors). Inherited by split communicators.
   void* producer_stream = nullptr;
-  // Device memory for the peer exchange (all-gathers and all-to-alls up to peer_exchange_bytes / (2 x ranks)
-  // per rank moved by dsacp's own kernel straight into the peers' memory, instead of NCCL: GPUs of one host,
-  // ranks as threads or processes). 0, or DSACP_NCCL_PEER_EXCHANGE=0 on any rank, keeps every collective with
-  // NCCL. Inherited by split communicators.
-  size_t peer_exchange_bytes = size_t{32} << 20;
+  // Device memory for the peer exchange: all-gathers and all-to-alls up to peer_exchange_bytes / (2 x ranks)
+  // per rank moved by dsacp's own kernels straight into the peers' memory instead of by NCCL (GPUs of one host,
+  // ranks as threads or processes). Off by default (0): on the H200 pair it measured no faster than NCCL in the
+  // DCP decode step (docs/design/gpu-notes.md, session 9). DSACP_NCCL_PEER_EXCHANGE=1 turns it on with 32 MiB,
+  // =0 off, whatever this field says; it is used only when every rank has it on. Inherited by split communicators.
+  size_t peer_exchange_bytes = 0;
 };
 
 class NcclCommunicator : public Communicator {

@@ -58,7 +58,7 @@ struct RankSetup {
 };
 
 // Two ranks (GPU 0 and 1) as threads, one NCCL communicator each.
-// peer: the communicators' peer exchange on (NcclOptions' default) or off (every collective through NCCL).
+// peer: the communicators' peer exchange on (32 MiB: 8 MiB slots) or off (every collective through NCCL).
 std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::shared_ptr<AbortSignal> signal,
                                       bool peer = true) {
   std::vector<RankSetup> ranks(2);
@@ -78,7 +78,7 @@ std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::sh
     o.device = r;
     o.timeout = timeout;
     o.abort_signal = signal;
-    if (!peer) o.peer_exchange_bytes = 0;
+    o.peer_exchange_bytes = peer ? size_t{32} << 20 : 0;
     auto c = NcclCommunicator::create(*id, 2, r, o);
     if (!c.ok()) {
       ranks[r].status = c.status();
@@ -186,8 +186,9 @@ void test_nccl_collectives(uint64_t seed, bool peer) {
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });  // released by each rank's own thread
 }
 
-void test_nccl_timeout() {
-  auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr);
+void test_nccl_timeout(bool peer) {
+  auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr, peer);
+  const std::string via = peer ? " (peer exchange)" : " (NCCL only)";
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
     report(false, "nccl timeout: create", ranks[0].status.to_string());
     return;
@@ -203,20 +204,21 @@ void test_nccl_timeout() {
     waited = seconds_since(t0);
   });
   report(got.code() == StatusCode::kTimeout && waited >= 1.9 && waited < 15,
-         "nccl: a peer that never arrives -> kTimeout, bounded",
+         "nccl: a peer that never arrives -> kTimeout, bounded" + via,
          got.to_string() + ", after " + std::to_string(waited) + " s");
   Status later = ranks[0].comm->barrier();
-  report(!later.ok(), "nccl: the timed-out communicator fails later calls at once", later.to_string());
+  report(!later.ok(), "nccl: the timed-out communicator fails later calls at once" + via, later.to_string());
   ranks[1].comm->abort("test: the peer is gone");  // as its process's exit would: both sides aborted
   const auto t0 = Clock::now();
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
-  report(seconds_since(t0) < 20, "nccl: communicators of a failed group are released, bounded",
+  report(seconds_since(t0) < 20, "nccl: communicators of a failed group are released, bounded" + via,
          std::to_string(seconds_since(t0)) + " s");
 }
 
-void test_nccl_abort() {
+void test_nccl_abort(bool peer) {
   auto signal = std::make_shared<AbortSignal>();
-  auto ranks = make_rank_pair(std::chrono::seconds(120), signal);
+  auto ranks = make_rank_pair(std::chrono::seconds(120), signal, peer);
+  const std::string via = peer ? " (peer exchange)" : " (NCCL only)";
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
     report(false, "nccl abort: create", ranks[0].status.to_string());
     return;
@@ -236,7 +238,7 @@ void test_nccl_abort() {
     waited = seconds_since(t0);
   });
   report(!got.ok() && got.message().find("rank 1 failed: injected failure") != std::string::npos && waited < 10,
-         "nccl: a peer's abort fails the waiting rank at once, naming it",
+         "nccl: a peer's abort fails the waiting rank at once, naming it" + via,
          got.to_string() + ", after " + std::to_string(waited) + " s");
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
 }
@@ -550,9 +552,9 @@ int main(int argc, char** argv) {
     for (bool peer : {true, false}) {
       test_nccl_collectives(seed, peer);
       test_back_to_back(seed, peer);
+      test_nccl_timeout(peer);
+      test_nccl_abort(peer);
     }
-    test_nccl_timeout();
-    test_nccl_abort();
   } else {
     std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
   }

@@ -557,6 +557,9 @@ class NcclComm final : public NcclCommunicator {
   Status setup_peer_exchange() {
     if (size_ < 2 || size_ > cuda::peer::kMaxRanks) return Status();
     const char* env = std::getenv("DSACP_NCCL_PEER_EXCHANGE");
+    if (env != nullptr && std::string(env) == "1" && options_.peer_exchange_bytes == 0) {
+      options_.peer_exchange_bytes = size_t{32} << 20;
+    }
     const bool wanted = options_.peer_exchange_bytes >= 4096 * static_cast<size_t>(2 * size_) &&
                         !(env != nullptr && std::string(env) == "0");
     PeerInfo me;
