@@ -722,6 +722,8 @@ class NcclComm final : public NcclCommunicator {
     a.timeout_ns = static_cast<uint64_t>(options_.timeout.count()) * 1000000ull;
     a.abort_word = peer_words_dev_;
     a.stamps = peer_stamps_;
+    const char* fence = std::getenv("DSACP_PEER_FENCE");
+    a.fence_mode = fence != nullptr ? std::atoi(fence) : 0;
     a.error_word = const_cast<int32_t*>(peer_words_dev_);
     ++stats_.peer_collectives;
     // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The

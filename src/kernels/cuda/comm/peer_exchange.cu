@@ -114,7 +114,13 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();  // the CTA's stores above (ordered by the barrier) before the flags
+    // The CTA's stores above (ordered by the barrier) before the flags. fence_mode (a diagnostic): 0 fence.sc.sys,
+    // 1 fence.acq_rel.sys, 2 only the flags' release.
+    if (a.fence_mode == 0) {
+      __threadfence_system();
+    } else if (a.fence_mode == 1) {
+      asm volatile("fence.acq_rel.sys;" ::: "memory");
+    }
     for (int k = 0; k < a.size; ++k) {
       if (k != a.rank) st_release_sys(flag_at(a.areas[k], a.rank, c), a.seq);
     }

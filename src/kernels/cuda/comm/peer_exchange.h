@@ -54,6 +54,7 @@ struct ExchangeArgs {
   // Diagnostic (DSACP_PEER_STAMPS=1): device memory [kStampRing][kStamps] of global-timer ns for exchanges
   // seq < kStampRing: put first start / last end, wait start / end, unpack first start / last end.
   unsigned long long* stamps = nullptr;
+  int32_t fence_mode = 0;  // diagnostic (DSACP_PEER_FENCE): 0 fence.sc.sys, 1 fence.acq_rel.sys, 2 release only
 };
 constexpr int kStampRing = 64, kStamps = 6;
 
