@@ -78,8 +78,11 @@ struct NcclOptions {
   // Device memory for the peer exchange: all-gathers and all-to-alls up to peer_exchange_bytes / (2 x ranks)
   // per rank moved by dsacp's own kernels straight into the peers' memory instead of by NCCL (GPUs of one host,
   // ranks as threads or processes). Off by default (0): on the H200 pair it measured no faster than NCCL in the
-  // DCP decode step (docs/design/gpu-notes.md, session 9). DSACP_NCCL_PEER_EXCHANGE=1 turns it on with 32 MiB,
-  // =0 off, whatever this field says; it is used only when every rank has it on. Inherited by split communicators.
+  // DCP decode step (docs/design/gpu-notes.md, session 9). DSACP_NCCL_PEER_EXCHANGE=1 turns it on (32 MiB where
+  // this field is 0), =0 turns it off; below 8 KiB x ranks it stays off. It is used only when every rank has it
+  // on and can reach every other rank's memory. An exchange runs on the producer stream: it starts after the
+  // producer's work, not after this communicator's earlier NCCL collectives (a consumer of one collective's
+  // output orders itself with CollectiveHandle::order_before, as always). Inherited by split communicators.
   size_t peer_exchange_bytes = 0;
 };
 

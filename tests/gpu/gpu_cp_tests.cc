@@ -245,9 +245,12 @@ void test_nccl_abort(bool peer) {
 
 // Grouped all-gathers and all-to-alls of odd sizes (0.3 to 12 MB) launched back to back without waiting, then
 // every result against the host, and the stats counting each op once.
-void test_back_to_back(uint64_t seed, bool peer) {
+// lanes: each op's producer stream alternates between the backend's main and side lane (the peer exchange runs
+// on the producer's stream, so consecutive exchanges run on different streams and must still follow each other).
+void test_back_to_back(uint64_t seed, bool peer, bool lanes = false) {
   auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr, peer);
-  const std::string via = peer ? " (peer exchange and NCCL mixed)" : " (NCCL only)";
+  const std::string via = std::string(peer ? " (peer exchange and NCCL mixed)" : " (NCCL only)") +
+                          (lanes ? ", producer stream alternating between two lanes" : "");
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
     report(false, "nccl back to back: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
     return;
@@ -266,8 +269,17 @@ void test_back_to_back(uint64_t seed, bool peer) {
     Communicator& c = *ranks[r].comm;
     std::vector<DeviceBuffer> bufs;
     std::vector<std::unique_ptr<CollectiveHandle>> handles;
+    LaneSession lane_session(be);
+    if (lanes) {
+      const Status s = lane_session.begin();
+      if (!s.ok()) errors[r] = "begin_lanes: " + s.to_string();
+    }
     for (int i = 0; i < ops && errors[r].empty(); ++i) {
       const size_t b = op_bytes(i);
+      if (lanes) {
+        lane_session.set_lane(i % 2);
+        c.set_producer_stream(be.native_stream());
+      }
       auto send = be.allocate(2 * n * b), recv = be.allocate(2 * n * b);
       if (!send.ok() || !recv.ok()) {
         errors[r] = "allocate";
@@ -286,6 +298,10 @@ void test_back_to_back(uint64_t seed, bool peer) {
       bufs.push_back(std::move(send).value());
       bufs.push_back(std::move(recv).value());
     }
+    if (lanes) {
+      lane_session.set_lane(0);
+      c.set_producer_stream(be.native_stream());
+    }
     for (size_t i = 0; i < handles.size(); ++i) {
       Status s = handles[i]->wait();
       if (!s.ok() && errors[r].empty()) errors[r] = "wait " + std::to_string(i) + ": " + s.to_string();
@@ -293,6 +309,8 @@ void test_back_to_back(uint64_t seed, bool peer) {
       if (s.ok()) s = be.copy_to_host(got[r][i].data(), bufs[2 * i + 1].get(), got[r][i].size());
       if (!s.ok() && errors[r].empty()) errors[r] = "download " + std::to_string(i) + ": " + s.to_string();
     }
+    const Status s = lane_session.end();
+    if (!s.ok() && errors[r].empty()) errors[r] = "end_lanes: " + s.to_string();
   });
   for (int r = 0; r < n; ++r) {
     if (!errors[r].empty()) return report(false, "nccl back to back: rank " + std::to_string(r), errors[r]);
@@ -555,6 +573,7 @@ int main(int argc, char** argv) {
       test_nccl_timeout(peer);
       test_nccl_abort(peer);
     }
+    test_back_to_back(seed + 1, true, true);
   } else {
     std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
   }

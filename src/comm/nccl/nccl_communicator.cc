@@ -15,6 +15,7 @@
 #include <functional>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -57,6 +58,18 @@ class Backoff {
 };
 
 std::atomic<int> g_background{0};  // helper threads still inside NCCL (nccl_background_threads)
+
+// A random number drawn once per process: ranks with the same one share an address space (pids and host names
+// can repeat across containers).
+uint64_t process_nonce() {
+  static const uint64_t nonce = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+           static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+           (static_cast<uint64_t>(getpid()) << 16);
+  }();
+  return nonce;
+}
 
 // Aborts a communicator on a detached thread, so the caller never waits: ncclCommAbort can wait for the other
 // ranks of its process (ranks that are threads) to abort too, or join a bootstrap thread that waits for a peer
@@ -281,6 +294,7 @@ class NcclComm final : public NcclCommunicator {
 
   ~NcclComm() override {
     (void)cudaSetDevice(options_.device);
+    const bool area_safe = quiesce_peer_exchange();
     // Flush and release; a peer that is gone must not hang the destructor.
     if (comm_ != nullptr) bounded_release(comm_, options_.device, std::min(options_.timeout, std::chrono::milliseconds(10000)));
     // Not concurrently with another rank's ncclCommDestroy (g_destroy_mu): both release device memory.
@@ -290,7 +304,7 @@ class NcclComm final : public NcclCommunicator {
     if (last_peer_end_ != nullptr) (void)cudaEventDestroy(last_peer_end_);
     print_stamps();
     if (peer_stamps_ != nullptr) (void)cudaFree(peer_stamps_);
-    release_peer_exchange();
+    release_peer_exchange(area_safe);
     (void)cudaFree(flag_);
     (void)cudaStreamDestroy(stream_);
   }
@@ -503,6 +517,8 @@ class NcclComm final : public NcclCommunicator {
     if (result.ok() && peer_words_ != nullptr && peer_words_[1] != 0) {
       result = options_.abort_signal && options_.abort_signal->raised()
                    ? Status(StatusCode::kBackendError, "communicator aborted: " + options_.abort_signal->reason())
+               : peer_words_[1] < 0 || !failure_.empty()
+                   ? failure_status()
                    : Status(StatusCode::kTimeout, "rank " + std::to_string(rank_) + ": " + what + ": rank " +
                                                 std::to_string(peer_words_[1] - 1) + " did not deliver its blocks within " +
                                                 std::to_string(options_.timeout.count()) + " ms (peer exchange)");
@@ -545,7 +561,7 @@ class NcclComm final : public NcclCommunicator {
     int32_t ipc_ok = 0;  // ipc holds a handle to the area
     int32_t pad = 0;
     uint64_t host = 0;   // hash of the host name
-    int64_t pid = 0;
+    uint64_t process = 0;  // a random number per process: equal means the same address space
     uint64_t area = 0;   // the area's address in its own process
     cudaIpcMemHandle_t ipc{};
   };
@@ -564,7 +580,7 @@ class NcclComm final : public NcclCommunicator {
                         !(env != nullptr && std::string(env) == "0");
     PeerInfo me;
     me.device = options_.device;
-    me.pid = static_cast<int64_t>(getpid());
+    me.process = process_nonce();
     char host[256] = {};
     (void)gethostname(host, sizeof(host) - 1);
     me.host = std::hash<std::string>{}(host);
@@ -591,11 +607,15 @@ class NcclComm final : public NcclCommunicator {
     DSACP_ASSIGN_OR_RETURN(std::vector<PeerInfo> all, exchange_setup_record(me));
     int32_t ok = 1;
     for (const PeerInfo& p : all) ok &= p.want;
+    if (!ok) {  // every rank sees the same records: all of them stop here, no vote needed
+      release_peer_exchange(true);
+      return Status();
+    }
     for (int k = 0; k < size_ && ok; ++k) {
       const PeerInfo& p = all[static_cast<size_t>(k)];
       if (k == rank_) {
         peer_areas_[k] = area_;
-      } else if (p.host == me.host && p.pid == me.pid) {
+      } else if (p.process == me.process) {
         int can = 0;
         if (p.device != me.device) {
           if (cudaDeviceCanAccessPeer(&can, me.device, p.device) != cudaSuccess || !can) ok = 0;
@@ -623,7 +643,7 @@ class NcclComm final : public NcclCommunicator {
     bool all_ok = true;
     for (const PeerInfo& v : votes) all_ok &= v.want != 0;
     if (!all_ok) {
-      release_peer_exchange();
+      release_peer_exchange(true);
       return Status();
     }
     peer_ready_ = true;
@@ -687,11 +707,28 @@ class NcclComm final : public NcclCommunicator {
     return all;
   }
 
-  void release_peer_exchange() {
+  // Before NCCL goes: with the exchange in use and the communicator healthy, this rank closes its mappings of
+  // the peers' areas and a barrier (bounded by 10 s) makes sure no peer still reads or writes this rank's area
+  // (and every peer has closed its mapping of it) before it is freed. False: the area must be left allocated.
+  bool quiesce_peer_exchange() {
+    if (!peer_ready_) return true;
+    for (void* p : ipc_opened_) (void)cudaIpcCloseMemHandle(p);
+    ipc_opened_.clear();
+    if (comm_ == nullptr) return false;
+    const auto timeout = options_.timeout;
+    options_.timeout = std::min(timeout, std::chrono::milliseconds(10000));
+    const bool ok = barrier().ok();
+    options_.timeout = timeout;
+    return ok;
+  }
+
+  // area_safe false (a failed communicator, whose peers may still be in an exchange): the area is left allocated
+  // (leaked) rather than freed under a peer that may still store into it.
+  void release_peer_exchange(bool area_safe) {
     peer_ready_ = false;
     for (void* p : ipc_opened_) (void)cudaIpcCloseMemHandle(p);
     ipc_opened_.clear();
-    if (area_ != nullptr) (void)cudaFree(area_);
+    if (area_ != nullptr && area_safe) (void)cudaFree(area_);
     area_ = nullptr;
     if (peer_words_ != nullptr) (void)cudaFreeHost(const_cast<int32_t*>(peer_words_));
     peer_words_ = nullptr;
@@ -702,7 +739,10 @@ class NcclComm final : public NcclCommunicator {
   bool peer_fits(const std::vector<Part>& parts) const {
     if (!peer_ready_ || parts.empty() || parts.size() > static_cast<size_t>(cuda::peer::kMaxParts)) return false;
     std::vector<cuda::peer::Part> p;
-    for (const Part& x : parts) p.push_back({x.send, x.recv, x.bytes});
+    for (const Part& x : parts) {
+      if (x.bytes > slot_bytes_) return false;  // (and no overflow in the sum below)
+      p.push_back({x.send, x.recv, x.bytes});
+    }
     return cuda::peer::message_bytes(p.data(), static_cast<int>(p.size())) <= slot_bytes_;
   }
 
@@ -719,21 +759,28 @@ class NcclComm final : public NcclCommunicator {
     }
     for (int k = 0; k < size_; ++k) a.areas[k] = peer_areas_[k];
     a.slot_bytes = slot_bytes_;
-    a.timeout_ns = static_cast<uint64_t>(options_.timeout.count()) * 1000000ull;
+    const uint64_t ms = static_cast<uint64_t>(options_.timeout.count());
+    a.timeout_ns = ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
     a.abort_word = peer_words_dev_;
     a.stamps = peer_stamps_;
     const char* fence = std::getenv("DSACP_PEER_FENCE");
     a.fence_mode = fence != nullptr ? std::atoi(fence) : 0;
     a.error_word = const_cast<int32_t*>(peer_words_dev_);
-    ++stats_.peer_collectives;
     // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
     // exchanges of this communicator must still run one after another (the area's parity argument): an
     // exchange on another stream than the last one waits for the last one's end.
     const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
                                                                 : stream_;
+    // Any failure from here on fails the communicator: a rank that skipped an exchange its peers ran would pair
+    // its next one with their last (the waits accept any newer sequence number).
+    auto failed = [&](cudaError_t e) {
+      const Status st = cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+      fail(st.message());
+      return st;
+    };
     if (last_peer_stream_ != nullptr && last_peer_stream_ != on) {
       const cudaError_t e = cudaStreamWaitEvent(on, last_peer_end_, 0);
-      if (e != cudaSuccess) return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+      if (e != cudaSuccess) return failed(e);
     }
     auto h = launch(what, sent, [&] {
       a.seq = ++peer_seq_;  // only exchanges that launch count, the same on every rank
@@ -745,8 +792,9 @@ class NcclComm final : public NcclCommunicator {
       cudaError_t e = last_peer_end_ == nullptr ? cudaEventCreateWithFlags(&last_peer_end_, cudaEventDisableTiming)
                                                 : cudaSuccess;
       if (e == cudaSuccess) e = cudaEventRecord(last_peer_end_, on);
-      if (e != cudaSuccess) return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+      if (e != cudaSuccess) return failed(e);
       last_peer_stream_ = on;
+      ++stats_.peer_collectives;
     }
     return h;
   }
@@ -789,7 +837,10 @@ class NcclComm final : public NcclCommunicator {
     if (e == cudaSuccess) e = cudaEventRecord(start, stream);
     if (e != cudaSuccess) {
       give_back_events(start, end);
-      return cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+      // Failed before enqueueing: the peers would run this collective alone, so the communicator is done.
+      const Status st = cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+      fail(st.message());
+      return st;
     }
     const std::string name = std::string("rank ") + std::to_string(rank_) + ": " + what;
     Status s;

@@ -61,30 +61,46 @@ __device__ __forceinline__ char* recv_block(const ExchangeArgs& a, int i, int k)
   return static_cast<char*>(a.parts[i].recv) + static_cast<size_t>(k) * a.parts[i].bytes;
 }
 
-// The CTA's threads copy n bytes, 16 at a time where both ends and n allow it (4 loads in flight per thread).
-__device__ void copy_bytes(char* __restrict__ dst, const char* __restrict__ src, size_t n) {
-  const int tid = threadIdx.x;
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n;
-  if ((bits & 15) == 0) {
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    const size_t m = n / 16;
-    size_t i = tid;
-    for (; i + 3 * kThreads < m; i += 4 * kThreads) {
-      const uint4 v0 = s[i], v1 = s[i + kThreads], v2 = s[i + 2 * kThreads], v3 = s[i + 3 * kThreads];
-      d[i] = v0;
-      d[i + kThreads] = v1;
-      d[i + 2 * kThreads] = v2;
-      d[i + 3 * kThreads] = v3;
-    }
-    for (; i < m; i += kThreads) d[i] = s[i];
-  } else if ((bits & 3) == 0) {
-    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-    const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
-    for (size_t i = tid; i < n / 4; i += kThreads) d[i] = s[i];
-  } else {
-    for (size_t i = tid; i < n; i += kThreads) dst[i] = src[i];
+// The CTA's threads copy n bytes of an aligned run with V-sized loads and stores (4 in flight per thread).
+template <typename V>
+__device__ __forceinline__ void copy_run(char* __restrict__ dst, const char* __restrict__ src, size_t n) {
+  V* d = reinterpret_cast<V*>(dst);
+  const V* s = reinterpret_cast<const V*>(src);
+  const size_t m = n / sizeof(V);
+  size_t i = threadIdx.x;
+  for (; i + 3 * kThreads < m; i += 4 * kThreads) {
+    const V v0 = s[i], v1 = s[i + kThreads], v2 = s[i + 2 * kThreads], v3 = s[i + 3 * kThreads];
+    d[i] = v0;
+    d[i + kThreads] = v1;
+    d[i + 2 * kThreads] = v2;
+    d[i + 3 * kThreads] = v3;
   }
+  for (; i < m; i += kThreads) d[i] = s[i];
+}
+
+// The CTA's threads copy n bytes: the widest access (16 or 4 bytes) that dst and src share an alignment for over
+// the middle, single bytes over the ends (an all-to-all's blocks k * bytes apart are misaligned when bytes is).
+__device__ void copy_bytes(char* __restrict__ dst, const char* __restrict__ src, size_t n) {
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  const size_t width = (mis & 15) == 0 ? 16 : (mis & 3) == 0 ? 4 : 1;
+  size_t head = (width - (reinterpret_cast<uintptr_t>(dst) & (width - 1))) & (width - 1);
+  if (head > n) head = n;
+  const size_t body = (n - head) / width * width;
+  for (size_t i = threadIdx.x; i < head; i += kThreads) dst[i] = src[i];
+  if (width == 16) {
+    copy_run<uint4>(dst + head, src + head, body);
+  } else if (width == 4) {
+    copy_run<uint32_t>(dst + head, src + head, body);
+  } else {
+    copy_run<unsigned char>(dst + head, src + head, body);
+  }
+  for (size_t i = head + body + threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
+}
+
+// True once the host raised the abort word or an earlier wait of this communicator failed: the exchange must not
+// touch the peers' slots any more (a failed rank's later puts would overwrite slots a healthy peer still reads).
+__device__ __forceinline__ bool exchange_dead(const ExchangeArgs& a) {
+  return *a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0;
 }
 
 // Calls body(i, from, to) for each part i whose block overlaps the message range [lo, hi), with the overlap as
@@ -106,6 +122,10 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a
   const int c = blockIdx.x;
   const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
   stamp(a, 0, false);
+  __shared__ int dead;
+  if (threadIdx.x == 0) dead = exchange_dead(a);
+  __syncthreads();
+  if (dead) return;  // the whole CTA: no stores, no flags
   for (int k = 0; k < a.size; ++k) {
     char* slot = k == a.rank ? nullptr : slot_at(a, a.areas[k], a.rank);
     for_pieces(a, m, lo, hi, [&](int i, size_t from, size_t to, size_t at) {
@@ -140,8 +160,10 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs 
     if (k == a.rank) continue;
     const uint64_t* flag = flag_at(own, k, c);
     for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
-      if ((spins & 255) == 0 && (*a.abort_word != 0 || global_timer_ns() - t0 > a.timeout_ns)) {
-        *reinterpret_cast<volatile int32_t*>(a.error_word) = 1 + k;
+      if ((spins & 255) == 0 && (exchange_dead(a) || global_timer_ns() - t0 > a.timeout_ns)) {
+        if (*reinterpret_cast<volatile int32_t*>(a.error_word) == 0) {
+          *reinterpret_cast<volatile int32_t*>(a.error_word) = *a.abort_word != 0 ? -1 : 1 + k;
+        }
         __threadfence_system();
         failed = true;
         break;

@@ -14,10 +14,13 @@
 // The put's CTA c moves byte range c of the message and raises flag c. Two parities make the area safe without
 // any reset: a sender writes parity p at exchange seq only after its wait of seq - 1 saw the receiver's flags of
 // seq - 1, which the receiver's put of seq - 1 stored after its unpack of seq - 2 (the last reader of parity p)
-// had ended (one stream per communicator).
+// had ended. That needs a communicator's exchanges to run one after another: the communicator launches them on
+// the producer's stream and makes an exchange on another stream than the last wait for the last one's end.
 //
-// The wait is bounded: past timeout_ns, or once the host raises the abort word, it stores 1 + the late peer's
-// rank in the error word (host memory) and ends; the host turns that into the collective's error.
+// The wait is bounded: past timeout_ns it stores 1 + the late peer's rank in the error word (host memory), once
+// the host raises the abort word -1, and ends; the host turns that into the collective's error. Once either word
+// is set, later puts store nothing and later waits end at once, so a failed rank never writes into a slot a
+// healthy peer may still be reading.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -50,7 +53,7 @@ struct ExchangeArgs {
   uint64_t seq = 0;             // 1, 2, ... per exchange of the communicator, the same on every rank
   uint64_t timeout_ns = 0;
   const volatile int32_t* abort_word = nullptr;  // mapped host memory, raised by the host on failure
-  int32_t* error_word = nullptr;                 // mapped host memory: 1 + the rank that did not deliver
+  int32_t* error_word = nullptr;                 // mapped host memory: 1 + the rank that did not deliver, or -1
   // Diagnostic (DSACP_PEER_STAMPS=1): device memory [kStampRing][kStamps] of global-timer ns for exchanges
   // seq < kStampRing: put first start / last end, wait start / end, unpack first start / last end.
   unsigned long long* stamps = nullptr;
