@@ -130,4 +130,24 @@ __device__ __forceinline__ void seesaw_pack_p(const float (&s)[kKeys / 2], float
   }
 }
 
+// WG0, once its local P*V against its own max (tm0, tm1) is issued: waits on bar_max1 for the pair's max (WG1's,
+// in pmax[64..128)), packs its P scaled to it into pf (for the caller to hand over), and moves its row sums l and
+// max m there. f0, f1 = exp2(tm - pair max) (0 for a -inf row) are what its O rows still need once the local P*V
+// is done.
+template <int kKeys>
+__device__ __forceinline__ void seesaw_wg0_to_pair_max(int bar_max1, const float* pmax, int r0, int r1, float tm0,
+                                                       float tm1, const float (&s)[kKeys / 2],
+                                                       uint32_t (&pf)[kKeys / 16][4], float& l0, float& l1,
+                                                       float& m0, float& m1, float& f0, float& f1) {
+  named_bar_sync(bar_max1, 256);
+  const float pm0 = pmax[64 + r0], pm1 = pmax[64 + r1];
+  f0 = tm0 == -INFINITY ? 0.f : exp2_ftz(tm0 - pm0);
+  f1 = tm1 == -INFINITY ? 0.f : exp2_ftz(tm1 - pm1);
+  seesaw_pack_p<kKeys>(s, f0, f1, pf);
+  l0 *= f0;
+  l1 *= f1;
+  m0 = pm0;
+  m1 = pm1;
+}
+
 }  // namespace dsacp::cuda

@@ -230,16 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       wgmma_commit();
       // From its max to the pair's (WG1's): f scales the P it hands over, then (once the local P*V is done) its O
       // and l.
-      named_bar_sync(kBarMax1, 256);
-      const float pm0 = pmax[64 + r0], pm1 = pmax[64 + r1];
-      const float f0 = tm0 == -INFINITY ? 0.f : exp2_ftz(tm0 - pm0), f1 = tm1 == -INFINITY ? 0.f : exp2_ftz(tm1 - pm1);
-      uint32_t pf[2][4];
-      seesaw_pack_p<kBN>(s, f0, f1, pf);
+      uint32_t pf[kBN / 16][4];
+      float f0, f1;
+      seesaw_wg0_to_pair_max<kBN>(kBarMax1, pmax, r0, r1, tm0, tm1, s, pf, l0, l1, m0, m1, f0, f1);
       store_p(pf);
-      l0 *= f0;
-      l1 *= f1;
-      m0 = pm0;
-      m1 = pm1;
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
