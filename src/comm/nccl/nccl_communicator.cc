@@ -647,6 +647,8 @@ class NcclComm final : public NcclCommunicator {
       return Status();
     }
     peer_ready_ = true;
+    const char* fence = std::getenv("DSACP_PEER_FENCE");
+    peer_fence_mode_ = fence != nullptr ? std::atoi(fence) : 0;
     const char* stamps = std::getenv("DSACP_PEER_STAMPS");
     if (stamps != nullptr && std::string(stamps) == "1") {
       const size_t bytes = sizeof(unsigned long long) * cuda::peer::kStampRing * cuda::peer::kStamps;
@@ -763,8 +765,7 @@ class NcclComm final : public NcclCommunicator {
     a.timeout_ns = ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
     a.abort_word = peer_words_dev_;
     a.stamps = peer_stamps_;
-    const char* fence = std::getenv("DSACP_PEER_FENCE");
-    a.fence_mode = fence != nullptr ? std::atoi(fence) : 0;
+    a.fence_mode = peer_fence_mode_;
     a.error_word = const_cast<int32_t*>(peer_words_dev_);
     // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
     // exchanges of this communicator must still run one after another (the area's parity argument): an
@@ -889,6 +890,7 @@ class NcclComm final : public NcclCommunicator {
   int32_t* peer_words_dev_ = nullptr;
   uint64_t peer_seq_ = 0;
   unsigned long long* peer_stamps_ = nullptr;  // DSACP_PEER_STAMPS=1
+  int32_t peer_fence_mode_ = 0;                // DSACP_PEER_FENCE (a diagnostic), read once at setup
   cudaStream_t last_peer_stream_ = nullptr;  // where the last exchange ran, and its end
   cudaEvent_t last_peer_end_ = nullptr;
 };
