@@ -7,7 +7,7 @@
 // separate passes with a StepPhaseRecorder (it synchronizes at phase boundaries). Median of the timed reps
 // after one warm-up; a step's time is the slowest rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
-//        [--quick] [--host-table]
+//        [--quick] [--host-table] [--one-gpu-only]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -368,6 +368,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   int64_t only_S = 0;
   std::string only_mode;
+  bool one_gpu_only = false;  // DCP: time the one-GPU step only (its timeline is then the last step's)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json = argv[++i];
@@ -377,6 +378,7 @@ int main(int argc, char** argv) {
     else if (a == "--S" && i + 1 < argc) only_S = std::atoll(argv[++i]);
     else if (a == "--mode" && i + 1 < argc) only_mode = argv[++i];
     else if (a == "--host-table") g_device_table = false;
+    else if (a == "--one-gpu-only") one_gpu_only = true;
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {
@@ -412,6 +414,10 @@ int main(int argc, char** argv) {
       if ((quick && S > 32768) || (only_S != 0 && S != only_S)) continue;
       const std::vector<Request> req(64, Request{1, static_cast<int32_t>(S - 1)});
       const Measure one = one_gpu(*gpus[0], c, req, reps, true);
+      if (one_gpu_only) {
+        std::printf("dcp decode b64 %lldK, one GPU only: %.3f ms\n", static_cast<long long>(S / 1024), one.step_ms);
+        continue;
+      }
       for (IndexerMode mode : {IndexerMode::kSharded, IndexerMode::kReplicated}) {
         if (!only_mode.empty() && only_mode != (mode == IndexerMode::kSharded ? "sharded" : "replicated")) continue;
         const Measure cp = cp_gpus(gpus, c, req, layout_of(1, n, mode), reps, true);
