@@ -118,7 +118,8 @@ struct Measure {
   double step_ms = 0;
   StepPhaseTimes phases;  // rank 0, per step (averaged over the timed reps)
   double comm_busy_ms = 0, comm_enqueue_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
-  double collectives = 0, peer_collectives = 0;  // rank 0, per step: all, and those by the peer exchange
+  // Rank 0, per step: all collectives, those by the peer exchange, and window publishes.
+  double collectives = 0, peer_collectives = 0, window_publishes = 0;
   size_t kv_bytes_per_gpu = 0;
 };
 
@@ -128,9 +129,9 @@ std::string measure_json(const Measure& m) {
   std::snprintf(buf, sizeof buf,
                 "{\"step_ms\":%.4f,\"kv_ms\":%.4f,\"topk_ms\":%.4f,\"attention_ms\":%.4f,\"comm_busy_ms\":%.4f,"
                 "\"comm_enqueue_ms\":%.4f,\"comm_wait_ms\":%.4f,\"comm_bytes\":%.0f,\"overlap\":%.3f,"
-                "\"collectives\":%.1f,\"peer_collectives\":%.1f,\"kv_bytes_per_gpu\":%zu}",
+                "\"collectives\":%.1f,\"peer_collectives\":%.1f,\"window_publishes\":%.1f,\"kv_bytes_per_gpu\":%zu}",
                 m.step_ms, m.phases.kv_ms, m.phases.topk_ms, m.phases.attention_ms, m.comm_busy_ms, m.comm_enqueue_ms,
-                m.comm_wait_ms, m.comm_bytes, overlap, m.collectives, m.peer_collectives, m.kv_bytes_per_gpu);
+                m.comm_wait_ms, m.comm_bytes, overlap, m.collectives, m.peer_collectives, m.window_publishes, m.kv_bytes_per_gpu);
   return buf;
 }
 
@@ -266,6 +267,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       m.comm_bytes += static_cast<double>(s.bytes);
       m.collectives += static_cast<double>(s.collectives);
       m.peer_collectives += static_cast<double>(s.peer_collectives);
+      m.window_publishes += static_cast<double>(s.window_publishes);
     }
   }
   scale_phases(m.phases, reps);
@@ -275,6 +277,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   m.comm_bytes /= reps;
   m.collectives /= reps;
   m.peer_collectives /= reps;
+  m.window_publishes /= reps;
   m.step_ms = median(times);
   on_ranks(Pt, [&](int cr) { comms[cr] = OwnedCpComms{}; });
   return m;
@@ -352,11 +355,13 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
 void print_case(const char* name, const Measure& one, const Measure& cp) {
   const double overlap = cp.comm_busy_ms > 0 ? std::max(0.0, 1.0 - cp.comm_wait_ms / cp.comm_busy_ms) : 0.0;
   std::printf("%-34s 1 GPU %9.3f ms | CP %9.3f ms  speedup %5.2fx (ratio %.2f)  kv %.2f/%.2f/%.2f ms"
-              "  comm busy %.3f enqueue %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB\n",
+              "  comm busy %.3f enqueue %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB"
+              "  collectives %.0f (window %.0f)\n",
               name, one.step_ms, cp.step_ms, one.step_ms / cp.step_ms, cp.step_ms / one.step_ms, cp.phases.kv_ms,
               cp.phases.topk_ms, cp.phases.attention_ms, cp.comm_busy_ms, cp.comm_enqueue_ms, cp.comm_wait_ms,
               100 * overlap,
-              one.kv_bytes_per_gpu / 1073741824.0, cp.kv_bytes_per_gpu / 1073741824.0);
+              one.kv_bytes_per_gpu / 1073741824.0, cp.kv_bytes_per_gpu / 1073741824.0, cp.collectives,
+              cp.window_publishes);
   std::fflush(stdout);
 }
 

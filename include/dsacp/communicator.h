@@ -53,6 +53,7 @@ struct CommStats {
   double enqueue_ms = 0;
   double wait_ms = 0;
   int64_t peer_collectives = 0;  // of `collectives`, those a GPU communicator moved by its peer exchange
+  int64_t window_publishes = 0;  // of `collectives`, window publishes (Communicator::window_publish)
 };
 
 class Communicator {
@@ -93,6 +94,25 @@ class Communicator {
   };
   virtual Result<std::unique_ptr<CollectiveHandle>> all_gather_group_async(const std::vector<Part>& parts);
   virtual Result<std::unique_ptr<CollectiveHandle>> all_to_all_group_async(const std::vector<Part>& parts);
+
+  // Window exchanges: zero-copy all-gathers for device transports whose ranks address each other's memory
+  // (NCCL ranks on one host). Each rank writes its message straight into its own window buffer, publishes it,
+  // and consumers read every rank's message in place; nothing is copied into a receive buffer and no
+  // collective kernel runs (a publish is one small kernel that raises this rank's flag in every peer and waits
+  // for theirs). Every rank, in the same order, with the same size:
+  //   Window w = window_next(bytes);  // then enqueue work on the producer stream that writes w.mine[0, bytes)
+  //   auto h = window_publish();      // then enqueue reads of w.all[k] (rank k's message) on the producer stream
+  // One window exchange at a time: the reads of an exchange must be enqueued on the producer stream before this
+  // rank's next window_publish() (each rank keeps two window buffers and alternates). The handle works as a
+  // collective's (order_before, a bounded wait() that reports a rank that never published). Communicators
+  // without windows (host transports, ranks that cannot reach each other, messages past the window size)
+  // answer window_next with kUnsupported: use the collectives then.
+  struct Window {
+    void* mine = nullptr;
+    std::vector<const void*> all;  // rank order; all[rank()] == mine
+  };
+  virtual Result<Window> window_next(size_t bytes);
+  virtual Result<std::unique_ptr<CollectiveHandle>> window_publish();
 
   // Blocking forms.
   Status all_gather(const void* send, void* recv, size_t bytes);

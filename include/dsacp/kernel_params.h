@@ -3,6 +3,7 @@
 // Shapes use the project's vocabulary: T, H, Dl, Dr, Hi, Di, K, page_size, num_pages.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "dsacp/dtype.h"
@@ -97,6 +98,10 @@ inline int64_t mla_head_row(const SparseMlaParams& p, int64_t t, int32_t h) {
 // Exact merge of S partial attention results over disjoint key sets (reference-design 4.4 step 6):
 //   L_s = lse_s if finite else -inf; w_s = exp(L_s - logsumexp L) (0 when every L_s is -inf);
 //   out = sum_s w_s out_s; lse = logsumexp_s L_s (-inf when all are -inf, and out = 0).
+// The most parts a merge takes as one buffer each (LseMergeParams::part_out_of, TopkMergeParams::part_topk_of):
+// a window exchange's messages, read in place from every rank's buffer (Communicator::window_next).
+inline constexpr int kMaxPartBuffers = 8;
+
 struct LseMergeParams {
   int32_t num_parts = 0;         // S
   int64_t num_rows = 0;          // T * H
@@ -107,6 +112,10 @@ struct LseMergeParams {
   float* lse = nullptr;             // [T*H]
   DType out_dtype = DType::kF32;    // f32 or bf16
   DType part_dtype = DType::kF32;   // f32 or bf16 (bf16 partials: half the bytes to exchange; sums stay f32)
+  // Or, with part_out and part_lse null, one buffer per part (S <= kMaxPartBuffers): part s's [T*H, Dl] at
+  // part_out_of[s] and its [T*H] LSE at part_lse_of[s].
+  const void* part_out_of[kMaxPartBuffers] = {};
+  const float* part_lse_of[kMaxPartBuffers] = {};
 };
 
 // Row gather with dtype conversion: dst[i, :] = src[index[i], :] for i < num_rows; index -1 fills the row
@@ -151,6 +160,25 @@ struct TopkMergeParams {
   // TopkRemapParams with Pt = num_parts, I, cr = local_part): that part's winners in order, then -1.
   int32_t* local_topk = nullptr;       // [T, K] out
   int32_t local_part = 0;
+  // Or, with part_topk and part_scores null, one buffer per part (Pt <= kMaxPartBuffers): part s's [T, K] rows
+  // at part_topk_of[s] and part_scores_of[s].
+  const int32_t* part_topk_of[kMaxPartBuffers] = {};
+  const float* part_scores_of[kMaxPartBuffers] = {};
 };
+
+// Part s's rows of a merge, whichever way its parts were given (row 0 of the part; rows are contiguous).
+inline const void* lse_merge_part_out(const LseMergeParams& p, int32_t s, size_t elem_bytes) {
+  return p.part_out != nullptr ? static_cast<const char*>(p.part_out) + static_cast<size_t>(s) * p.num_rows * p.Dl * elem_bytes
+                               : p.part_out_of[s];
+}
+inline const float* lse_merge_part_lse(const LseMergeParams& p, int32_t s) {
+  return p.part_lse != nullptr ? p.part_lse + s * p.num_rows : p.part_lse_of[s];
+}
+inline const int32_t* topk_merge_part_topk(const TopkMergeParams& p, int32_t s) {
+  return p.part_topk != nullptr ? p.part_topk + s * p.num_rows * p.K : p.part_topk_of[s];
+}
+inline const float* topk_merge_part_scores(const TopkMergeParams& p, int32_t s) {
+  return p.part_scores != nullptr ? p.part_scores + s * p.num_rows * p.K : p.part_scores_of[s];
+}
 
 }  // namespace dsacp

@@ -84,6 +84,12 @@ struct NcclOptions {
   // producer's work, not after this communicator's earlier NCCL collectives (a consumer of one collective's
   // output orders itself with CollectiveHandle::order_before, as always). Inherited by split communicators.
   size_t peer_exchange_bytes = 0;
+  // Device memory for the exchange window (Communicator::window_next): two buffers of window_bytes per rank,
+  // registered with every peer at creation (GPUs of one host, ranks as threads or processes; used only when
+  // every rank has it and reaches every other). The DCP decode step exchanges its candidates and its partial
+  // outputs through it. DSACP_NCCL_WINDOW=0 turns it off, DSACP_NCCL_WINDOW_MB=N sets the size. Inherited by
+  // split communicators.
+  size_t window_bytes = size_t{16} << 20;
 };
 
 class NcclCommunicator : public Communicator {

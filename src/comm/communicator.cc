@@ -24,6 +24,15 @@ class GroupHandle final : public CollectiveHandle {
 
 }  // namespace
 
+Result<Communicator::Window> Communicator::window_next(size_t bytes) {
+  return unsupported("this communicator has no exchange window (" + std::to_string(bytes) +
+                     " bytes asked): use the collectives");
+}
+
+Result<std::unique_ptr<CollectiveHandle>> Communicator::window_publish() {
+  return unsupported("this communicator has no exchange window");
+}
+
 Result<std::unique_ptr<CollectiveHandle>> Communicator::all_gather_group_async(const std::vector<Part>& parts) {
   std::vector<std::unique_ptr<CollectiveHandle>> handles;
   for (const Part& p : parts) {

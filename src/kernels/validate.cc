@@ -139,13 +139,29 @@ Status validate(const LseMergeParams& p) {
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "out_dtype", p.out_dtype));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "part_dtype", p.part_dtype));
   if (p.num_rows == 0) return Status::ok_status();
-  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_out", p.part_out));
-  if (p.out == p.part_out && p.out_dtype != p.part_dtype) {
-    return invalid_argument(std::string(k) + ": out aliases part_out with a different dtype (out " +
-                            dtype_name(p.out_dtype) + ", parts " + dtype_name(p.part_dtype) +
-                            "); an in-place merge needs the same dtype");
+  if (p.part_out != nullptr || p.part_lse != nullptr) {
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_out", p.part_out));
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_lse", p.part_lse));
+  } else {
+    // One buffer per part.
+    if (p.num_parts > kMaxPartBuffers) {
+      return invalid_argument(std::string(k) + ": parts given one buffer each (part_out_of) take at most " +
+                              str(kMaxPartBuffers) + " parts, got num_parts=" + str(p.num_parts));
+    }
+    for (int32_t s = 0; s < p.num_parts; ++s) {
+      if (p.part_out_of[s] == nullptr || p.part_lse_of[s] == nullptr) {
+        return invalid_argument(std::string(k) + ": part " + str(s) + " has no buffer (part_out and part_lse are null, "
+                                "so part_out_of[s] and part_lse_of[s] must be set for every part)");
+      }
+    }
   }
-  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_lse", p.part_lse));
+  for (int32_t s = 0; s < p.num_parts; ++s) {
+    if (p.out == lse_merge_part_out(p, s, dtype_size(p.part_dtype)) && p.out_dtype != p.part_dtype) {
+      return invalid_argument(std::string(k) + ": out aliases part " + str(s) + " with a different dtype (out " +
+                              dtype_name(p.out_dtype) + ", parts " + dtype_name(p.part_dtype) +
+                              "); an in-place merge needs the same dtype");
+    }
+  }
   DSACP_RETURN_IF_ERROR(check_pointer(k, "out", p.out));
   return check_pointer(k, "lse", p.lse);
 }
@@ -190,8 +206,22 @@ Status validate(const TopkMergeParams& p) {
   DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
   DSACP_RETURN_IF_ERROR(check_positive(k, "I", p.I));
   if (p.num_rows == 0) return Status::ok_status();
-  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_topk", p.part_topk));
-  DSACP_RETURN_IF_ERROR(check_pointer(k, "part_scores", p.part_scores));
+  if (p.part_topk != nullptr || p.part_scores != nullptr) {
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_topk", p.part_topk));
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_scores", p.part_scores));
+  } else {
+    // One buffer per part.
+    if (p.num_parts > kMaxPartBuffers) {
+      return invalid_argument(std::string(k) + ": parts given one buffer each (part_topk_of) take at most " +
+                              str(kMaxPartBuffers) + " parts, got num_parts=" + str(p.num_parts));
+    }
+    for (int32_t s = 0; s < p.num_parts; ++s) {
+      if (p.part_topk_of[s] == nullptr || p.part_scores_of[s] == nullptr) {
+        return invalid_argument(std::string(k) + ": part " + str(s) + " has no buffer (part_topk and part_scores are "
+                                "null, so part_topk_of[s] and part_scores_of[s] must be set for every part)");
+      }
+    }
+  }
   if (p.local_topk != nullptr && (p.local_part < 0 || p.local_part >= p.num_parts)) {
     return invalid_argument(std::string(k) + ": local_part=" + str(p.local_part) + " outside [0, num_parts=" +
                             str(p.num_parts) + ")");

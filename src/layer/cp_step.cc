@@ -180,8 +180,18 @@ Result<DeviceBuffer> upload_local_len(RankStep& s, const std::vector<int32_t>& g
   return d;
 }
 
+// A window exchange of `bytes` on `comm` (Communicator::window_next), or nothing where the communicator has no
+// window for it (the caller then uses the collectives). Other errors (a failed communicator) are returned.
+Result<std::optional<Communicator::Window>> try_window(Communicator& comm, size_t bytes) {
+  Result<Communicator::Window> w = comm.window_next(bytes);
+  if (w.ok()) return std::optional<Communicator::Window>(std::move(w).value());
+  if (w.status().code() == StatusCode::kUnsupported) return std::optional<Communicator::Window>();
+  return w.status();
+}
+
 // The sharded indexer's merged top-k of `n` rows in flight: the local top-k (with scores) over this rank's own
-// indexer keys is enqueued and its all-gather over the world group started; finish_merged_topk waits for the
+// indexer keys is enqueued and its exchange over the world group started (written straight into the world's
+// exchange window and published, where it has one; else an all-gather); finish_merged_topk waits for the
 // candidates and merges them exactly. All ranks must hold the same rows in the same order.
 struct PendingTopk {
   int64_t n = 0;
@@ -190,6 +200,7 @@ struct PendingTopk {
   DeviceBuffer d_local_len, part_topk, part_scores, all_topk, all_scores;
   const int32_t* local_len_dev = nullptr;
   const int32_t* local_len_host = nullptr;
+  std::optional<Communicator::Window> window;  // every rank's [n, K] positions, then [n, K] scores
   std::unique_ptr<CollectiveHandle> handle;
 };
 
@@ -213,8 +224,19 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
     pt.local_len_dev = pt.d_local_len.as<const int32_t>();
     pt.local_len_host = pt.local_len.data();
   }
-  DSACP_ASSIGN_OR_RETURN(pt.part_topk, s.backend.allocate(n * K * sizeof(int32_t)));
-  DSACP_ASSIGN_OR_RETURN(pt.part_scores, s.backend.allocate(n * K * sizeof(float)));
+  const size_t topk_bytes = static_cast<size_t>(n * K) * sizeof(int32_t);
+  DSACP_ASSIGN_OR_RETURN(pt.window, try_window(world, 2 * topk_bytes));
+  int32_t* part_topk = nullptr;
+  float* part_scores = nullptr;
+  if (pt.window) {
+    part_topk = static_cast<int32_t*>(pt.window->mine);
+    part_scores = reinterpret_cast<float*>(static_cast<char*>(pt.window->mine) + topk_bytes);
+  } else {
+    DSACP_ASSIGN_OR_RETURN(pt.part_topk, s.backend.allocate(n * K * sizeof(int32_t)));
+    DSACP_ASSIGN_OR_RETURN(pt.part_scores, s.backend.allocate(n * K * sizeof(float)));
+    part_topk = pt.part_topk.as<int32_t>();
+    part_scores = pt.part_scores.as<float>();
+  }
   IndexerTopkParams ip;
   ip.rows = {n, request, pt.local_len_dev};
   ip.Hi = s.c.Hi;
@@ -225,11 +247,15 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   ip.w = w;
   ip.keys = s.cache.index_keys();
   ip.block_table = {s.d_table, s.table.num_requests, s.table.max_pages};
-  ip.topk = pt.part_topk.as<int32_t>();
-  ip.topk_scores = pt.part_scores.as<float>();
+  ip.topk = part_topk;
+  ip.topk_scores = part_scores;
   ip.host_request = host_request;
   ip.host_key_len = pt.local_len_host;
   DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
+  if (pt.window) {
+    DSACP_ASSIGN_OR_RETURN(pt.handle, producing(s, world).window_publish());
+    return pt;
+  }
   DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
   DSACP_ASSIGN_OR_RETURN(pt.all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
   DSACP_ASSIGN_OR_RETURN(pt.handle,
@@ -247,8 +273,20 @@ Status finish_merged_topk(RankStep& s, PendingTopk& pt, int32_t* local_topk = nu
   mp.num_rows = pt.n;
   mp.K = s.c.K;
   mp.I = s.sharding.I;
-  mp.part_topk = pt.all_topk.as<const int32_t>();
-  mp.part_scores = pt.all_scores.as<const float>();
+  if (pt.window) {
+    // The candidates in place, in every rank's window buffer.
+    const size_t topk_bytes = static_cast<size_t>(pt.n * s.c.K) * sizeof(int32_t);
+    mp.part_topk = nullptr;
+    mp.part_scores = nullptr;
+    for (int32_t k = 0; k < mp.num_parts; ++k) {
+      mp.part_topk_of[k] = static_cast<const int32_t*>(pt.window->all[static_cast<size_t>(k)]);
+      mp.part_scores_of[k] = reinterpret_cast<const float*>(static_cast<const char*>(pt.window->all[static_cast<size_t>(k)]) +
+                                                            topk_bytes);
+    }
+  } else {
+    mp.part_topk = pt.all_topk.as<const int32_t>();
+    mp.part_scores = pt.all_scores.as<const float>();
+  }
   mp.topk = pt.topk;
   mp.local_topk = local_topk;
   mp.local_part = s.plan.cr;
@@ -427,6 +465,12 @@ struct LocalDecodes {
   PendingHeads* q_heads = nullptr;  // queries gathered along heads, laid out as rows by run_local_decodes
   DeviceBuffer heads_order, full_qn, full_qr, local_topk, part_out, part_lse, d_pack, send_out, send_lse, recv_out,
       recv_lse;
+  // Where the all-to-all's send layout goes: send_out and send_lse, or (direct, with a window on the world) this
+  // rank's window buffer [Pt blocks of out][Pt blocks of lse], which every rank's LSE merge reads in place.
+  void* send_out_at = nullptr;
+  float* send_lse_at = nullptr;
+  std::optional<Communicator::Window> window;
+  size_t window_lse_at = 0;  // the lse blocks' offset in a window buffer
 };
 
 Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads) {
@@ -445,10 +489,23 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   d.part_dtype = c.out_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
   const size_t part = dtype_size(d.part_dtype);
   DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
-  DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * part));
-  DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
-  DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * part));
-  DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
+  if (d.direct) {
+    // Attention writes its partials straight into the world's exchange window where it has one.
+    d.window_lse_at = (static_cast<size_t>(Pt * block * c.Dl) * part + 255) / 256 * 256;
+    DSACP_ASSIGN_OR_RETURN(d.window,
+                           try_window(*s.comms.world, d.window_lse_at + static_cast<size_t>(Pt * block) * sizeof(float)));
+  }
+  if (d.window) {
+    d.send_out_at = d.window->mine;
+    d.send_lse_at = reinterpret_cast<float*>(static_cast<char*>(d.window->mine) + d.window_lse_at);
+  } else {
+    DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * part));
+    DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * part));
+    DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
+    d.send_out_at = d.send_out.get();
+    d.send_lse_at = d.send_lse.as<float>();
+  }
   if (d.direct) {
     d.qn = q_heads->nope_blocks.get();
     d.qr = q_heads->rope_blocks.get();
@@ -487,8 +544,27 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
         s, n, d.qn, d.qr, s.d_row_request, s.d_row_local_len, s.out.topk, d.local_topk.as<int32_t>(),
-        d.send_out.get(), d.send_lse.as<float>(), static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype,
-        d.remapped));
+        d.send_out_at, d.send_lse_at, static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype, d.remapped));
+    if (d.window) {
+      // Every rank's block for this rank, read in place from its window buffer by the merge.
+      DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *s.comms.world).window_publish());
+      DSACP_RETURN_IF_ERROR(after(s, std::move(h)));
+      const size_t me = static_cast<size_t>(s.comms.world->rank());
+      LseMergeParams mp;
+      mp.num_parts = static_cast<int32_t>(Pt);
+      mp.num_rows = block;
+      mp.Dl = c.Dl;
+      mp.part_dtype = d.part_dtype;
+      for (int64_t k = 0; k < Pt; ++k) {
+        const char* buf = static_cast<const char*>(d.window->all[static_cast<size_t>(k)]);
+        mp.part_out_of[k] = buf + me * static_cast<size_t>(block * c.Dl) * dtype_size(d.part_dtype);
+        mp.part_lse_of[k] = reinterpret_cast<const float*>(buf + d.window_lse_at) + me * static_cast<size_t>(block);
+      }
+      mp.out = s.out.out;
+      mp.out_dtype = c.out_dtype;
+      mp.lse = s.out.lse;
+      return lse_merge_run(s.backend, mp).with_context("LSE merge (window)");
+    }
   } else if (d.q_heads != nullptr) {
     // Issued after the top-k merge, so the merge (on the critical path) is not queued behind the head gather.
     const int64_t rows_all = n * s.comms.dcp->size() * s.plan.num_heads;

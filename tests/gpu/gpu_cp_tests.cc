@@ -186,9 +186,21 @@ void test_nccl_collectives(uint64_t seed, bool peer) {
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });  // released by each rank's own thread
 }
 
-void test_nccl_timeout(bool peer) {
+// A window exchange on rank r's communicator: window_next(bytes), publish, wait (the message is not written:
+// the timeout and abort tests only need the exchange's synchronization).
+Status window_round(RankSetup& rank, size_t bytes) {
+  rank.comm->set_producer_stream(rank.backend->native_stream());
+  auto w = rank.comm->window_next(bytes);
+  if (!w.ok()) return w.status();
+  auto h = rank.comm->window_publish();
+  if (!h.ok()) return h.status();
+  return (*h)->wait();
+}
+
+// window: the exchange that waits is a window publish instead of an all-gather.
+void test_nccl_timeout(bool peer, bool window = false) {
   auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr, peer);
-  const std::string via = peer ? " (peer exchange)" : " (NCCL only)";
+  const std::string via = window ? " (window publish)" : peer ? " (peer exchange)" : " (NCCL only)";
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
     report(false, "nccl timeout: create", ranks[0].status.to_string());
     return;
@@ -200,10 +212,11 @@ void test_nccl_timeout(bool peer) {
     Backend& be = *ranks[0].backend;
     auto a = be.allocate(1 << 20), b = be.allocate(2 << 20);
     const auto t0 = Clock::now();
-    got = ranks[0].comm->all_gather(a->get(), b->get(), 1 << 20);
+    got = window ? window_round(ranks[0], 1 << 20) : ranks[0].comm->all_gather(a->get(), b->get(), 1 << 20);
     waited = seconds_since(t0);
   });
-  report(got.code() == StatusCode::kTimeout && waited >= 1.9 && waited < 15,
+  report(got.code() == StatusCode::kTimeout && waited >= 1.9 && waited < 15 &&
+             (!window || got.message().find("rank 1 did not deliver") != std::string::npos),
          "nccl: a peer that never arrives -> kTimeout, bounded" + via,
          got.to_string() + ", after " + std::to_string(waited) + " s");
   Status later = ranks[0].comm->barrier();
@@ -215,10 +228,10 @@ void test_nccl_timeout(bool peer) {
          std::to_string(seconds_since(t0)) + " s");
 }
 
-void test_nccl_abort(bool peer) {
+void test_nccl_abort(bool peer, bool window = false) {
   auto signal = std::make_shared<AbortSignal>();
   auto ranks = make_rank_pair(std::chrono::seconds(120), signal, peer);
-  const std::string via = peer ? " (peer exchange)" : " (NCCL only)";
+  const std::string via = window ? " (window publish)" : peer ? " (peer exchange)" : " (NCCL only)";
   if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
     report(false, "nccl abort: create", ranks[0].status.to_string());
     return;
@@ -234,13 +247,91 @@ void test_nccl_abort(bool peer) {
     Backend& be = *ranks[0].backend;
     auto a = be.allocate(1 << 20), b = be.allocate(2 << 20);
     const auto t0 = Clock::now();
-    got = ranks[0].comm->all_gather(a->get(), b->get(), 1 << 20);
+    got = window ? window_round(ranks[0], 1 << 20) : ranks[0].comm->all_gather(a->get(), b->get(), 1 << 20);
     waited = seconds_since(t0);
   });
   report(!got.ok() && got.message().find("rank 1 failed: injected failure") != std::string::npos && waited < 10,
          "nccl: a peer's abort fails the waiting rank at once, naming it" + via,
          got.to_string() + ", after " + std::to_string(waited) + " s");
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
+}
+
+// Window exchanges (Communicator::window_next / window_publish): 2 ranks, 6 exchanges of odd sizes back to back
+// (both buffers, each reused), each rank writing its message into its own buffer on its backend stream and
+// reading every rank's message in place after the publish (no wait on the host between exchanges); then a
+// message past the window -> kUnsupported, and DSACP_NCCL_WINDOW=0 -> no window (kUnsupported).
+void test_window(uint64_t seed) {
+  auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr, false);
+  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
+    report(false, "window: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
+    return;
+  }
+  const int n = 2, rounds = 6;
+  auto round_bytes = [](int i) -> size_t { return 977 * 1000 * (i + 1) + 13 * i + 1; };
+  std::vector<std::string> errors(n);
+  std::vector<std::vector<std::vector<uint8_t>>> sent(n), got(n);  // got[r][i]: rank 0's then rank 1's message
+  for (int r = 0; r < n; ++r) {
+    for (int i = 0; i < rounds; ++i) sent[r].push_back(random_bytes(seed * 7 + r * 1000 + i, round_bytes(i)));
+    got[r].resize(rounds);
+  }
+  std::vector<int64_t> publishes(n);
+  on_ranks(n, [&](int r) {
+    Backend& be = *ranks[r].backend;
+    Communicator& c = *ranks[r].comm;
+    c.set_producer_stream(be.native_stream());
+    std::vector<std::unique_ptr<CollectiveHandle>> handles;
+    for (int i = 0; i < rounds && errors[r].empty(); ++i) {
+      const size_t b = round_bytes(i);
+      auto w = c.window_next(b);
+      if (!w.ok() || w->all.size() != 2 || w->all[r] != w->mine) {
+        errors[r] = "window_next " + std::to_string(i) + ": " + (w.ok() ? "bad buffers" : w.status().to_string());
+        break;
+      }
+      Status st = be.copy_to_device(w->mine, sent[r][i].data(), b);
+      auto h = c.window_publish();
+      if (!st.ok() || !h.ok()) {
+        errors[r] = "round " + std::to_string(i) + ": " + (st.ok() ? h.status().to_string() : st.to_string());
+        break;
+      }
+      (*h)->order_before(be.native_stream());
+      got[r][i].resize(n * b);
+      for (int k = 0; k < n && st.ok(); ++k) st = be.copy_to_host(got[r][i].data() + k * b, w->all[k], b);
+      if (!st.ok()) errors[r] = "read round " + std::to_string(i) + ": " + st.to_string();
+      handles.push_back(std::move(h).value());
+    }
+    for (auto& h : handles) {
+      const Status st = h->wait();
+      if (!st.ok() && errors[r].empty()) errors[r] = "wait: " + st.to_string();
+    }
+    publishes[r] = c.stats().window_publishes;
+  });
+  int bad = 0;
+  for (int r = 0; r < n; ++r) {
+    for (int i = 0; i < rounds && errors[r].empty(); ++i) {
+      for (int k = 0; k < n; ++k) {
+        if (std::memcmp(got[r][i].data() + k * round_bytes(i), sent[k][i].data(), round_bytes(i)) != 0) ++bad;
+      }
+    }
+  }
+  report(errors[0].empty() && errors[1].empty() && bad == 0 && publishes[0] == rounds && publishes[1] == rounds,
+         "window: 6 exchanges back to back, every rank's message read in place",
+         errors[0] + errors[1] + std::to_string(bad) + " messages differ, " + std::to_string(publishes[0]) + " publishes");
+  auto too_big = ranks[0].comm->window_next(size_t{1} << 40);
+  report(!too_big.ok() && too_big.status().code() == StatusCode::kUnsupported &&
+             too_big.status().message().find("the window holds") != std::string::npos,
+         "window: a message past the window -> kUnsupported", too_big.ok() ? "accepted" : too_big.status().to_string());
+  on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
+  setenv("DSACP_NCCL_WINDOW", "0", 1);
+  auto off = make_rank_pair(std::chrono::seconds(60), nullptr, false);
+  unsetenv("DSACP_NCCL_WINDOW");
+  if (!off[0].status.ok() || !off[1].status.ok()) {
+    report(false, "window off: create 2 ranks", off[0].status.to_string());
+    return;
+  }
+  auto none = off[0].comm->window_next(1024);
+  report(!none.ok() && none.status().code() == StatusCode::kUnsupported, "window: DSACP_NCCL_WINDOW=0 -> no window",
+         none.ok() ? "a window" : none.status().to_string());
+  on_ranks(2, [&](int r) { off[r].comm.reset(); });
 }
 
 // Grouped all-gathers and all-to-alls of odd sizes (0.3 to 12 MB) launched back to back without waiting, then
@@ -384,6 +475,7 @@ struct Layout {
   const char* name;
   CpLayout layout;
   bool one_gpu;  // every rank on GPU 0
+  bool no_window = false;  // NCCL without its exchange window (DSACP_NCCL_WINDOW=0): the collectives only
 };
 
 CpLayout make_layout(int P, int D, IndexerMode indexer = IndexerMode::kSharded, int interleave = 0,
@@ -436,6 +528,9 @@ void test_layouts(uint64_t seed, int num_gpus) {
       {"P2 interleave 1 (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 1), false},
       {"P2 gathered decodes (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 0, false, DecodeMode::kGathered), false},
       {"D2 DSA-CP (NCCL)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false},
+      {"D2 sharded (NCCL, no window)", make_layout(1, 2), false, true},
+      {"D2 replicated (NCCL, no window)", make_layout(1, 2, IndexerMode::kReplicated), false, true},
+      {"D2 DSA-CP (NCCL, no window)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false, true},
       {"P2xD2 on one GPU", make_layout(2, 2), true},
       {"P4 on one GPU", make_layout(4, 1), true},
       {"D4 replicated on one GPU", make_layout(1, 4, IndexerMode::kReplicated), true},
@@ -473,7 +568,9 @@ void test_layouts(uint64_t seed, int num_gpus) {
       std::vector<Backend*> ranks;
       for (int32_t cr = 0; cr < l.layout.num_ranks(); ++cr) ranks.push_back(gpus[l.one_gpu ? 0 : cr].get());
       const auto t0 = Clock::now();
+      if (l.no_window) setenv("DSACP_NCCL_WINDOW", "0", 1);
       auto got = replay_case(ranks, c, o);
+      if (l.no_window) unsetenv("DSACP_NCCL_WINDOW");
       if (!got.ok()) {
         report(false, tag + l.name, got.status().to_string());
         continue;
@@ -574,6 +671,9 @@ int main(int argc, char** argv) {
       test_nccl_abort(peer);
     }
     test_back_to_back(seed + 1, true, true);
+    test_window(seed);
+    test_nccl_timeout(false, true);
+    test_nccl_abort(false, true);
   } else {
     std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
   }

@@ -259,6 +259,27 @@ void test_lse_merge(Backend& gpu, Backend& cpu) {
   report(sbc.ok() && sbg.ok() && differ == 0 && !nm3 && e3 < 1e-6, "lse_merge bf16 parts -> bf16 out",
          std::to_string(differ) + " elements beyond one bf16 ulp, lse rel err " + std::to_string(e3) +
              (sbg.ok() ? "" : " " + sbg.to_string()));
+  // The same parts in one buffer each (the DCP step's window: every rank's block read in place): bit-identical
+  // to the contiguous merge on the GPU.
+  std::vector<Dev> own_o, own_l;
+  LseMergeParams qq = qg;
+  qq.part_out = nullptr;
+  qq.part_lse = nullptr;
+  for (int s = 0; s < S; ++s) {
+    own_o.push_back(upload(gpu, std::vector<bf16>(part_bf.begin() + s * rows * Dl, part_bf.begin() + (s + 1) * rows * Dl)));
+    own_l.push_back(upload(gpu, std::vector<float>(part_lse.begin() + s * rows, part_lse.begin() + (s + 1) * rows)));
+    qq.part_out_of[s] = own_o.back().ptr<bf16>();
+    qq.part_lse_of[s] = own_l.back().ptr<float>();
+  }
+  Dev ob2 = upload(gpu, outb_c), lb2 = upload(gpu, lseb_c);
+  qq.out = ob2.ptr<bf16>();
+  qq.lse = lb2.ptr<float>();
+  const Status sq = lse_merge_run(gpu, qq);
+  const std::vector<bf16> got_q = download<bf16>(gpu, ob2, rows * Dl);
+  const std::vector<float> lse_q = download<float>(gpu, lb2, rows), lse_b = download<float>(gpu, lb, rows);
+  report(sq.ok() && std::memcmp(got_q.data(), got_b.data(), got_b.size() * sizeof(bf16)) == 0 &&
+             std::memcmp(lse_q.data(), lse_b.data(), lse_b.size() * sizeof(float)) == 0,
+         "lse_merge bf16 parts in separate buffers", sq.ok() ? "bit-identical to the contiguous parts" : sq.to_string());
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -721,6 +742,27 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
     report(sc.ok() && sg.ok() && download<int32_t>(gpu, d_m, mrows * Km) == merged_c &&
                download<int32_t>(gpu, d_local, mrows * Km) == local_c,
            name + ", with the local remap", sg.ok() ? "identical to CPU" : sg.to_string() + " / " + sc.to_string());
+    // The parts given one buffer each (the DCP step's window exchange reads every rank's buffer in place).
+    if (Pt <= kMaxPartBuffers) {
+      std::vector<Dev> own_t, own_s;
+      TopkMergeParams mq = mg;
+      mq.part_topk = nullptr;
+      mq.part_scores = nullptr;
+      const size_t n1 = static_cast<size_t>(mrows) * Km;
+      for (int s = 0; s < Pt; ++s) {
+        own_t.push_back(upload(gpu, std::vector<int32_t>(part_topk.begin() + s * n1, part_topk.begin() + (s + 1) * n1)));
+        own_s.push_back(upload(gpu, std::vector<float>(part_scores.begin() + s * n1, part_scores.begin() + (s + 1) * n1)));
+        mq.part_topk_of[s] = own_t.back().ptr<int32_t>();
+        mq.part_scores_of[s] = own_s.back().ptr<float>();
+      }
+      Dev d_m2 = upload(gpu, std::vector<int32_t>(mrows * Km, 7)), d_l2 = upload(gpu, std::vector<int32_t>(mrows * Km, 7));
+      mq.topk = d_m2.ptr<int32_t>();
+      mq.local_topk = d_l2.ptr<int32_t>();
+      const Status sq = topk_merge_run(gpu, mq);
+      report(sq.ok() && download<int32_t>(gpu, d_m2, mrows * Km) == merged_c &&
+                 download<int32_t>(gpu, d_l2, mrows * Km) == local_c,
+             name + ", parts in separate buffers", sq.ok() ? "identical to CPU" : sq.to_string());
+    }
     mg.local_topk = nullptr;
     // An entry below -1 is an error, on the device as on the host.
     part_topk[part_topk.size() / 2] = -5;

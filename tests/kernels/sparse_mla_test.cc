@@ -316,12 +316,34 @@ TEST(LseMergeKernel, Bf16PartsMergeAsTheirF32Values) {
     ASSERT_TRUE(lse_merge_run(*backend, pb).ok());
     EXPECT_EQ(0, std::memcmp(want.data(), got.data(), n)) << dtype_name(out_dtype);
     EXPECT_TRUE(bit_equal(lse_want, lse_got));
+    // The parts given one buffer each (a window exchange's messages, read in place): the same result.
+    std::vector<std::vector<bf16>> own_out(parts);
+    std::vector<std::vector<float>> own_lse(parts);
+    LseMergeParams pp = pb;
+    pp.part_out = nullptr;
+    pp.part_lse = nullptr;
+    for (int32_t k = 0; k < parts; ++k) {
+      own_out[k].assign(part_bf.begin() + k * rows * dl, part_bf.begin() + (k + 1) * rows * dl);
+      own_lse[k].assign(part_lse.begin() + k * rows, part_lse.begin() + (k + 1) * rows);
+      pp.part_out_of[k] = own_out[k].data();
+      pp.part_lse_of[k] = own_lse[k].data();
+    }
+    std::vector<char> got2(n, 0);
+    std::vector<float> lse_got2(static_cast<size_t>(rows), 0.f);
+    pp.out = got2.data();
+    pp.lse = lse_got2.data();
+    ASSERT_TRUE(lse_merge_run(*backend, pp).ok());
+    EXPECT_EQ(0, std::memcmp(want.data(), got2.data(), n)) << dtype_name(out_dtype) << " (one buffer per part)";
+    EXPECT_TRUE(bit_equal(lse_want, lse_got2));
+    pp.part_lse_of[parts - 1] = nullptr;
+    const Status missing = lse_merge_run(*backend, pp);
+    EXPECT_NE(missing.message().find("part 2 has no buffer"), std::string::npos) << missing.to_string();
   }
   // An in-place merge needs the same dtype on both sides.
   LseMergeParams alias{parts, rows, dl, part_bf.data(), part_lse.data(), part_bf.data(), part_lse.data()};
   alias.part_dtype = DType::kBF16;
   const Status st = lse_merge_run(*backend, alias);
-  EXPECT_NE(st.message().find("out aliases part_out with a different dtype"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("out aliases part 0 with a different dtype"), std::string::npos) << st.to_string();
 }
 
 TEST(LseMergeKernel, EmptyOrBrokenPartsContributeExactlyNothing) {

@@ -104,6 +104,27 @@ TEST(TopkMergeKernel, MergedRowsAreTheGlobalTopkAndTheLocalOutputIsTheirRemap) {
         for (int64_t t = 0; t < T; ++t) {
           EXPECT_EQ(std::vector<int32_t>(merged.begin() + t * K, merged.begin() + (t + 1) * K), want[t]) << "row " << t;
         }
+        // The same parts given one buffer each (a window exchange's messages, read in place), in separate copies:
+        // the same rows.
+        {
+          std::vector<std::vector<int32_t>> own_topk(S);
+          std::vector<std::vector<float>> own_scores(S);
+          TopkMergeParams q = p;
+          q.part_topk = nullptr;
+          q.part_scores = nullptr;
+          for (int32_t s = 0; s < S; ++s) {
+            own_topk[s].assign(part_topk.begin() + s * T * K, part_topk.begin() + (s + 1) * T * K);
+            own_scores[s].assign(part_scores.begin() + s * T * K, part_scores.begin() + (s + 1) * T * K);
+            q.part_topk_of[s] = own_topk[s].data();
+            q.part_scores_of[s] = own_scores[s].data();
+          }
+          std::vector<int32_t> merged2(merged.size(), 99), local2(merged.size(), 99);
+          q.topk = merged2.data();
+          q.local_topk = local2.data();
+          ASSERT_TRUE(topk_merge_run(*backend, q).ok());
+          EXPECT_EQ(merged2, merged);
+          EXPECT_EQ(local2, local);
+        }
         TopkRemapParams rp;
         rp.num_rows = T;
         rp.K = K;
@@ -134,6 +155,25 @@ TEST(TopkMergeKernel, LocalPartOutsideThePartsIsRefused) {
   const Status s = validate(p);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("local_part=2 outside [0, num_parts=2)"), std::string::npos) << s.to_string();
+}
+
+TEST(TopkMergeKernel, PartsGivenOneBufferEachMustAllBeThere) {
+  std::vector<int32_t> part(4, -1), out(4);
+  std::vector<float> scores(4, 0.f);
+  TopkMergeParams p;
+  p.num_parts = 2;
+  p.num_rows = 1;
+  p.K = 4;
+  p.part_topk_of[0] = part.data();
+  p.part_scores_of[0] = scores.data();
+  p.topk = out.data();
+  Status s = validate(p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("part 1 has no buffer"), std::string::npos) << s.to_string();
+  p.num_parts = kMaxPartBuffers + 1;
+  s = validate(p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("at most 8 parts"), std::string::npos) << s.to_string();
 }
 
 }  // namespace

@@ -302,6 +302,7 @@ class NcclComm final : public NcclCommunicator {
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     if (producer_ready_ != nullptr) (void)cudaEventDestroy(producer_ready_);
     if (last_peer_end_ != nullptr) (void)cudaEventDestroy(last_peer_end_);
+    if (last_window_end_ != nullptr) (void)cudaEventDestroy(last_window_end_);
     print_stamps();
     if (peer_stamps_ != nullptr) (void)cudaFree(peer_stamps_);
     release_peer_exchange(area_safe);
@@ -560,6 +561,8 @@ class NcclComm final : public NcclCommunicator {
     int32_t device = 0;
     int32_t ipc_ok = 0;  // ipc holds a handle to the area
     int32_t pad = 0;
+    uint64_t slot_bytes = 0;    // the area's layout, which every rank must share
+    uint64_t window_bytes = 0;
     uint64_t host = 0;   // hash of the host name
     uint64_t process = 0;  // a random number per process: equal means the same address space
     uint64_t area = 0;   // the area's address in its own process
@@ -576,19 +579,31 @@ class NcclComm final : public NcclCommunicator {
     if (env != nullptr && std::string(env) == "1" && options_.peer_exchange_bytes == 0) {
       options_.peer_exchange_bytes = size_t{32} << 20;
     }
-    const bool wanted = options_.peer_exchange_bytes >= 4096 * static_cast<size_t>(2 * size_) &&
-                        !(env != nullptr && std::string(env) == "0");
+    const bool exchange_wanted = options_.peer_exchange_bytes >= 4096 * static_cast<size_t>(2 * size_) &&
+                                 !(env != nullptr && std::string(env) == "0");
+    const char* window_env = std::getenv("DSACP_NCCL_WINDOW");
+    const char* window_mb = std::getenv("DSACP_NCCL_WINDOW_MB");
+    if (window_mb != nullptr && std::atoll(window_mb) > 0) options_.window_bytes = size_t(std::atoll(window_mb)) << 20;
+    const bool window_wanted = options_.window_bytes >= 4096 && !(window_env != nullptr && std::string(window_env) == "0");
+    const bool wanted = exchange_wanted || window_wanted;
+    slot_bytes_ = exchange_wanted ? options_.peer_exchange_bytes / (2 * static_cast<size_t>(size_)) / 256 * 256 : 0;
+    window_bytes_ = window_wanted ? options_.window_bytes / 256 * 256 : 0;
     PeerInfo me;
+    me.slot_bytes = slot_bytes_;
+    me.window_bytes = window_bytes_;
     me.device = options_.device;
     me.process = process_nonce();
     char host[256] = {};
     (void)gethostname(host, sizeof(host) - 1);
     me.host = std::hash<std::string>{}(host);
     if (wanted) {
-      slot_bytes_ = options_.peer_exchange_bytes / (2 * static_cast<size_t>(size_)) / 256 * 256;
       void* words = nullptr;
-      cudaError_t e = cudaMalloc(&area_, cuda::peer::area_bytes(size_, slot_bytes_));
+      const size_t window_at = cuda::peer::area_bytes(size_, slot_bytes_);
+      cudaError_t e = cudaMalloc(&area_, window_at + (window_bytes_ > 0 ? cuda::peer::window_region_bytes(window_bytes_) : 0));
       if (e == cudaSuccess) e = cudaMemsetAsync(area_, 0, cuda::peer::kFlagBytes, stream_);
+      if (e == cudaSuccess && window_bytes_ > 0) {
+        e = cudaMemsetAsync(area_ + window_at, 0, cuda::peer::kWindowFlagBytes, stream_);
+      }
       if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
       if (e == cudaSuccess) e = cudaHostAlloc(&words, 2 * sizeof(int32_t), cudaHostAllocMapped);
       if (e == cudaSuccess) {
@@ -606,7 +621,7 @@ class NcclComm final : public NcclCommunicator {
     }
     DSACP_ASSIGN_OR_RETURN(std::vector<PeerInfo> all, exchange_setup_record(me));
     int32_t ok = 1;
-    for (const PeerInfo& p : all) ok &= p.want;
+    for (const PeerInfo& p : all) ok &= p.want && p.slot_bytes == me.slot_bytes && p.window_bytes == me.window_bytes;
     if (!ok) {  // every rank sees the same records: all of them stop here, no vote needed
       release_peer_exchange(true);
       return Status();
@@ -739,7 +754,9 @@ class NcclComm final : public NcclCommunicator {
 
   // True when these parts go through the peer exchange (set up, at most kMaxParts, the message fits a slot).
   bool peer_fits(const std::vector<Part>& parts) const {
-    if (!peer_ready_ || parts.empty() || parts.size() > static_cast<size_t>(cuda::peer::kMaxParts)) return false;
+    if (!peer_ready_ || slot_bytes_ == 0 || parts.empty() || parts.size() > static_cast<size_t>(cuda::peer::kMaxParts)) {
+      return false;
+    }
     std::vector<cuda::peer::Part> p;
     for (const Part& x : parts) {
       if (x.bytes > slot_bytes_) return false;  // (and no overflow in the sum below)
@@ -800,6 +817,70 @@ class NcclComm final : public NcclCommunicator {
     return h;
   }
 
+  // Rank k's window region (its flags, then its two buffers) as this device addresses it.
+  char* window_region(int k) const { return peer_areas_[k] + cuda::peer::area_bytes(size_, slot_bytes_); }
+
+ public:
+  Result<Window> window_next(size_t bytes) override {
+    DSACP_RETURN_IF_ERROR(usable());
+    if (!peer_ready_ || window_bytes_ == 0) {
+      return unsupported("NCCL communicator: no exchange window (DSACP_NCCL_WINDOW=0, window_bytes 0, or a rank "
+                         "that cannot reach the others' memory)");
+    }
+    if (bytes > window_bytes_) {
+      return unsupported("NCCL communicator: a window message of " + std::to_string(bytes) + " bytes, the window holds " +
+                         std::to_string(window_bytes_) + " (NcclOptions::window_bytes, DSACP_NCCL_WINDOW_MB)");
+    }
+    const int parity = static_cast<int>((window_seq_ + 1) & 1);
+    Window w;
+    for (int k = 0; k < size_; ++k) w.all.push_back(cuda::peer::window_buffer(window_region(k), window_bytes_, parity));
+    w.mine = cuda::peer::window_buffer(window_region(rank_), window_bytes_, parity);
+    window_message_bytes_ = bytes;
+    return w;
+  }
+
+  Result<std::unique_ptr<CollectiveHandle>> window_publish() override {
+    DSACP_RETURN_IF_ERROR(usable());
+    if (!peer_ready_ || window_bytes_ == 0) return unsupported("NCCL communicator: no exchange window");
+    cuda::peer::WindowArgs a;
+    a.rank = rank_;
+    a.size = size_;
+    for (int k = 0; k < size_; ++k) a.windows[k] = window_region(k);
+    const uint64_t ms = static_cast<uint64_t>(options_.timeout.count());
+    a.timeout_ns = ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
+    a.abort_word = peer_words_dev_;
+    a.error_word = const_cast<int32_t*>(peer_words_dev_);
+    const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
+                                                                : stream_;
+    auto failed = [&](cudaError_t e) {
+      const Status st = cuda_error(e, "rank " + std::to_string(rank_) + ": window publish");
+      fail(st.message());
+      return st;
+    };
+    // Window exchanges run one after another (the parity argument): one on another stream than the last waits
+    // for the last one's end.
+    if (last_window_stream_ != nullptr && last_window_stream_ != on) {
+      const cudaError_t e = cudaStreamWaitEvent(on, last_window_end_, 0);
+      if (e != cudaSuccess) return failed(e);
+    }
+    auto h = launch("window publish", window_message_bytes_ * (size_ - 1), [&] {
+      a.seq = ++window_seq_;  // only publishes that launch count, the same on every rank
+      if (cuda::peer::launch_window_publish(a, on) == cudaSuccess) return ncclSuccess;
+      (void)cudaGetLastError();
+      return ncclUnhandledCudaError;
+    }, false, on);
+    if (h.ok()) {
+      cudaError_t e = last_window_end_ == nullptr ? cudaEventCreateWithFlags(&last_window_end_, cudaEventDisableTiming)
+                                                  : cudaSuccess;
+      if (e == cudaSuccess) e = cudaEventRecord(last_window_end_, on);
+      if (e != cudaSuccess) return failed(e);
+      last_window_stream_ = on;
+      ++stats_.window_publishes;
+    }
+    return h;
+  }
+
+ private:
   cudaError_t take_event(cudaEvent_t* e) {
     if (!free_events_.empty()) {
       *e = free_events_.back();
@@ -893,6 +974,13 @@ class NcclComm final : public NcclCommunicator {
   int32_t peer_fence_mode_ = 0;                // DSACP_PEER_FENCE (a diagnostic), read once at setup
   cudaStream_t last_peer_stream_ = nullptr;  // where the last exchange ran, and its end
   cudaEvent_t last_peer_end_ = nullptr;
+  // The exchange window (after the slots in the area): its buffers' size, the window exchanges published so far,
+  // the size of the message of the next one, where the last publish ran and its end.
+  size_t window_bytes_ = 0;
+  uint64_t window_seq_ = 0;
+  size_t window_message_bytes_ = 0;
+  cudaStream_t last_window_stream_ = nullptr;
+  cudaEvent_t last_window_end_ = nullptr;
 };
 
 NcclHandle::~NcclHandle() {

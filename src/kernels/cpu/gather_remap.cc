@@ -67,10 +67,13 @@ namespace dsacp::cpu {
 
 Status topk_merge(const TopkMergeParams& p, int num_threads) {
   const int64_t S = p.num_parts, T = p.num_rows, K = p.K, I = p.I;
-  for (int64_t i = 0; i < S * T * K; ++i) {
-    if (p.part_topk[i] < -1) {
-      return out_of_range("topk_merge: part entry " + std::to_string(i) + " = " + std::to_string(p.part_topk[i]) +
-                          " (entries are positions >= 0 or -1)");
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t* part = topk_merge_part_topk(p, static_cast<int32_t>(s));
+    for (int64_t i = 0; i < T * K; ++i) {
+      if (part[i] < -1) {
+        return out_of_range("topk_merge: part entry " + std::to_string(s * T * K + i) + " = " +
+                            std::to_string(part[i]) + " (entries are positions >= 0 or -1)");
+      }
     }
   }
   parallel_for(T, num_threads, 16, [&](int64_t begin, int64_t end) {
@@ -78,8 +81,8 @@ Status topk_merge(const TopkMergeParams& p, int num_threads) {
     for (int64_t t = begin; t < end; ++t) {
       keys.clear();
       for (int64_t s = 0; s < S; ++s) {
-        const int32_t* row = p.part_topk + (s * T + t) * K;
-        const float* sc = p.part_scores + (s * T + t) * K;
+        const int32_t* row = topk_merge_part_topk(p, static_cast<int32_t>(s)) + t * K;
+        const float* sc = topk_merge_part_scores(p, static_cast<int32_t>(s)) + t * K;
         for (int64_t i = 0; i < K && row[i] >= 0; ++i) {
           const int64_t l = row[i];
           const int64_t g = ((l / I) * S + s) * I + l % I;

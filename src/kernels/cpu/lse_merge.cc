@@ -21,7 +21,7 @@ Status lse_merge(const LseMergeParams& p, int num_threads) {
       // A part with a NaN or infinite LSE holds no keys (or is broken): it counts as -inf, weight 0.
       double max_lse = neg_inf;
       for (int32_t s = 0; s < p.num_parts; ++s) {
-        const float l = p.part_lse[s * rows + r];
+        const float l = lse_merge_part_lse(p, s)[r];
         if (std::isfinite(l)) max_lse = std::max(max_lse, static_cast<double>(l));
       }
       if (max_lse == neg_inf) {
@@ -31,21 +31,22 @@ Status lse_merge(const LseMergeParams& p, int num_threads) {
       }
       double sum = 0.0;
       for (int32_t s = 0; s < p.num_parts; ++s) {
-        const float l = p.part_lse[s * rows + r];
+        const float l = lse_merge_part_lse(p, s)[r];
         if (std::isfinite(l)) sum += std::exp(static_cast<double>(l) - max_lse);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       // Parts in a fixed order; a part with weight 0 is skipped, so NaN in its out never leaks.
       for (int32_t s = 0; s < p.num_parts; ++s) {
-        const float l = p.part_lse[s * rows + r];
+        const float l = lse_merge_part_lse(p, s)[r];
         if (!std::isfinite(l)) continue;
         const float w = static_cast<float>(std::exp(static_cast<double>(l) - max_lse) / sum);
-        const int64_t base = (s * rows + r) * dl;
+        const void* part_rows = lse_merge_part_out(p, s, dtype_size(p.part_dtype));
+        const int64_t base = r * dl;
         if (p.part_dtype == DType::kF32) {
-          const float* part = static_cast<const float*>(p.part_out) + base;
+          const float* part = static_cast<const float*>(part_rows) + base;
           for (int64_t d = 0; d < dl; ++d) acc[d] += w * part[d];
         } else {
-          for (int64_t d = 0; d < dl; ++d) acc[d] += w * load_as_f32(p.part_out, p.part_dtype, base + d);
+          for (int64_t d = 0; d < dl; ++d) acc[d] += w * load_as_f32(part_rows, p.part_dtype, base + d);
         }
       }
       for (int64_t d = 0; d < dl; ++d) store_from_f32(p.out, p.out_dtype, r * dl + d, acc[d]);

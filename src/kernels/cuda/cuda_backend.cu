@@ -503,8 +503,13 @@ class CudaBackend final : public Backend {
     const size_t parts = static_cast<size_t>(p.num_parts) * p.num_rows * p.K;
     std::vector<int32_t> part_topk(parts), topk(static_cast<size_t>(p.num_rows) * p.K);
     std::vector<float> part_scores(parts);
-    DSACP_RETURN_IF_ERROR(copy_to_host(part_topk.data(), p.part_topk, parts * sizeof(int32_t)));
-    DSACP_RETURN_IF_ERROR(copy_to_host(part_scores.data(), p.part_scores, parts * sizeof(float)));
+    const size_t part_rows = static_cast<size_t>(p.num_rows) * p.K;  // one part's entries
+    for (int32_t s = 0; s < p.num_parts; ++s) {
+      DSACP_RETURN_IF_ERROR(copy_to_host(part_topk.data() + s * part_rows, topk_merge_part_topk(p, s),
+                                         part_rows * sizeof(int32_t)));
+      DSACP_RETURN_IF_ERROR(copy_to_host(part_scores.data() + s * part_rows, topk_merge_part_scores(p, s),
+                                         part_rows * sizeof(float)));
+    }
     std::vector<int32_t> local(p.local_topk != nullptr ? topk.size() : 0);
     TopkMergeParams h = p;
     h.part_topk = part_topk.data();

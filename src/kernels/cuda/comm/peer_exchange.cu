@@ -191,6 +191,34 @@ __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArg
   stamp(a, 2, true);
 }
 
+// A window publish: thread 0 raises this rank's flag in every peer's window (after a system fence: the producer
+// kernels' writes of the message came before, in stream order), then thread k waits for peer k's flag here,
+// bounded as in peer_wait_kernel. One warp; nothing else waits.
+__global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) {
+  const bool dead = *a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0;
+  if (dead) return;  // a failed communicator publishes nothing; its error is reported already
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int k = 0; k < a.size; ++k) {
+      if (k != a.rank) st_release_sys(reinterpret_cast<uint64_t*>(a.windows[k]) + a.rank, a.seq);
+    }
+  }
+  const int k = threadIdx.x;
+  if (k >= a.size || k == a.rank) return;
+  const uint64_t t0 = global_timer_ns();
+  const uint64_t* flag = reinterpret_cast<const uint64_t*>(a.windows[a.rank]) + k;
+  for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
+    if ((spins & 255) == 0 && (*a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0 ||
+                               global_timer_ns() - t0 > a.timeout_ns)) {
+      if (*reinterpret_cast<volatile int32_t*>(a.error_word) == 0) {
+        *reinterpret_cast<volatile int32_t*>(a.error_word) = *a.abort_word != 0 ? -1 : 1 + k;
+      }
+      __threadfence_system();
+      return;
+    }
+  }
+}
+
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
@@ -199,6 +227,14 @@ size_t message_bytes(const Part* parts, int num_parts) {
   size_t total = 0;
   for (int i = 0; i < num_parts; ++i) total += align_up(parts[i].bytes);
   return total;
+}
+
+size_t window_region_bytes(size_t window_bytes) { return kWindowFlagBytes + 2 * window_bytes; }
+
+cudaError_t launch_window_publish(const WindowArgs& args, cudaStream_t stream) {
+  if (args.size < 2 || args.size > kMaxRanks || args.rank < 0 || args.rank >= args.size) return cudaErrorInvalidValue;
+  window_publish_kernel<<<1, 32, 0, stream>>>(args);
+  return cudaGetLastError();
 }
 
 size_t area_bytes(int size, size_t slot_bytes) { return kFlagBytes + static_cast<size_t>(size) * 2 * slot_bytes; }

@@ -61,6 +61,34 @@ struct ExchangeArgs {
 };
 constexpr int kStampRing = 64, kStamps = 6;
 
+// Windows (Communicator::window_next): zero-copy exchanges. After the slots, a rank's area holds the window
+// flags [kMaxRanks senders] uint64 (padded to kWindowFlagBytes) and two window buffers of window_bytes (parity
+// seq & 1). Each rank writes its message into its own buffer (its producer kernels), then a publish: one small
+// kernel raises this rank's flag (the window exchange's sequence number, release at system scope after a
+// system fence) in every peer's area and waits, bounded like the exchange's wait, until every peer's flag in
+// its own area reached the sequence number. Consumers then read the peers' buffers in place. The parity
+// argument of the slots holds: a rank rewrites parity p at seq + 2 only after its publish of seq + 1 saw the
+// peers' flags of seq + 1, which each peer raised after enqueueing its reads of seq.
+constexpr size_t kWindowFlagBytes = 4096;
+
+struct WindowArgs {
+  int32_t rank = 0, size = 0;
+  char* windows[kMaxRanks] = {};  // every rank's window region (its flags) as this device addresses it
+  uint64_t seq = 0;               // 1, 2, ... per window exchange of the communicator, the same on every rank
+  uint64_t timeout_ns = 0;
+  const volatile int32_t* abort_word = nullptr;  // as in ExchangeArgs
+  int32_t* error_word = nullptr;
+};
+
+// Bytes of the window region: flags, then two buffers.
+size_t window_region_bytes(size_t window_bytes);
+// The buffer of parity `parity` in a window region.
+inline char* window_buffer(char* region, size_t window_bytes, int parity) {
+  return region + kWindowFlagBytes + static_cast<size_t>(parity) * window_bytes;
+}
+// Enqueues a window publish (signal every peer, wait for every peer) on `stream`.
+cudaError_t launch_window_publish(const WindowArgs& args, cudaStream_t stream);
+
 // Bytes a message of these parts takes in a slot (each part's block rounded up to kAlign).
 size_t message_bytes(const Part* parts, int num_parts);
 // Bytes of one rank's area for `size` ranks and slots of slot_bytes.

@@ -44,6 +44,14 @@ __device__ __forceinline__ int32_t key_position(uint64_t key) {
   return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
 }
 
+// Part s's row t and its scores (the parts as one [Pt, T, K] array, or one buffer each: a window's messages).
+__device__ __forceinline__ const int32_t* part_topk_row(const TopkMergeParams& p, int s, int64_t t) {
+  return (p.part_topk != nullptr ? p.part_topk + s * p.num_rows * p.K : p.part_topk_of[s]) + t * p.K;
+}
+__device__ __forceinline__ const float* part_scores_row(const TopkMergeParams& p, int s, int64_t t) {
+  return (p.part_scores != nullptr ? p.part_scores + s * p.num_rows * p.K : p.part_scores_of[s]) + t * p.K;
+}
+
 // Bitonic sort of keys[0, n) (n a power of two), ascending.
 __device__ void bitonic_sort_ascending(uint64_t* keys, int n) {
   for (int k = 2; k <= n; k <<= 1) {
@@ -90,13 +98,13 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   __shared__ int warp_sums[32];
   __shared__ int s_digit, s_need, s_done, s_unsorted;
   const int64_t t = blockIdx.x;
-  const int64_t T = p.num_rows, I = p.I;
+  const int64_t I = p.I;
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
   if (threadIdx.x == 0) s_unsorted = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int s = i / K, j = i % K;
-    const int32_t l = p.part_topk[(s * T + t) * K + j];
+    const int32_t l = part_topk_row(p, s, t)[j];
     if (l < -1) report_device_error(err, kDevBadEntry, t);
     if (l == -1) atomicMin(&valid_len[s], j);
   }
@@ -105,13 +113,13 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     uint64_t key = 0;  // below every candidate's key
     const int s = i / K, j = i % K;
-    const int64_t at = (s * T + t) * K + j;
-    const int32_t l = p.part_topk[at];
+    const int32_t* row = part_topk_row(p, s, t);
+    const int32_t l = row[j];
     if (j < valid_len[s] && l >= 0) {
       const int64_t g = ((l / I) * S + s) * I + l % I;
-      key = rank_key(p.part_scores[at], static_cast<int32_t>(g));
+      key = rank_key(part_scores_row(p, s, t)[j], static_cast<int32_t>(g));
       ++my_valid;
-      if (j > 0 && l <= p.part_topk[at - 1]) s_unsorted = 1;  // not ascending: the sort fallback
+      if (j > 0 && l <= row[j - 1]) s_unsorted = 1;  // not ascending: the sort fallback
     }
     keys[i] = key;
   }

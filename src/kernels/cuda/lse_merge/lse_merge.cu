@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/common/cuda_check.h"
@@ -49,9 +50,23 @@ __device__ __forceinline__ void store8(float* p, const float (&f)[8]) {
   *reinterpret_cast<float4*>(p + 4) = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// The parts: one [S, rows, dl] array (out, lse), or one buffer per part (out_of, lse_of: a window's messages).
+template <typename PartT>
+struct MergeParts {
+  const PartT* out = nullptr;
+  const float* lse = nullptr;
+  const PartT* out_of[kMaxPartBuffers] = {};
+  const float* lse_of[kMaxPartBuffers] = {};
+  __device__ __forceinline__ float lse_at(int s, int64_t rows, int64_t r) const {
+    return out != nullptr ? lse[s * rows + r] : lse_of[s][r];
+  }
+  __device__ __forceinline__ const PartT* row(int s, int64_t rows, int64_t r, int dl) const {
+    return out != nullptr ? out + (s * rows + r) * dl : out_of[s] + r * dl;
+  }
+};
+
 template <typename OutT, typename PartT>
-__global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __restrict__ part_out,
-                                                             const float* __restrict__ part_lse, int num_parts,
+__global__ void __launch_bounds__(kThreads) lse_merge_kernel(const MergeParts<PartT> parts, int num_parts,
                                                              int64_t rows, int dl, bool vec, OutT* __restrict__ out,
                                                              float* __restrict__ lse, LseMergeRows map) {
   // Launched as a programmatic dependent of the kernel that wrote the parts (launch_lse_merge's after_producer):
@@ -66,14 +81,14 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
   // exp(lse - max) over the parts with a finite LSE, both in f64 like the CPU oracle, reduced over the warp.
   double max_lse = -INFINITY, sum = 0.0;
   for (int s = lane; s < num_parts; s += 32) {
-    const float l = part_lse[s * rows + r];
+    const float l = parts.lse_at(s, rows, r);
     if (isfinite(l)) max_lse = fmax(max_lse, static_cast<double>(l));
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) max_lse = fmax(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, off));
   if (max_lse != -INFINITY) {
     for (int s = lane; s < num_parts; s += 32) {
-      const float l = part_lse[s * rows + r];
+      const float l = parts.lse_at(s, rows, r);
       if (isfinite(l)) sum += exp(static_cast<double>(l) - max_lse);
     }
   }
@@ -81,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   // Weights in shared memory (-1: the part is left out, its LSE is not finite, its rows are never read).
   for (int s = lane; shared_weights && s < num_parts; s += 32) {
-    const float l = part_lse[s * rows + r];
+    const float l = parts.lse_at(s, rows, r);
     weight[warp][s] = isfinite(l) ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : -1.f;
   }
   __syncwarp();
@@ -92,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
       *use = w >= 0.f;
       return w;
     }
-    const float l = part_lse[s * rows + r];
+    const float l = parts.lse_at(s, rows, r);
     *use = isfinite(l);
     return *use ? static_cast<float>(exp(static_cast<double>(l) - max_lse) / sum) : 0.f;
   };
@@ -117,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
         for (int u = 0; u < 4; ++u) {
           use[u] = false;
           w[u] = s0 + u < num_parts ? part_weight(s0 + u, &use[u]) : 0.f;
-          if (use[u]) load8(part_out + ((s0 + u) * rows + r) * dl + c, x[u]);
+          if (use[u]) load8(parts.row(s0 + u, rows, r, dl) + c, x[u]);
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -135,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) lse_merge_kernel(const PartT* __rest
         bool use = false;
         const float w = part_weight(s, &use);
         if (!use) continue;
-        acc += w * to_f32(part_out[(s * rows + r) * dl + d]);
+        acc += w * to_f32(parts.row(s, rows, r, dl)[d]);
       }
       o[d] = static_cast<OutT>(acc);
     }
@@ -160,8 +175,20 @@ Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, con
   auto launch = [&](auto* typed_out, auto* typed_parts) {
     using OutT = std::remove_pointer_t<decltype(typed_out)>;
     using PartT = std::remove_const_t<std::remove_pointer_t<decltype(typed_parts)>>;
+    MergeParts<PartT> parts;
+    bool parts_aligned = aligned(typed_parts, 16);
+    if (p.part_out != nullptr) {
+      parts.out = typed_parts;
+      parts.lse = p.part_lse;
+    } else {
+      for (int s = 0; s < p.num_parts && s < kMaxPartBuffers; ++s) {
+        parts.out_of[s] = static_cast<const PartT*>(p.part_out_of[s]);
+        parts.lse_of[s] = p.part_lse_of[s];
+        parts_aligned = parts_aligned && aligned(p.part_out_of[s], 16);
+      }
+    }
     // 8 columns at a time when every row starts on a 16-byte boundary (of both the parts and the output).
-    const bool vec = p.Dl % 8 == 0 && aligned(typed_parts, 16) && aligned(typed_out, 16);
+    const bool vec = p.Dl % 8 == 0 && parts_aligned && aligned(typed_out, 16);
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(kThreads);
@@ -173,9 +200,13 @@ Status launch_lse_merge(const LseMergeParams& p, void* out, DType out_dtype, con
       cfg.attrs = attr;
       cfg.numAttrs = 1;
     }
-    return cudaLaunchKernelEx(&cfg, lse_merge_kernel<OutT, PartT>, typed_parts, p.part_lse, p.num_parts,
-                              p.num_rows, p.Dl, vec, typed_out, p.lse, map);
+    return cudaLaunchKernelEx(&cfg, lse_merge_kernel<OutT, PartT>, parts, p.num_parts, p.num_rows, p.Dl, vec,
+                              typed_out, p.lse, map);
   };
+  if (p.part_out == nullptr && p.num_parts > kMaxPartBuffers) {
+    return unsupported("lse_merge: " + std::to_string(p.num_parts) + " parts given one buffer each (at most " +
+                       std::to_string(kMaxPartBuffers) + ")");
+  }
   const bool bf16_parts = p.part_dtype == DType::kBF16;
   cudaError_t launched = cudaSuccess;
   if (!bf16_parts && p.part_dtype != DType::kF32) {
