@@ -348,6 +348,45 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
       rows.push_back(buf);
     }
   }
+  // Window publishes (Communicator::window_next + window_publish of a 4 KiB message): the synchronization a
+  // window exchange costs, back to back and one by one.
+  {
+    std::vector<double> us(static_cast<size_t>(n)), single_us(static_cast<size_t>(n));
+    bool have = true;
+    on_ranks(n, [&](int r) {
+      Communicator& c = *comms[r].world;
+      c.set_producer_stream(be[r]->native_stream());
+      auto one = [&]() -> Result<std::unique_ptr<CollectiveHandle>> {
+        DSACP_ASSIGN_OR_RETURN(auto w, c.window_next(4096));
+        (void)w;
+        return c.window_publish();
+      };
+      if (!one().ok()) {
+        have = false;
+        return;
+      }
+      for (int i = 0; i < 5; ++i) die_if(take(one(), "window")->wait(), "window");
+      die_if(c.barrier(), "barrier");
+      const int iters = 40;
+      std::vector<std::unique_ptr<CollectiveHandle>> handles;
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) handles.push_back(take(one(), "window"));
+      for (auto& h : handles) die_if(h->wait(), "window");
+      us[r] = ms_since(t0) * 1000.0 / iters;
+      const auto t1 = Clock::now();
+      for (int i = 0; i < iters; ++i) die_if(take(one(), "window")->wait(), "window");
+      single_us[r] = ms_since(t1) * 1000.0 / iters;
+    });
+    if (have) {
+      const double t = *std::max_element(us.begin(), us.end());
+      const double single = *std::max_element(single_us.begin(), single_us.end());
+      std::printf("%-10s %12d %10.1f %10s %10s %12.1f  %s\n", "window", 0, t, "-", "-", single, "window");
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "{\"op\":\"window_publish\",\"ranks\":%d,\"bytes\":0,\"us\":%.2f,\"single_us\":%.2f}",
+                    n, t, single);
+      rows.push_back(buf);
+    }
+  }
   on_ranks(n, [&](int r) { comms[r] = OwnedCpComms{}; });
   return rows;
 }

@@ -664,6 +664,8 @@ class NcclComm final : public NcclCommunicator {
     peer_ready_ = true;
     const char* fence = std::getenv("DSACP_PEER_FENCE");
     peer_fence_mode_ = fence != nullptr ? std::atoi(fence) : 0;
+    const char* window_sync = std::getenv("DSACP_WINDOW_SYNC");
+    window_sync_mode_ = window_sync != nullptr ? std::atoi(window_sync) : 0;
     const char* stamps = std::getenv("DSACP_PEER_STAMPS");
     if (stamps != nullptr && std::string(stamps) == "1") {
       const size_t bytes = sizeof(unsigned long long) * cuda::peer::kStampRing * cuda::peer::kStamps;
@@ -850,6 +852,7 @@ class NcclComm final : public NcclCommunicator {
     a.timeout_ns = ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
     a.abort_word = peer_words_dev_;
     a.error_word = const_cast<int32_t*>(peer_words_dev_);
+    a.sync_mode = window_sync_mode_;
     const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
                                                                 : stream_;
     auto failed = [&](cudaError_t e) {
@@ -977,6 +980,7 @@ class NcclComm final : public NcclCommunicator {
   // The exchange window (after the slots in the area): its buffers' size, the window exchanges published so far,
   // the size of the message of the next one, where the last publish ran and its end.
   size_t window_bytes_ = 0;
+  int32_t window_sync_mode_ = 0;  // DSACP_WINDOW_SYNC (a diagnostic), read once at setup
   uint64_t window_seq_ = 0;
   size_t window_message_bytes_ = 0;
   cudaStream_t last_window_stream_ = nullptr;

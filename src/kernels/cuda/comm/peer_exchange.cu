@@ -198,16 +198,29 @@ __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) 
   const bool dead = *a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0;
   if (dead) return;  // a failed communicator publishes nothing; its error is reported already
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    if (a.sync_mode == 0) __threadfence_system();
+    if (a.sync_mode == 2) __threadfence();
     for (int k = 0; k < a.size; ++k) {
-      if (k != a.rank) st_release_sys(reinterpret_cast<uint64_t*>(a.windows[k]) + a.rank, a.seq);
+      if (k == a.rank) continue;
+      uint64_t* f = reinterpret_cast<uint64_t*>(a.windows[k]) + a.rank;
+      if (a.sync_mode == 2) {
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(f), "l"(a.seq) : "memory");
+      } else {
+        st_release_sys(f, a.seq);
+      }
     }
   }
   const int k = threadIdx.x;
   if (k >= a.size || k == a.rank) return;
   const uint64_t t0 = global_timer_ns();
   const uint64_t* flag = reinterpret_cast<const uint64_t*>(a.windows[a.rank]) + k;
-  for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
+  auto seen = [&]() -> uint64_t {
+    if (a.sync_mode != 2) return ld_acquire_sys(flag);
+    uint64_t v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+    return v;
+  };
+  for (uint32_t spins = 1; seen() < a.seq; ++spins) {
     if ((spins & 255) == 0 && (*a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0 ||
                                global_timer_ns() - t0 > a.timeout_ns)) {
       if (*reinterpret_cast<volatile int32_t*>(a.error_word) == 0) {
@@ -217,6 +230,7 @@ __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) 
       return;
     }
   }
+  if (a.sync_mode == 2) __threadfence();
 }
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }

@@ -78,6 +78,9 @@ struct WindowArgs {
   uint64_t timeout_ns = 0;
   const volatile int32_t* abort_word = nullptr;  // as in ExchangeArgs
   int32_t* error_word = nullptr;
+  // Diagnostic (DSACP_WINDOW_SYNC): 0 fence.sc.sys, release and acquire at system scope; 1 the flag's release and
+  // the polls' acquire only; 2 relaxed system-scope flag and polls, a GPU-scope fence on each side.
+  int32_t sync_mode = 0;
 };
 
 // Bytes of the window region: flags, then two buffers.
