@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dsacp/dtype.h"
+#include "dsacp/random.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 #include "gather_ceiling.h"
@@ -287,6 +288,51 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   }
 }
 
+// ---- the DCP decode's candidate merge -------------------------------------------------------------------------
+// `parts` ranks' local top-K rows of a b=64 decode (ascending local positions, scores from one distribution, so
+// the parts' candidates interleave as real ones do), merged exactly; with per_part, every part in its own buffer
+// (the window exchange's layout).
+void bench_topk_merge(const std::string& name, int parts, int64_t rows, int K, int reps, bool per_part) {
+  const size_t per = static_cast<size_t>(rows) * K;
+  std::vector<int32_t> topk(parts * per);
+  std::vector<float> scores(parts * per);
+  for (int s = 0; s < parts; ++s) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int i = 0; i < K; ++i) {
+        const size_t at = s * per + r * K + i;
+        topk[at] = 7 * i + static_cast<int32_t>(dsacp::counter_hash(5, s, at) % 7);
+        scores[at] = 2.f + static_cast<float>(dsacp::counter_hash(6, s, at) % 100000) * 1e-5f;
+      }
+    }
+  }
+  int32_t* d_topk = dev_copy(topk);
+  float* d_scores = dev_copy(scores);
+  int32_t* d_out = dev_copy(std::vector<int32_t>(per));
+  int32_t* d_local = dev_copy(std::vector<int32_t>(per));
+  TopkMergeParams p;
+  p.num_parts = parts;
+  p.num_rows = rows;
+  p.K = K;
+  p.I = 64;
+  p.topk = d_out;
+  p.local_topk = d_local;
+  if (per_part) {
+    for (int s = 0; s < parts; ++s) {
+      p.part_topk_of[s] = d_topk + s * per;
+      p.part_scores_of[s] = d_scores + s * per;
+    }
+  } else {
+    p.part_topk = d_topk;
+    p.part_scores = d_scores;
+  }
+  const double ms = time_ms([&] { CS(launch_topk_merge(p, g_ctx)); }, reps, g_ctx.stream);
+  record(name, ms, 0, parts * per * 8.0 + per * 8.0);
+  for (void* q : {static_cast<void*>(d_topk), static_cast<void*>(d_scores), static_cast<void*>(d_out),
+                  static_cast<void*>(d_local)}) {
+    CK(cudaFree(q));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -365,6 +411,14 @@ int main(int argc, char** argv) {
   if (want("indexer_decode")) {
     bench_indexer("indexer_decode b=64 ctx32K", 64, 32768 - 1, 1, reps);
     bench_indexer("indexer_decode b=64 ctx128K", 64, 131072 - 1, 1, reps);
+  }
+  if (want("topk_merge")) {  // the DCP decode's candidate merge (2 ranks: 2 x 2048 candidates a row)
+    bench_topk_merge("topk_merge 2 parts b=64 K=2048", 2, 64, 2048, reps, false);
+    bench_topk_merge("topk_merge 2 parts b=64 K=2048 one buffer each", 2, 64, 2048, reps, true);
+    setenv("DSACP_TOPK_MERGE", "1", 1);
+    bench_topk_merge("topk_merge 2 parts b=64 K=2048 general kernel", 2, 64, 2048, reps, false);
+    unsetenv("DSACP_TOPK_MERGE");
+    bench_topk_merge("topk_merge 4 parts b=64 K=2048", 4, 64, 2048, reps, false);
   }
   int32_t herr[2] = {0, 0};
   CK(cudaMemcpy(herr, err, 8, cudaMemcpyDeviceToHost));

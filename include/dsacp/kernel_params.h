@@ -34,7 +34,43 @@ struct CacheWriteParams {
   int64_t num_rows = 0;        // T
   const int64_t* slots = nullptr;  // [T]
   PagedPoolView pool;
+  // Optional: more pools written by the same call (one launch on a GPU), each with its own rows ([T, its dim],
+  // rows_dtype) and slots; unused while rows is null. The steps write a token's indexer key, latent and rope rows
+  // together.
+  struct MorePool {
+    const void* rows = nullptr;
+    const int64_t* slots = nullptr;
+    PagedPoolView pool;
+  };
+  MorePool more[2];
 };
+
+// Pool i of a cache write (0: the main one, 1.. the `more` ones whose rows are set) as a single-pool write; the
+// number of pools is cache_write_pools(p).
+inline int cache_write_pools(const CacheWriteParams& p) {
+  int n = 1;
+  for (const CacheWriteParams::MorePool& m : p.more) n += m.rows != nullptr;
+  return n;
+}
+inline CacheWriteParams cache_write_pool(const CacheWriteParams& p, int i) {
+  CacheWriteParams one;
+  one.rows_dtype = p.rows_dtype;
+  one.num_rows = p.num_rows;
+  if (i == 0) {
+    one.rows = p.rows;
+    one.slots = p.slots;
+    one.pool = p.pool;
+    return one;
+  }
+  for (const CacheWriteParams::MorePool& m : p.more) {
+    if (m.rows != nullptr && --i == 0) {
+      one.rows = m.rows;
+      one.slots = m.slots;
+      one.pool = m.pool;
+    }
+  }
+  return one;
+}
 
 // Per query token: which request's block table it reads and how many key positions it sees.
 // Key positions are request-relative: key j of request b is at block_table[b, j / page_size], j % page_size.

@@ -144,7 +144,7 @@ struct RankStep {
   const int32_t* d_row_local_len = nullptr;
   // Collectives the backend's stream waits for on the device; the host waits for them (bounded) at the end.
   std::vector<std::unique_ptr<CollectiveHandle>> in_flight;
-  std::vector<DeviceBuffer> kv_rows;  // the step's gathered KV rows (written to the cache after the indexer launch)
+  std::vector<DeviceBuffer> kv_rows;  // the step's gathered KV rows (the cache write reads them on the device)
 
   int32_t B() const { return cache.config().page_size; }
   size_t act() const { return dtype_size(c.act_dtype); }
@@ -718,9 +718,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     view_ids.assign(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
   }
 
-  // 1. KV exchange and the owners' cache writes. The indexer keys go first; the latent and rope rows, which
-  //    only attention reads, are written after the indexer launch unless a gathered KV view packs them now.
-  std::function<Status()> write_latent_rope;
+  // 1. KV exchange and the owners' cache writes (indexer keys, latent and rope rows in one call, before the
+  //    indexer: nothing of it is left on the path after the indexer).
   {
     struct Exchange {
       const void* local;
@@ -742,26 +741,18 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DSACP_ASSIGN_OR_RETURN(handle, ex.all_gather_group_async(parts));
     }
     if (handle) DSACP_RETURN_IF_ERROR(after(s, std::move(handle)));
-    auto write = [&backend, &c, gathered](const void* rows, const int64_t* slots, const PagedPoolView& pool) {
-      CacheWriteParams w;
-      w.rows = rows;
-      w.rows_dtype = c.act_dtype;
-      w.num_rows = gathered;
-      w.slots = slots;
-      w.pool = pool;
-      return cache_write_run(backend, w).with_context("CP cache write");
-    };
-    DSACP_RETURN_IF_ERROR(write(kv[2].gathered, replicated ? d_all : d_owned, cache.index_keys()));
-    // The gathered rows stay alive until the step ends (kv_rows), for the deferred writes.
+    // One call writes the owned rows' indexer keys (every row's under the replicated indexer), latent and rope
+    // (one launch on a GPU).
+    CacheWriteParams w;
+    w.rows = kv[2].gathered;
+    w.rows_dtype = c.act_dtype;
+    w.num_rows = gathered;
+    w.slots = replicated ? d_all : d_owned;
+    w.pool = cache.index_keys();
+    w.more[0] = {kv[0].gathered, d_owned, cache.latent()};
+    w.more[1] = {kv[1].gathered, d_owned, cache.rope()};
+    DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("CP cache write"));
     for (auto& e : kv) s.kv_rows.push_back(std::move(e.rows));
-    write_latent_rope = [write, latent = kv[0].gathered, rope = kv[1].gathered, d_owned, &cache,
-                         done = false]() mutable -> Status {
-      if (done) return Status();
-      done = true;
-      DSACP_RETURN_IF_ERROR(write(latent, d_owned, cache.latent()));
-      return write(rope, d_owned, cache.rope());
-    };
-    if (first_gathered < rows) DSACP_RETURN_IF_ERROR(write_latent_rope());
   }
 
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
@@ -833,7 +824,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.host_request = plan.row_request.data();
     ip.host_key_len = plan.row_key_len.data();
     DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("replicated indexer top-k"));
-    DSACP_RETURN_IF_ERROR(write_latent_rope());
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (layout.dsa_cp && decode_only) {
       DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
@@ -868,7 +858,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                                              plan.row_request.data(), {}, out.topk,
                                                              s.d_row_local_len, s.row_local_len.data()));
     }
-    DSACP_RETURN_IF_ERROR(write_latent_rope());
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (shared < rows) {
       DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(backend, *idx_pending));
@@ -908,7 +897,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
   // 4. Attention: rows over the gathered KV with this rank's heads (no merge) ...
-  DSACP_RETURN_IF_ERROR(write_latent_rope());
   if (kv_view) DSACP_RETURN_IF_ERROR(gathered_attention(s, first_gathered, rows - first_gathered, *kv_view));
   // ... and decode rows over each rank's own keys, merged by LSE.
   if (layout.dsa_cp && decode_only) {

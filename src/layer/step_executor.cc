@@ -95,15 +95,18 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
                at_key_len = batch.add(plan.token_key_len);
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows, batch.upload(backend));
 
-  // 1. The new tokens' KV goes into the caches first: every token sees its own key. The indexer keys first;
-  //    latent and rope (read only by attention) after the indexer launch.
+  // 1. The new tokens' KV goes into the caches first: every token sees its own key. One call writes the indexer
+  //    keys, latent and rope rows (one launch on a GPU, before the indexer's: nothing of it waits on the path
+  //    after the indexer).
   CacheWriteParams w;
   w.rows_dtype = config.act_dtype;
   w.num_rows = T;
   w.slots = UploadBatch::at<int64_t>(d_rows, at_slots);
   w.rows = in.idx_k;
   w.pool = cache.index_keys();
-  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (indexer keys)"));
+  w.more[0] = {in.kv_latent, w.slots, cache.latent()};
+  w.more[1] = {in.k_rope, w.slots, cache.rope()};
+  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write"));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
 
   QueryRowsView rows;
@@ -127,12 +130,6 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ip.host_request = plan.token_request.data();
   ip.host_key_len = plan.token_key_len.data();
   DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
-  w.rows = in.kv_latent;
-  w.pool = cache.latent();
-  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (latent)"));
-  w.rows = in.k_rope;
-  w.pool = cache.rope();
-  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write (rope)"));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
   // 3. Sparse MLA attention over the chosen keys.

@@ -184,6 +184,47 @@ void test_cache_write(Backend& gpu, Backend& cpu) {
     const bool same = sc.ok() && sg.ok() && std::memcmp(got.data(), pool_cpu.data(), pool_elems * 2) == 0;
     report(same, std::string("cache_write ") + dtype_name(src) + "->BF16 page 61, -1 slots",
            sg.ok() ? "bit-exact vs CPU" : sg.to_string());
+    // Three pools in one launch (the steps' indexer key, latent and rope rows): dims 128 / 512 / 64, the third
+    // pool with its own slots; bit-exact against the CPU writing them one by one.
+    {
+      const int dims[3] = {128, 512, 64};
+      std::vector<std::vector<float>> r3(3);
+      std::vector<std::vector<uint16_t>> pools_cpu(3);
+      std::vector<Dev> rows3, pools3;
+      std::vector<int64_t> slots_b(T);
+      for (int64_t t = 0; t < T; ++t) slots_b[t] = t % 5 == 1 ? -1 : pg.row_of(0, t + 3);
+      Dev slots_b_gpu = upload(gpu, slots_b);
+      CacheWriteParams mc, mg;
+      mc.rows_dtype = mg.rows_dtype = DType::kF32;
+      mc.num_rows = mg.num_rows = T;
+      for (int i = 0; i < 3; ++i) {
+        r3[i].resize(T * dims[i]);
+        for (size_t j = 0; j < r3[i].size(); ++j) r3[i][j] = uni(40 + i, j) * 2.f;
+        pools_cpu[i].assign(pg.num_pages * pg.page_size * dims[i], kBf16NaN);
+        rows3.push_back(upload(gpu, r3[i]));
+        pools3.push_back(upload(gpu, pools_cpu[i]));
+      }
+      const PagedPoolView v0{nullptr, DType::kBF16, pg.num_pages, pg.page_size, 0};
+      auto view = [&](void* d, int dim) { PagedPoolView v = v0; v.data = d; v.dim = dim; return v; };
+      mc.rows = r3[0].data();
+      mc.slots = slots.data();
+      mc.pool = view(pools_cpu[0].data(), dims[0]);
+      mc.more[0] = {r3[1].data(), slots.data(), view(pools_cpu[1].data(), dims[1])};
+      mc.more[1] = {r3[2].data(), slots_b.data(), view(pools_cpu[2].data(), dims[2])};
+      mg.rows = rows3[0].buf.get();
+      mg.slots = slots_gpu.ptr<int64_t>();
+      mg.pool = view(pools3[0].buf.get(), dims[0]);
+      mg.more[0] = {rows3[1].buf.get(), slots_gpu.ptr<int64_t>(), view(pools3[1].buf.get(), dims[1])};
+      mg.more[1] = {rows3[2].buf.get(), slots_b_gpu.ptr<int64_t>(), view(pools3[2].buf.get(), dims[2])};
+      const Status s3c = cache_write_run(cpu, mc), s3g = cache_write_run(gpu, mg);
+      bool all = s3c.ok() && s3g.ok();
+      for (int i = 0; i < 3 && all; ++i) {
+        const std::vector<uint16_t> g3 = download<uint16_t>(gpu, pools3[i], pools_cpu[i].size());
+        all = std::memcmp(g3.data(), pools_cpu[i].data(), g3.size() * 2) == 0;
+      }
+      report(all, "cache_write three pools in one launch (F32->BF16, dims 128/512/64, own slots)",
+             s3g.ok() ? (all ? "bit-exact vs CPU" : "differs") : s3g.to_string());
+    }
     // a bad slot is an error
     slots[5] = pg.num_pages * pg.page_size;
     Dev bad = upload(gpu, slots);
@@ -690,8 +731,9 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
   // topk_merge (device bitonic merge; host merge past 16384 candidates per row): parts of ascending local rows
   // with scores full of ties, NaN and -inf, garbage after a part's first -1 (ignored, as on the CPU).
   // narrow: distinct scores in [1.499, 1.501) (the candidates share their leading bytes, as a real row's do).
+  // equal: every score the same (the order is the positions': the radix select runs through the position bytes).
   auto merge_case = [&](int Pt, int Km, int64_t mrows, int I, uint64_t seed, const std::string& name,
-                        bool shuffled = false, bool narrow = false) {
+                        bool shuffled = false, bool narrow = false, bool equal = false) {
     std::vector<int32_t> part_topk(static_cast<size_t>(Pt) * mrows * Km, -1);
     std::vector<float> part_scores(part_topk.size(), -INFINITY);
     for (int s = 0; s < Pt; ++s) {
@@ -701,7 +743,8 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
         for (int i = 0; i < m; ++i) {
           part_topk[base + i] = i * 2 + static_cast<int>(mix(seed + 7 * i) % 2);  // ascending local positions
           const uint64_t h = mix(seed * 3 + base + i);
-          part_scores[base + i] = narrow        ? 1.5f + 0.001f * uni(seed, base + i)
+          part_scores[base + i] = equal         ? 0.75f
+                                  : narrow      ? 1.5f + 0.001f * uni(seed, base + i)
                                   : h % 97 == 0 ? NAN
                                   : h % 89 == 0 ? -INFINITY
                                                 : std::round(8.f * uni(seed, base + i));
@@ -774,6 +817,11 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
   merge_case(3, K, rows, 4, 960, "topk_merge 3 parts K=100 with ties");
   merge_case(2, 2048, 64, 64, 970, "topk_merge 2 parts K=2048 (device)");
   merge_case(2, 2048, 64, 64, 975, "topk_merge 2 parts K=2048, distinct scores sharing leading bytes", false, true);
+  merge_case(2, 2048, 64, 64, 976, "topk_merge 2 parts K=2048, scores all equal", false, false, true);
+  setenv("DSACP_TOPK_MERGE", "1", 1);  // the general kernel on the shapes the small one takes
+  merge_case(2, 2048, 64, 64, 971, "topk_merge 2 parts K=2048 (general kernel)");
+  merge_case(2, 512, 16, 3, 996, "topk_merge 2 parts K=512, positions not ascending (general kernel)", true);
+  unsetenv("DSACP_TOPK_MERGE");
   merge_case(4, 2048, 16, 1, 977, "topk_merge 4 parts K=2048, distinct scores sharing leading bytes", false, true);
   merge_case(8, 2048, 9, 1, 980, "topk_merge 8 parts K=2048 (device, 192 KB shared)");
   merge_case(16, 2048, 5, 3, 990, "topk_merge 16 parts K=2048 (host fallback)");

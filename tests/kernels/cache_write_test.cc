@@ -40,7 +40,7 @@ TEST_P(CacheWriteKernel, ScattersConvertsAndSkips) {
   auto pool = backend->allocate(slots_total * dim * dtype_size(pool_dtype));
   ASSERT_TRUE(pool.ok());
   ASSERT_TRUE(backend->fill(pool->get(), pool_dtype, slots_total * dim, std::nanf("")).ok());
-  CacheWriteParams p{rows.data(), rows_dtype, 3, slots.data(), {pool->get(), pool_dtype, num_pages, page_size, dim}};
+  CacheWriteParams p{rows.data(), rows_dtype, 3, slots.data(), {pool->get(), pool_dtype, num_pages, page_size, dim}, {}};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int64_t s = 0; s < slots_total; ++s) {
     const int64_t row = s == 5 ? 0 : (s == 0 ? 2 : -1);
@@ -73,7 +73,7 @@ TEST(CacheWriteErrors, SlotOutOfRangeNamesRowAndSlot) {
   std::vector<float> rows(4 * 2, 1.f), pool(2 * 2 * 2, 0.f);
   for (int64_t bad : {int64_t{4}, int64_t{-2}, int64_t{1} << 40}) {
     std::vector<int64_t> slots = {0, -1, bad, 1};
-    CacheWriteParams p{rows.data(), DType::kF32, 4, slots.data(), {pool.data(), DType::kF32, 2, 2, 2}};
+    CacheWriteParams p{rows.data(), DType::kF32, 4, slots.data(), {pool.data(), DType::kF32, 2, 2, 2}, {}};
     const Status st = cache_write_run(*backend, p);
     EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
     EXPECT_NE(st.message().find("row 2: slot " + std::to_string(bad)), std::string::npos) << st.message();
@@ -89,7 +89,7 @@ TEST(CacheWriteKernelOrder, DuplicateSlotsLastRowWins) {
     rows[i] = float(i);
     slots[i] = i % 8;
   }
-  CacheWriteParams p{rows.data(), DType::kF32, 1000, slots.data(), {pool.data(), DType::kF32, 2, 4, 1}};
+  CacheWriteParams p{rows.data(), DType::kF32, 1000, slots.data(), {pool.data(), DType::kF32, 2, 4, 1}, {}};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int s = 0; s < 8; ++s) EXPECT_EQ(pool[s], float(992 + s));
 }
@@ -111,6 +111,37 @@ TEST(KernelCpuBackend, FillAllocateCopy) {
   EXPECT_TRUE(backend->copy_to_host(host.data(), buf->get(), 100).ok());
   EXPECT_EQ(host[0], -3);
   EXPECT_FALSE(backend->copy_to_device(nullptr, host.data(), 4).ok());
+}
+
+// Three pools in one call (the steps' indexer key, latent and rope rows): each pool gets exactly what a call of
+// its own would write, with its own rows and slots.
+TEST(CacheWriteKernel, MorePoolsWriteWhatSeparateCallsWould) {
+  auto backend = make_cpu_backend(2);
+  const int dims[3] = {3, 5, 2};
+  const std::vector<int64_t> slots_a = {2, -1, 0}, slots_b = {1, 3, -1};
+  std::vector<std::vector<float>> rows(3), together(3), apart(3);
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 3 * dims[i]; ++j) rows[i].push_back(static_cast<float>(10 * i + j) + 0.5f);
+    together[i].assign(4 * dims[i], -7.f);
+    apart[i] = together[i];
+  }
+  auto pool = [&](std::vector<float>& v, int dim) { return PagedPoolView{v.data(), DType::kF32, 2, 2, dim}; };
+  CacheWriteParams p{rows[0].data(), DType::kF32, 3, slots_a.data(), pool(together[0], dims[0]), {}};
+  p.more[0] = {rows[1].data(), slots_a.data(), pool(together[1], dims[1])};
+  p.more[1] = {rows[2].data(), slots_b.data(), pool(together[2], dims[2])};
+  ASSERT_TRUE(cache_write_run(*backend, p).ok());
+  for (int i = 0; i < 3; ++i) {
+    CacheWriteParams one{rows[i].data(), DType::kF32, 3, i == 2 ? slots_b.data() : slots_a.data(),
+                         pool(apart[i], dims[i]), {}};
+    ASSERT_TRUE(cache_write_run(*backend, one).ok());
+    EXPECT_EQ(together[i], apart[i]) << "pool " << i;
+  }
+  EXPECT_EQ(together[2][2], 20.5f);  // row 0 of pool 2 went to slot 1 (its own slots)
+  // A more[] pool without slots is refused, naming it.
+  p.more[1].slots = nullptr;
+  const Status s = cache_write_run(*backend, p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("more[].slots"), std::string::npos) << s.to_string();
 }
 
 }  // namespace

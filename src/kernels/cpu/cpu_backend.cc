@@ -111,7 +111,10 @@ class CpuBackend final : public Backend {
 
   Status synchronize() override { return Status::ok_status(); }
 
-  Status cache_write(const CacheWriteParams& p) override { return cpu::cache_write(p, num_threads_); }
+  Status cache_write(const CacheWriteParams& p) override {
+    for (int i = 0; i < cache_write_pools(p); ++i) DSACP_RETURN_IF_ERROR(cpu::cache_write(cache_write_pool(p, i), num_threads_));
+    return Status::ok_status();
+  }
   Status indexer_topk(const IndexerTopkParams& p) override { return cpu::indexer_topk(p, num_threads_); }
   Status sparse_mla(const SparseMlaParams& p) override { return cpu::sparse_mla(p, num_threads_); }
   Status lse_merge(const LseMergeParams& p) override { return cpu::lse_merge(p, num_threads_); }

@@ -16,9 +16,23 @@ __device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t i) { ret
 __device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
 
+// Up to three pools of one launch (blockIdx.y picks one): CacheWriteParams' main pool and its `more` pools.
+struct WritePools {
+  const void* rows[3];
+  const int64_t* slots[3];
+  void* pool[3];
+  int dim[3];
+  int64_t num_slots[3];
+};
+
 template <typename SrcT, typename DstT>
-__global__ void cache_write_kernel(const SrcT* __restrict__ rows, const int64_t* __restrict__ slots, int64_t n,
-                                   int dim, int64_t num_slots, DstT* __restrict__ pool, DeviceErrorWord err) {
+__global__ void cache_write_kernel(const WritePools w, int64_t n, DeviceErrorWord err) {
+  const int y = blockIdx.y;
+  const SrcT* __restrict__ rows = static_cast<const SrcT*>(w.rows[y]);
+  const int64_t* __restrict__ slots = w.slots[y];
+  DstT* __restrict__ pool = static_cast<DstT*>(w.pool[y]);
+  const int dim = w.dim[y];
+  const int64_t num_slots = w.num_slots[y];
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (t >= n) return;
@@ -41,14 +55,33 @@ __global__ void fill_kernel(T* __restrict__ dst, int64_t count, float value) {
   }
 }
 
+// One launch for pools [first, first + count) of p (all of one dtype).
+template <typename SrcT, typename DstT>
+Status launch_cw(const CacheWriteParams& p, int first, int count, const LaunchContext& ctx) {
+  WritePools w{};
+  for (int i = 0; i < count; ++i) {
+    const CacheWriteParams one = cache_write_pool(p, first + i);
+    w.rows[i] = one.rows;
+    w.slots[i] = one.slots;
+    w.pool[i] = one.pool.data;
+    w.dim[i] = one.pool.dim;
+    w.num_slots[i] = one.pool.num_pages * one.pool.page_size;
+  }
+  const int64_t threads = p.num_rows * 32;
+  const dim3 grid(static_cast<unsigned>((threads + 255) / 256), static_cast<unsigned>(count));
+  cache_write_kernel<SrcT, DstT><<<grid, 256, 0, ctx.stream>>>(w, p.num_rows, ctx.error);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_kernel");
+  return Status::ok_status();
+}
+
 template <typename SrcT, typename DstT>
 Status launch_cw(const CacheWriteParams& p, const LaunchContext& ctx) {
-  const int64_t threads = p.num_rows * 32;
-  const int64_t blocks = (threads + 255) / 256;
-  cache_write_kernel<SrcT, DstT><<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(
-      static_cast<const SrcT*>(p.rows), p.slots, p.num_rows, p.pool.dim, p.pool.num_pages * p.pool.page_size,
-      static_cast<DstT*>(p.pool.data), ctx.error);
-  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_kernel");
+  // The pools in one launch when they share a dtype (a step's caches do), else one launch each.
+  const int pools = cache_write_pools(p);
+  bool same = true;
+  for (int i = 1; i < pools; ++i) same = same && cache_write_pool(p, i).pool.dtype == p.pool.dtype;
+  if (same) return launch_cw<SrcT, DstT>(p, 0, pools, ctx);
+  for (int i = 0; i < pools; ++i) DSACP_RETURN_IF_ERROR(launch_cache_write(cache_write_pool(p, i), ctx));
   return Status::ok_status();
 }
 
@@ -56,9 +89,12 @@ Status launch_cw(const CacheWriteParams& p, const LaunchContext& ctx) {
 
 Status cache_write_supported(const CacheWriteParams& p) {
   auto ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
-  if (!ok(p.rows_dtype) || !ok(p.pool.dtype)) {
-    return unsupported(std::string("cache_write: rows ") + dtype_name(p.rows_dtype) + ", pool " +
-                       dtype_name(p.pool.dtype) + " (CUDA cache_write supports F32 and BF16)");
+  for (int i = 0; i < cache_write_pools(p); ++i) {
+    const DType pool = cache_write_pool(p, i).pool.dtype;
+    if (!ok(p.rows_dtype) || !ok(pool)) {
+      return unsupported(std::string("cache_write: rows ") + dtype_name(p.rows_dtype) + ", pool " + dtype_name(pool) +
+                         " (CUDA cache_write supports F32 and BF16)");
+    }
   }
   if (p.num_rows >= (int64_t{1} << 26)) return unsupported("cache_write: more than 2^26 rows in one call");
   return Status::ok_status();

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "kernels/cuda/common/block_scan.cuh"
 #include "kernels/cuda/common/cuda_check.h"
@@ -84,6 +85,61 @@ __device__ __forceinline__ int lower_bound(const int32_t* sorted, int n, int32_t
     }
   }
   return lo;
+}
+
+// A merged row out, from the winners' positions compacted part by part (sel[part_start[s] ..
+// part_start[s + 1]) are part s's, in its order): each at its rank in the row, or (unsorted parts) sorted in
+// `keys` (k2 entries of shared memory); then -1 padding; optionally the row remapped to part local_part. Every
+// thread of the block calls it.
+__device__ void write_merged_row(const TopkMergeParams& p, int64_t t, const int32_t* sel, const int* part_start,
+                                 int total, int unsorted, uint64_t* keys, int k2, int* s_scratch) {
+  const int S = p.num_parts, K = p.K;
+  const int64_t I = p.I;
+  const int kept = min(total, K);
+  int32_t* out = p.topk + t * K;
+  int32_t* local = p.local_topk == nullptr ? nullptr : p.local_topk + t * K;
+  const int64_t own = p.local_part;
+  // A global position's local position on part `own` (topk_remap's map).
+  auto to_local = [&](int32_t g) { return static_cast<int32_t>((g / (S * I)) * I + g % I); };
+  int own_kept = 0;
+  if (!unsorted) {
+    for (int c = threadIdx.x; c < total; c += blockDim.x) {
+      int s = 0;
+      while (part_start[s + 1] <= c) ++s;
+      const int32_t pos = sel[c];
+      int rank = c - part_start[s];
+      for (int s2 = 0; s2 < S; ++s2) {
+        if (s2 != s) rank += lower_bound(sel + part_start[s2], part_start[s2 + 1] - part_start[s2], pos);
+      }
+      if (rank < K) out[rank] = pos;
+      if (local != nullptr && s == own) local[c - part_start[s]] = to_local(pos);
+    }
+    own_kept = part_start[own + 1] - part_start[own];
+  } else {
+    // Not the canonical form: sort the winners' positions (sentinel 0x7fffffff past them).
+    __syncthreads();
+    for (int i = threadIdx.x; i < k2; i += blockDim.x) keys[i] = i < kept ? static_cast<uint64_t>(sel[i]) : 0x7fffffffu;
+    __syncthreads();
+    bitonic_sort_ascending(keys, k2);
+    for (int i = threadIdx.x; i < kept; i += blockDim.x) out[i] = static_cast<int32_t>(keys[i]);
+    if (local != nullptr) {
+      // Rare (never the indexer's output): one thread walks the sorted row.
+      if (threadIdx.x == 0) {
+        int n_own = 0;
+        for (int i = 0; i < kept; ++i) {
+          const int32_t g = static_cast<int32_t>(keys[i]);
+          if ((g / I) % S == own) local[n_own++] = to_local(g);
+        }
+        *s_scratch = n_own;
+      }
+      __syncthreads();
+      own_kept = *s_scratch;
+    }
+  }
+  for (int i = kept + threadIdx.x; i < K; i += blockDim.x) out[i] = -1;
+  if (local != nullptr) {
+    for (int i = own_kept + threadIdx.x; i < K; i += blockDim.x) local[i] = -1;
+  }
 }
 
 // keys: max(n, k2) entries, then sel: n int32 (n = parts * K, k2 = next_pow2(K)).
@@ -190,51 +246,186 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   }
   if (threadIdx.x == 0) part_start[S] = total;
   __syncthreads();
-  const int kept = min(total, K);
-  int32_t* out = p.topk + t * K;
-  int32_t* local = p.local_topk == nullptr ? nullptr : p.local_topk + t * K;
-  const int64_t own = p.local_part;
-  // A global position's local position on part `own` (topk_remap's map).
-  auto to_local = [&](int32_t g) { return static_cast<int32_t>((g / (S * I)) * I + g % I); };
-  int own_kept = 0;
-  if (!s_unsorted) {
-    for (int c = threadIdx.x; c < total; c += blockDim.x) {
-      int s = 0;
-      while (part_start[s + 1] <= c) ++s;
-      const int32_t pos = sel[c];
-      int rank = c - part_start[s];
-      for (int s2 = 0; s2 < S; ++s2) {
-        if (s2 != s) rank += lower_bound(sel + part_start[s2], part_start[s2 + 1] - part_start[s2], pos);
-      }
-      if (rank < K) out[rank] = pos;
-      if (local != nullptr && s == own) local[c - part_start[s]] = to_local(pos);
-    }
-    own_kept = part_start[own + 1] - part_start[own];
+  write_merged_row(p, t, sel, part_start, total, s_unsorted, keys, k2, &s_need);
+}
+
+// The DCP decode's merge (parts x K <= 4096: 2 parts of K = 2048): 512 threads, 8 candidates each in registers
+// (contiguous, loaded as vectors where aligned), one load round. The radix select starts below the leading bytes
+// every candidate shares (from the block's min and max key) and counts into per-warp histograms (no atomics
+// contention across warps); then the same compaction and output as topk_merge_kernel.
+constexpr int kSmallThreads = 512, kSmallPer = 8, kSmallMax = kSmallThreads * kSmallPer;
+constexpr int kSmallWarps = kSmallThreads / 32;
+
+__device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int o) {
+  const uint32_t lo = __shfl_xor_sync(0xffffffffu, static_cast<uint32_t>(v), o);
+  const uint32_t hi = __shfl_xor_sync(0xffffffffu, static_cast<uint32_t>(v >> 32), o);
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+}
+
+// keys: k2 entries (the unsorted fallback's sort), then sel: n int32.
+__global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const TopkMergeParams p, int k2,
+                                                                         DeviceErrorWord err) {
+  extern __shared__ uint64_t keys[];
+  const int S = p.num_parts, K = p.K, n = S * K;
+  int32_t* sel = reinterpret_cast<int32_t*>(keys + k2);
+  __shared__ unsigned hist[kSmallWarps][256];
+  __shared__ unsigned bins[256];
+  __shared__ int valid_len[kMaxParts];
+  __shared__ int part_start[kMaxParts + 1];
+  __shared__ int warp_sums[32];
+  __shared__ int s_digit, s_need, s_done, s_unsorted;
+  __shared__ unsigned long long s_min, s_max;
+  const int64_t t = blockIdx.x;
+  const int64_t I = p.I;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
+  if (threadIdx.x == 0) {
+    s_unsorted = 0;
+    s_min = ~0ull;
+    s_max = 0;
+  }
+  // 1. This thread's candidates [i0, i0 + 8): positions and scores.
+  const int i0 = threadIdx.x * kSmallPer;
+  int32_t pos[kSmallPer];
+  float sc[kSmallPer];
+  const bool one_part = i0 < n && (i0 / K) == (min(i0 + kSmallPer, n) - 1) / K;
+  const int s0 = i0 / K, j0 = i0 - (i0 / K) * K;
+  const int32_t* row0 = i0 < n ? part_topk_row(p, s0, t) + j0 : nullptr;
+  const float* score0 = i0 < n ? part_scores_row(p, s0, t) + j0 : nullptr;
+  if (one_part && i0 + kSmallPer <= n && (reinterpret_cast<uintptr_t>(row0) & 15) == 0 &&
+      (reinterpret_cast<uintptr_t>(score0) & 15) == 0) {
+    const int4 a = reinterpret_cast<const int4*>(row0)[0], b = reinterpret_cast<const int4*>(row0)[1];
+    const float4 c = reinterpret_cast<const float4*>(score0)[0], d = reinterpret_cast<const float4*>(score0)[1];
+    pos[0] = a.x, pos[1] = a.y, pos[2] = a.z, pos[3] = a.w, pos[4] = b.x, pos[5] = b.y, pos[6] = b.z, pos[7] = b.w;
+    sc[0] = c.x, sc[1] = c.y, sc[2] = c.z, sc[3] = c.w, sc[4] = d.x, sc[5] = d.y, sc[6] = d.z, sc[7] = d.w;
   } else {
-    // Not the canonical form: sort the winners' positions (sentinel 0x7fffffff past them).
-    __syncthreads();
-    for (int i = threadIdx.x; i < k2; i += blockDim.x) keys[i] = i < kept ? static_cast<uint64_t>(sel[i]) : 0x7fffffffu;
-    __syncthreads();
-    bitonic_sort_ascending(keys, k2);
-    for (int i = threadIdx.x; i < kept; i += blockDim.x) out[i] = static_cast<int32_t>(keys[i]);
-    if (local != nullptr) {
-      // Rare (never the indexer's output): one thread walks the sorted row.
-      if (threadIdx.x == 0) {
-        int n_own = 0;
-        for (int i = 0; i < kept; ++i) {
-          const int32_t g = static_cast<int32_t>(keys[i]);
-          if ((g / I) % S == own) local[n_own++] = to_local(g);
-        }
-        s_need = n_own;
+#pragma unroll
+    for (int e = 0; e < kSmallPer; ++e) {
+      const int i = i0 + e;
+      pos[e] = -1;
+      sc[e] = 0.f;
+      if (i < n) {
+        const int s = i / K, j = i - (i / K) * K;
+        pos[e] = part_topk_row(p, s, t)[j];
+        sc[e] = part_scores_row(p, s, t)[j];
+      }
+    }
+  }
+  // The entry before this thread's first (the ascending-order check across thread boundaries).
+  const int32_t before = i0 < n && j0 > 0 ? row0[-1] : -1;
+  __syncthreads();  // valid_len, s_min, s_max initialized
+#pragma unroll
+  for (int e = 0; e < kSmallPer; ++e) {
+    const int i = i0 + e;
+    if (i >= n) continue;
+    if (pos[e] < -1) report_device_error(err, kDevBadEntry, t);
+    if (pos[e] == -1) atomicMin(&valid_len[i / K], i - (i / K) * K);
+  }
+  __syncthreads();
+  uint64_t key[kSmallPer];
+  int my_valid = 0;
+  unsigned long long lo = ~0ull, hi = 0;
+#pragma unroll
+  for (int e = 0; e < kSmallPer; ++e) {
+    const int i = i0 + e;
+    key[e] = 0;  // below every candidate's key
+    if (i >= n) continue;
+    const int s = i / K, j = i - (i / K) * K;
+    const int32_t l = pos[e];
+    if (j < valid_len[s] && l >= 0) {
+      const int64_t g = ((l / I) * S + s) * I + l % I;
+      key[e] = rank_key(sc[e], static_cast<int32_t>(g));
+      ++my_valid;
+      lo = min(lo, static_cast<unsigned long long>(key[e]));
+      hi = max(hi, static_cast<unsigned long long>(key[e]));
+      const int32_t prev = e > 0 && (i - 1) / K == s ? pos[e - 1] : before;
+      if (j > 0 && l <= prev) s_unsorted = 1;  // not ascending: the sort fallback
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, shfl_xor_u64(lo, o));
+    hi = max(hi, shfl_xor_u64(hi, o));
+  }
+  if (lane == 0 && hi != 0) {
+    atomicMin(&s_min, lo);
+    atomicMax(&s_max, hi);
+  }
+  int valid = 0;
+  (void)block_exclusive_scan(my_valid, warp_sums, &valid);  // synchronizes: s_min, s_max complete after it
+
+  // 2. Radix select: winners are the nonzero keys with (key & mask) >= prefix. The bytes above the highest one
+  //    where the smallest and largest keys differ are every candidate's: they are taken as the prefix at once.
+  uint64_t prefix = 0, mask = 0;
+  if (valid > K) {
+    const uint64_t diff = s_min ^ s_max;  // nonzero: more than K distinct keys
+    const int top = (63 - __clzll(static_cast<long long>(diff))) / 8;
+    mask = top == 7 ? 0 : ~((uint64_t{1} << (8 * (top + 1))) - 1);
+    prefix = s_min & mask;
+    int need = K;
+    for (int byte = top; byte >= 0; --byte) {
+#pragma unroll
+      for (int b = lane; b < 256; b += 32) hist[warp][b] = 0;
+      __syncwarp();
+      const int shift = 8 * byte;
+#pragma unroll
+      for (int e = 0; e < kSmallPer; ++e) {
+        if (key[e] != 0 && (key[e] & mask) == prefix) atomicAdd(&hist[warp][(key[e] >> shift) & 0xFF], 1u);
       }
       __syncthreads();
-      own_kept = s_need;
+      if (threadIdx.x < 256) {
+        unsigned sum = 0;
+#pragma unroll
+        for (int w = 0; w < kSmallWarps; ++w) sum += hist[w][threadIdx.x];
+        bins[threadIdx.x] = sum;
+      }
+      __syncthreads();
+      if (warp == 0) {
+        int local = 0;
+        for (int j = 0; j < 8; ++j) local += static_cast<int>(bins[lane * 8 + j]);
+        int incl = local;  // bins of lanes >= lane
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_down_sync(0xffffffffu, incl, o);
+          if (lane + o < 32) incl += y;
+        }
+        const int above = incl - local;
+        if (above < need && need <= incl) {
+          int acc = above;
+          for (int j = 7; j >= 0; --j) {
+            const int h = static_cast<int>(bins[lane * 8 + j]);
+            if (acc + h >= need) {
+              s_digit = lane * 8 + j;
+              s_need = need - acc;
+              s_done = h == need - acc;
+              break;
+            }
+            acc += h;
+          }
+        }
+      }
+      __syncthreads();
+      need = s_need;
+      prefix |= static_cast<uint64_t>(s_digit) << shift;
+      mask |= uint64_t{0xFF} << shift;
+      if (s_done) break;  // (s_done is rewritten only after two more barriers)
     }
   }
-  for (int i = kept + threadIdx.x; i < K; i += blockDim.x) out[i] = -1;
-  if (local != nullptr) {
-    for (int i = own_kept + threadIdx.x; i < K; i += blockDim.x) local[i] = -1;
+
+  // 3. Compaction in index order (part by part), then the row out.
+  int count = 0;
+#pragma unroll
+  for (int e = 0; e < kSmallPer; ++e) count += key[e] != 0 && (key[e] & mask) >= prefix;
+  int total = 0;
+  int at = block_exclusive_scan(count, warp_sums, &total);
+#pragma unroll
+  for (int e = 0; e < kSmallPer; ++e) {
+    const int i = i0 + e;
+    if (i < n && i % K == 0) part_start[i / K] = at;
+    if (key[e] != 0 && (key[e] & mask) >= prefix) sel[at++] = key_position(key[e]);
   }
+  if (threadIdx.x == 0) part_start[S] = total;
+  __syncthreads();
+  write_merged_row(p, t, sel, part_start, total, s_unsorted, keys, k2, &s_need);
 }
 
 int next_pow2(int64_t n) {
@@ -263,6 +454,15 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   const int64_t n = int64_t{p.num_parts} * p.K;
   const int k2 = next_pow2(p.K);
   const int keys_len = static_cast<int>(std::max<int64_t>(n, k2));
+  const char* choice = std::getenv("DSACP_TOPK_MERGE");  // "1": the general kernel for every shape (an A/B switch)
+  if (n <= kSmallMax && !(choice != nullptr && choice[0] == '1')) {
+    const size_t small = static_cast<size_t>(k2) * sizeof(uint64_t) + static_cast<size_t>(n) * sizeof(int32_t);
+    DSACP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(topk_merge_small_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(small)));
+    topk_merge_small_kernel<<<static_cast<unsigned>(p.num_rows), kSmallThreads, small, ctx.stream>>>(p, k2, ctx.error);
+    DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_small_kernel");
+    return Status::ok_status();
+  }
   const size_t smem = merge_smem_bytes(p);
   // Static shared memory (~1.5 KB) counts against the 48 KB default too: raise the limit for anything big.
   if (smem > 32 * 1024) {
