@@ -45,7 +45,31 @@ __device__ __forceinline__ int32_t key_position(uint64_t key) {
   return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
 }
 
-// Part s's row t and its scores (the parts as one [Pt, T, K] array, or one buffer each: a window's messages).
+// The KV sharding's position maps in 32-bit arithmetic (positions are int32; a 64-bit division costs ~70
+// instructions and ran for every candidate): local position l of part s -> global, global -> local, global -> part.
+// Shifts when the interleave is a power of two (the page size, by default).
+struct ShardMap {
+  uint32_t S, I, shift;
+  bool pow2;
+  __device__ ShardMap(int parts, int64_t interleave)
+      : S(static_cast<uint32_t>(parts)), I(static_cast<uint32_t>(interleave)), shift(0),
+        pow2((interleave & (interleave - 1)) == 0) {
+    while ((uint32_t{1} << shift) < I) ++shift;
+  }
+  __device__ __forceinline__ uint32_t div_i(uint32_t x) const { return pow2 ? x >> shift : x / I; }
+  __device__ __forceinline__ uint32_t mod_i(uint32_t x) const { return pow2 ? x & (I - 1) : x % I; }
+  __device__ __forceinline__ int32_t global(int32_t l, int s) const {
+    const uint32_t u = static_cast<uint32_t>(l);
+    return static_cast<int32_t>((div_i(u) * S + static_cast<uint32_t>(s)) * I + mod_i(u));
+  }
+  __device__ __forceinline__ int32_t local(int32_t g) const {
+    const uint32_t u = static_cast<uint32_t>(g), unit = div_i(u);
+    return static_cast<int32_t>((unit / S) * I + mod_i(u));
+  }
+  __device__ __forceinline__ int part(int32_t g) const { return static_cast<int>(div_i(static_cast<uint32_t>(g)) % S); }
+};
+
+// Part s's row t and its scores// Part s's row t and its scores (the parts as one [Pt, T, K] array, or one buffer each: a window's messages).
 __device__ __forceinline__ const int32_t* part_topk_row(const TopkMergeParams& p, int s, int64_t t) {
   return (p.part_topk != nullptr ? p.part_topk + s * p.num_rows * p.K : p.part_topk_of[s]) + t * p.K;
 }
@@ -94,13 +118,13 @@ __device__ __forceinline__ int lower_bound(const int32_t* sorted, int n, int32_t
 __device__ void write_merged_row(const TopkMergeParams& p, int64_t t, const int32_t* sel, const int* part_start,
                                  int total, int unsorted, uint64_t* keys, int k2, int* s_scratch) {
   const int S = p.num_parts, K = p.K;
-  const int64_t I = p.I;
   const int kept = min(total, K);
   int32_t* out = p.topk + t * K;
   int32_t* local = p.local_topk == nullptr ? nullptr : p.local_topk + t * K;
   const int64_t own = p.local_part;
   // A global position's local position on part `own` (topk_remap's map).
-  auto to_local = [&](int32_t g) { return static_cast<int32_t>((g / (S * I)) * I + g % I); };
+  const ShardMap map(S, p.I);
+  auto to_local = [&](int32_t g) { return map.local(g); };
   int own_kept = 0;
   if (!unsorted) {
     for (int c = threadIdx.x; c < total; c += blockDim.x) {
@@ -128,7 +152,7 @@ __device__ void write_merged_row(const TopkMergeParams& p, int64_t t, const int3
         int n_own = 0;
         for (int i = 0; i < kept; ++i) {
           const int32_t g = static_cast<int32_t>(keys[i]);
-          if ((g / I) % S == own) local[n_own++] = to_local(g);
+          if (map.part(g) == own) local[n_own++] = to_local(g);
         }
         *s_scratch = n_own;
       }
@@ -154,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   __shared__ int warp_sums[32];
   __shared__ int s_digit, s_need, s_done, s_unsorted;
   const int64_t t = blockIdx.x;
-  const int64_t I = p.I;
+  const ShardMap map(S, p.I);
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
   if (threadIdx.x == 0) s_unsorted = 0;
   __syncthreads();
@@ -172,8 +196,7 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
     const int32_t* row = part_topk_row(p, s, t);
     const int32_t l = row[j];
     if (j < valid_len[s] && l >= 0) {
-      const int64_t g = ((l / I) * S + s) * I + l % I;
-      key = rank_key(part_scores_row(p, s, t)[j], static_cast<int32_t>(g));
+      key = rank_key(part_scores_row(p, s, t)[j], map.global(l, s));
       ++my_valid;
       if (j > 0 && l <= row[j - 1]) s_unsorted = 1;  // not ascending: the sort fallback
     }
@@ -276,7 +299,7 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
   __shared__ int s_digit, s_need, s_done, s_unsorted;
   __shared__ unsigned long long s_min, s_max;
   const int64_t t = blockIdx.x;
-  const int64_t I = p.I;
+  const ShardMap map(S, p.I);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
   if (threadIdx.x == 0) {
@@ -305,7 +328,8 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
       pos[e] = -1;
       sc[e] = 0.f;
       if (i < n) {
-        const int s = i / K, j = i - (i / K) * K;
+        int s = s0, j = j0 + e;
+        while (j >= K) j -= K, ++s;
         pos[e] = part_topk_row(p, s, t)[j];
         sc[e] = part_scores_row(p, s, t)[j];
       }
@@ -319,7 +343,11 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
     const int i = i0 + e;
     if (i >= n) continue;
     if (pos[e] < -1) report_device_error(err, kDevBadEntry, t);
-    if (pos[e] == -1) atomicMin(&valid_len[i / K], i - (i / K) * K);
+    if (pos[e] == -1) {
+      int s = s0, j = j0 + e;
+      while (j >= K) j -= K, ++s;
+      atomicMin(&valid_len[s], j);
+    }
   }
   __syncthreads();
   uint64_t key[kSmallPer];
@@ -330,15 +358,15 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
     const int i = i0 + e;
     key[e] = 0;  // below every candidate's key
     if (i >= n) continue;
-    const int s = i / K, j = i - (i / K) * K;
+    int s = s0, j = j0 + e;
+    while (j >= K) j -= K, ++s;
     const int32_t l = pos[e];
     if (j < valid_len[s] && l >= 0) {
-      const int64_t g = ((l / I) * S + s) * I + l % I;
-      key[e] = rank_key(sc[e], static_cast<int32_t>(g));
+      key[e] = rank_key(sc[e], map.global(l, s));
       ++my_valid;
       lo = min(lo, static_cast<unsigned long long>(key[e]));
       hi = max(hi, static_cast<unsigned long long>(key[e]));
-      const int32_t prev = e > 0 && (i - 1) / K == s ? pos[e - 1] : before;
+      const int32_t prev = e > 0 && j > 0 ? pos[e - 1] : before;
       if (j > 0 && l <= prev) s_unsorted = 1;  // not ascending: the sort fallback
     }
   }
@@ -420,7 +448,7 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
 #pragma unroll
   for (int e = 0; e < kSmallPer; ++e) {
     const int i = i0 + e;
-    if (i < n && i % K == 0) part_start[i / K] = at;
+    if (i < n && (j0 + e) % K == 0) part_start[s0 + (j0 + e) / K] = at;
     if (key[e] != 0 && (key[e] & mask) >= prefix) sel[at++] = key_position(key[e]);
   }
   if (threadIdx.x == 0) part_start[S] = total;
