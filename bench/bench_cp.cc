@@ -117,6 +117,7 @@ void fill_cache(Backend& be, const PagedKvCache& cache) {
 struct Measure {
   double step_ms = 0;
   StepPhaseTimes phases;  // rank 0, per step (averaged over the timed reps)
+  StepLaunchTimes launch;  // the slowest rank's host times per timed step: to its indexer launch, whole step
   double comm_busy_ms = 0, comm_enqueue_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
   // Rank 0, per step: all collectives, those by the peer exchange, and window publishes.
   double collectives = 0, peer_collectives = 0, window_publishes = 0;
@@ -129,9 +130,11 @@ std::string measure_json(const Measure& m) {
   std::snprintf(buf, sizeof buf,
                 "{\"step_ms\":%.4f,\"kv_ms\":%.4f,\"topk_ms\":%.4f,\"attention_ms\":%.4f,\"comm_busy_ms\":%.4f,"
                 "\"comm_enqueue_ms\":%.4f,\"comm_wait_ms\":%.4f,\"comm_bytes\":%.0f,\"overlap\":%.3f,"
-                "\"collectives\":%.1f,\"peer_collectives\":%.1f,\"window_publishes\":%.1f,\"kv_bytes_per_gpu\":%zu}",
+                "\"collectives\":%.1f,\"peer_collectives\":%.1f,\"window_publishes\":%.1f,\"host_to_indexer_ms\":%.4f,"
+                "\"kv_bytes_per_gpu\":%zu}",
                 m.step_ms, m.phases.kv_ms, m.phases.topk_ms, m.phases.attention_ms, m.comm_busy_ms, m.comm_enqueue_ms,
-                m.comm_wait_ms, m.comm_bytes, overlap, m.collectives, m.peer_collectives, m.window_publishes, m.kv_bytes_per_gpu);
+                m.comm_wait_ms, m.comm_bytes, overlap, m.collectives, m.peer_collectives, m.window_publishes, m.launch.to_indexer_ms,
+                m.kv_bytes_per_gpu);
   return buf;
 }
 
@@ -166,15 +169,19 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
     StepPhaseTimes phases;
     const bool phase_pass = i >= 1 && i <= reps;
     const auto t0 = Clock::now();
+    StepLaunchTimes launch;
     {
       std::optional<StepPhaseRecorder> rec;
       if (phase_pass) rec.emplace(&phases);
+      StepLaunchRecorder launch_rec(&launch);
       die_if(step_run(be, c, requests, table, cache, b.in(), b.outs()), "step_run");
     }
     const double ms = ms_since(t0);
     if (i == 0) continue;  // warm-up
     if (!phase_pass) {
       times.push_back(ms);
+      m.launch.to_indexer_ms += launch.to_indexer_ms / reps;
+      m.launch.total_ms += launch.total_ms / reps;
       continue;
     }
     m.phases.kv_ms += phases.kv_ms;
@@ -232,6 +239,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   std::vector<double> times;
   std::vector<double> rank_ms(static_cast<size_t>(Pt));
   std::vector<StepPhaseTimes> phases(static_cast<size_t>(Pt));
+  std::vector<StepLaunchTimes> rank_launch(static_cast<size_t>(Pt));
   for (int i = 0; i <= 2 * reps; ++i) {
     const bool phase_pass = i >= 1 && i <= reps;  // as in one_gpu: phase passes, then timed passes
     on_ranks(Pt, [&](int cr) {
@@ -239,10 +247,12 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       die_if(rc.world->barrier(), "barrier");
       for (auto* comm : {rc.world.get(), rc.pcp.get(), rc.dcp.get()}) comm->reset_stats();
       StepPhaseTimes p;
+      StepLaunchTimes launch;
       const auto t0 = Clock::now();
       {
         std::optional<StepPhaseRecorder> rec;
         if (phase_pass) rec.emplace(&p);
+        StepLaunchRecorder launch_rec(&launch);
         const CpComms cp = rc.view();
         die_if(cp_step_run(*gpus[cr], cp, c, requests, plans[cr], layout, sharding, table, caches[cr], bufs[cr].in(),
                            bufs[cr].outs()),
@@ -250,6 +260,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       }
       rank_ms[cr] = ms_since(t0);
       phases[cr] = p;
+      rank_launch[cr] = launch;
     });
     if (i == 0) continue;
     if (phase_pass) {
@@ -259,6 +270,9 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       continue;
     }
     times.push_back(*std::max_element(rank_ms.begin(), rank_ms.end()));
+    double to_indexer = 0;
+    for (const StepLaunchTimes& l : rank_launch) to_indexer = std::max(to_indexer, l.to_indexer_ms);
+    m.launch.to_indexer_ms += to_indexer / reps;
     for (auto* comm : {comms[0].world.get(), comms[0].pcp.get(), comms[0].dcp.get()}) {
       const CommStats s = comm->stats();
       m.comm_busy_ms += s.busy_ms;
@@ -395,12 +409,12 @@ void print_case(const char* name, const Measure& one, const Measure& cp) {
   const double overlap = cp.comm_busy_ms > 0 ? std::max(0.0, 1.0 - cp.comm_wait_ms / cp.comm_busy_ms) : 0.0;
   std::printf("%-34s 1 GPU %9.3f ms | CP %9.3f ms  speedup %5.2fx (ratio %.2f)  kv %.2f/%.2f/%.2f ms"
               "  comm busy %.3f enqueue %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB"
-              "  collectives %.0f (window %.0f)\n",
+              "  collectives %.0f (window %.0f)  host to indexer launch %.3f / %.3f ms\n",
               name, one.step_ms, cp.step_ms, one.step_ms / cp.step_ms, cp.step_ms / one.step_ms, cp.phases.kv_ms,
               cp.phases.topk_ms, cp.phases.attention_ms, cp.comm_busy_ms, cp.comm_enqueue_ms, cp.comm_wait_ms,
               100 * overlap,
               one.kv_bytes_per_gpu / 1073741824.0, cp.kv_bytes_per_gpu / 1073741824.0, cp.collectives,
-              cp.window_publishes);
+              cp.window_publishes, one.launch.to_indexer_ms, cp.launch.to_indexer_ms);
   std::fflush(stdout);
 }
 

@@ -26,4 +26,24 @@ class StepPhaseRecorder {
   StepPhaseTimes* previous_;
 };
 
+// Host-side launch times of the steps a thread runs, without synchronizing anything (for benchmarks): while a
+// StepLaunchRecorder is alive, every step_run / cp_step_run on its thread adds the host time from its start until
+// its indexer launch returned (the step's critical path starts on the device there) and its whole host time.
+struct StepLaunchTimes {
+  int steps = 0;
+  double to_indexer_ms = 0;
+  double total_ms = 0;
+};
+
+class StepLaunchRecorder {
+ public:
+  explicit StepLaunchRecorder(StepLaunchTimes* times);
+  ~StepLaunchRecorder();
+  StepLaunchRecorder(const StepLaunchRecorder&) = delete;
+  StepLaunchRecorder& operator=(const StepLaunchRecorder&) = delete;
+
+ private:
+  StepLaunchTimes* previous_;
+};
+
 }  // namespace dsacp

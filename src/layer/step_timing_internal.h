@@ -9,6 +9,30 @@
 namespace dsacp {
 
 StepPhaseTimes* current_step_phase_times();
+StepLaunchTimes* current_step_launch_times();
+
+// The executor's side of StepLaunchRecorder: start at construction, indexer_launched() after the (first) indexer
+// launch, finish() at the end of a successful step.
+class LaunchClock {
+ public:
+  LaunchClock() : times_(current_step_launch_times()), start_(Clock::now()) {}
+  void indexer_launched() {
+    if (times_ == nullptr || indexer_) return;
+    indexer_ = true;
+    times_->to_indexer_ms += std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+  }
+  void finish() {
+    if (times_ == nullptr) return;
+    times_->total_ms += std::chrono::duration<double, std::milli>(Clock::now() - start_).count();
+    ++times_->steps;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  StepLaunchTimes* times_;
+  Clock::time_point start_;
+  bool indexer_ = false;
+};
 
 class PhaseClock {
  public:
