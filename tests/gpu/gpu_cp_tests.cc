@@ -659,11 +659,13 @@ int main(int argc, char** argv) {
   uint64_t seed = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) % 1000003;
   std::string json;
   int churn = 0;  // --churn N: only the communicator churn test, N cycles
+  int window_rounds = 0;  // --window N: only the window exchange test, N times (fresh seeds)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     if (a == "--json" && i + 1 < argc) json = argv[++i];
     if (a == "--churn" && i + 1 < argc) churn = std::atoi(argv[++i]);
+    if (a == "--window" && i + 1 < argc) window_rounds = std::atoi(argv[++i]);
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 1) {
@@ -672,6 +674,14 @@ int main(int argc, char** argv) {
   }
   std::printf("dsacp GPU CP tests: %d GPU(s), %s, seed %llu\n", *count, nccl_version().c_str(),
               static_cast<unsigned long long>(seed));
+  if (window_rounds > 0) {
+    if (*count >= 2 && nccl_available()) {
+      for (int i = 0; i < window_rounds; ++i) test_window(seed + static_cast<uint64_t>(i));
+    }
+    std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());
+    std::fflush(stdout);
+    std::_Exit(g_log.failures() == 0 ? 0 : 1);
+  }
   if (churn > 0) {
     if (*count >= 2 && nccl_available()) test_churn(seed, churn);
     std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());

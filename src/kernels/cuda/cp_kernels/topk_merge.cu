@@ -17,6 +17,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda/common/block_scan.cuh"
+#include "kernels/cuda/common/smem_attribute.h"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/cuda_kernels.h"
@@ -485,8 +486,7 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   const char* choice = std::getenv("DSACP_TOPK_MERGE");  // "1": the general kernel for every shape (an A/B switch)
   if (n <= kSmallMax && !(choice != nullptr && choice[0] == '1')) {
     const size_t small = static_cast<size_t>(k2) * sizeof(uint64_t) + static_cast<size_t>(n) * sizeof(int32_t);
-    DSACP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(topk_merge_small_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    static_cast<int>(small)));
+    DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel, static_cast<int>(small)));
     topk_merge_small_kernel<<<static_cast<unsigned>(p.num_rows), kSmallThreads, small, ctx.stream>>>(p, k2, ctx.error);
     DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_small_kernel");
     return Status::ok_status();
@@ -495,7 +495,7 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   // Static shared memory (~1.5 KB) counts against the 48 KB default too: raise the limit for anything big.
   if (smem > 32 * 1024) {
     DSACP_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(topk_merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        ensure_dynamic_smem_limit(topk_merge_kernel, static_cast<int>(smem)));
   }
   topk_merge_kernel<<<static_cast<unsigned>(p.num_rows), kThreads, smem, ctx.stream>>>(p, keys_len, k2, ctx.error);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_kernel");

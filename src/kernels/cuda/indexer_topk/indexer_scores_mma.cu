@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/common/smem_attribute.h"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/common/mma_sm80.cuh"
@@ -205,7 +206,7 @@ Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items,
   a.err = ctx.error;
   const int bytes = static_cast<int>(indexer_scores_smem_bytes(max_group_tokens));
   DSACP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(indexer_scores_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      ensure_dynamic_smem_limit(indexer_scores_mma_kernel, bytes));
   indexer_scores_mma_kernel<<<static_cast<unsigned>(num_items), kThreads, bytes, ctx.stream>>>(a);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("indexer_scores_mma_kernel");
   return Status::ok_status();

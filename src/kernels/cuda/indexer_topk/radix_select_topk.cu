@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "kernels/cuda/common/smem_attribute.h"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 
@@ -273,7 +274,7 @@ Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t 
   const int32_t bin_elems = filter ? kMaxBinElems : 0;
   const int bytes = std::max(cache_elems * 4, bin_elems * 8);
   DSACP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(radix_select_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      ensure_dynamic_smem_limit(radix_select_topk_kernel, bytes));
   radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
       scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/cuda/common/smem_attribute.h"
 #include "kernels/cuda/common/cluster_sm90.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
@@ -72,7 +73,7 @@ inline Status launch_mla_grid(void (*kernel)(MlaArgs), const char* name, const M
                               int smem_bytes, cudaStream_t stream) {
   const std::string what = std::string("launch of ") + name;
   DSACP_RETURN_IF_ERROR(cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), what.c_str(), __FILE__,
+      ensure_dynamic_smem_limit(kernel, smem_bytes), what.c_str(), __FILE__,
       __LINE__));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(a.T * groups), 1, static_cast<unsigned>(a.splits));
