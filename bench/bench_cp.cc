@@ -7,7 +7,7 @@
 // separate passes with a StepPhaseRecorder (it synchronizes at phase boundaries). Median of the timed reps
 // after one warm-up; a step's time is the slowest rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
-//        [--quick] [--host-table] [--one-gpu-only]
+//        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,6 +20,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <condition_variable>
+#include <mutex>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -34,6 +36,8 @@
 using namespace dsacp;
 
 namespace {
+
+int g_stagger_us = 0;  // --stagger-us
 
 void die_if(const Status& s, const char* what) {
   if (!s.ok()) {
@@ -55,8 +59,70 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// One long-lived thread per rank, as a serving engine keeps them: every rank's work (communicator creation,
+// steps, release) runs on its own thread, and a step's time does not include starting a thread (a fresh thread's
+// first CUDA calls, which set up its per-thread state, cost tens of microseconds).
+class RankThreads {
+ public:
+  explicit RankThreads(int n) {
+    for (int r = 0; r < n; ++r) threads_.emplace_back([this, r] { loop(r); });
+  }
+  ~RankThreads() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  int size() const { return static_cast<int>(threads_.size()); }
+  // Runs f(r) on rank r's thread for every rank, and waits for all of them.
+  void run(const std::function<void(int)>& f) {
+    std::unique_lock<std::mutex> lock(mu_);
+    job_ = &f;
+    pending_ = size();
+    ++generation_;
+    cv_.notify_all();
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void loop(int r) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+      }
+      (*job)(r);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+RankThreads* g_ranks = nullptr;  // made in main for every GPU
+
 template <typename F>
 void on_ranks(int n, F f) {
+  if (g_ranks != nullptr && n <= g_ranks->size()) {
+    g_ranks->run([&](int r) {
+      if (r < n) f(r);
+    });
+    return;
+  }
   std::vector<std::thread> t;
   for (int r = 0; r < n; ++r) t.emplace_back([&f, r] { f(r); });
   for (auto& x : t) x.join();
@@ -118,6 +184,7 @@ struct Measure {
   double step_ms = 0;
   StepPhaseTimes phases;  // rank 0, per step (averaged over the timed reps)
   StepLaunchTimes launch;  // the slowest rank's host times per timed step: to its indexer launch, whole step
+  double rank_to_indexer_ms[8] = {};  // with --stagger-us: each rank's
   double comm_busy_ms = 0, comm_enqueue_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
   // Rank 0, per step: all collectives, those by the peer exchange, and window publishes.
   double collectives = 0, peer_collectives = 0, window_publishes = 0;
@@ -246,6 +313,13 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       OwnedCpComms& rc = comms[cr];
       die_if(rc.world->barrier(), "barrier");
       for (auto* comm : {rc.world.get(), rc.pcp.get(), rc.dcp.get()}) comm->reset_stats();
+      // --stagger-us N (a diagnostic): rank r starts its step r * N us after the barrier, so the ranks' host work
+      // before their indexers does not overlap (ranks that are threads share the CUDA driver).
+      if (g_stagger_us > 0 && cr > 0) {
+        const auto until = Clock::now() + std::chrono::microseconds(g_stagger_us * cr);
+        while (Clock::now() < until) {
+        }
+      }
       StepPhaseTimes p;
       StepLaunchTimes launch;
       const auto t0 = Clock::now();
@@ -273,6 +347,9 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
     double to_indexer = 0;
     for (const StepLaunchTimes& l : rank_launch) to_indexer = std::max(to_indexer, l.to_indexer_ms);
     m.launch.to_indexer_ms += to_indexer / reps;
+    if (g_stagger_us > 0) {
+      for (size_t r = 0; r < rank_launch.size(); ++r) m.rank_to_indexer_ms[r] += rank_launch[r].to_indexer_ms / reps;
+    }
     for (auto* comm : {comms[0].world.get(), comms[0].pcp.get(), comms[0].dcp.get()}) {
       const CommStats s = comm->stats();
       m.comm_busy_ms += s.busy_ms;
@@ -406,6 +483,10 @@ std::vector<std::string> busbw(std::vector<std::unique_ptr<Backend>>& be, int n,
 }
 
 void print_case(const char* name, const Measure& one, const Measure& cp) {
+  if (g_stagger_us > 0) {
+    std::printf("ranks started %d us apart: host to indexer launch per rank %.3f / %.3f ms\n", g_stagger_us,
+                cp.rank_to_indexer_ms[0], cp.rank_to_indexer_ms[1]);
+  }
   const double overlap = cp.comm_busy_ms > 0 ? std::max(0.0, 1.0 - cp.comm_wait_ms / cp.comm_busy_ms) : 0.0;
   std::printf("%-34s 1 GPU %9.3f ms | CP %9.3f ms  speedup %5.2fx (ratio %.2f)  kv %.2f/%.2f/%.2f ms"
               "  comm busy %.3f enqueue %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB"
@@ -437,6 +518,7 @@ int main(int argc, char** argv) {
     else if (a == "--mode" && i + 1 < argc) only_mode = argv[++i];
     else if (a == "--host-table") g_device_table = false;
     else if (a == "--one-gpu-only") one_gpu_only = true;
+    else if (a == "--stagger-us" && i + 1 < argc) g_stagger_us = std::atoi(argv[++i]);
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {
@@ -447,6 +529,8 @@ int main(int argc, char** argv) {
   const int n = *count;  // every GPU of the machine: P = n, D = n, and P x D = 2 x n/2, n/2 x 2 from 4 GPUs
   std::vector<std::unique_ptr<Backend>> gpus;
   for (int g = 0; g < n; ++g) gpus.push_back(take(make_cuda_backend(g), "backend"));
+  RankThreads rank_threads(n);
+  g_ranks = &rank_threads;
   const StepConfig c = config();
   std::vector<std::string> cases, bus;
   std::printf("dsacp CP scaling: %d GPUs, %s, H=%d K=%d, %d timed reps, block table %s\n", n, nccl_version().c_str(),
