@@ -785,7 +785,7 @@ class NcclComm final : public NcclCommunicator {
     a.abort_word = peer_words_dev_;
     a.stamps = peer_stamps_;
     a.fence_mode = peer_fence_mode_;
-    a.error_word = const_cast<int32_t*>(peer_words_dev_);
+    a.error_word = peer_words_dev_ + 1;  // [1]: the host reads it after the exchange ([0] is the abort word)
     // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
     // exchanges of this communicator must still run one after another (the area's parity argument): an
     // exchange on another stream than the last one waits for the last one's end.
@@ -851,7 +851,7 @@ class NcclComm final : public NcclCommunicator {
     const uint64_t ms = static_cast<uint64_t>(options_.timeout.count());
     a.timeout_ns = ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
     a.abort_word = peer_words_dev_;
-    a.error_word = const_cast<int32_t*>(peer_words_dev_);
+    a.error_word = peer_words_dev_ + 1;
     a.sync_mode = window_sync_mode_;
     const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
                                                                 : stream_;
