@@ -524,11 +524,7 @@ class CudaBackend final : public Backend {
   }
 
   Status lse_merge(const LseMergeParams& p) override {
-    // A programmatic dependent of the stream's previous kernel (the attention, or a window publish): scheduled
-    // while it finishes; the kernel waits for its writes first (griddepcontrol.wait).
-    return run_kernel("lse_merge", [&](const LaunchContext& c) {
-      return cuda::launch_lse_merge(p, p.out, p.out_dtype, c, cuda::LseMergeRows{}, /*after_producer=*/true);
-    });
+    return run_kernel("lse_merge", [&](const LaunchContext& c) { return cuda::launch_lse_merge(p, p.out, p.out_dtype, c); });
   }
 
  private:

@@ -195,11 +195,6 @@ __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArg
 // kernels' writes of the message came before, in stream order), then thread k waits for peer k's flag here,
 // bounded as in peer_wait_kernel. One warp; nothing else waits.
 __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) {
-  // Launched as a programmatic dependent of the producer (it may be scheduled while the producer's last CTAs
-  // finish): wait here until the producer grid completed and its writes are visible; then let the consumer be
-  // scheduled (it waits for this grid's end itself, griddepcontrol.wait). No-ops in a plain launch.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const bool dead = *a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0;
   if (dead) return;  // a failed communicator publishes nothing; its error is reported already
   if (threadIdx.x == 0) {
@@ -252,17 +247,8 @@ size_t window_region_bytes(size_t window_bytes) { return kWindowFlagBytes + 2 * 
 
 cudaError_t launch_window_publish(const WindowArgs& args, cudaStream_t stream) {
   if (args.size < 2 || args.size > kMaxRanks || args.rank < 0 || args.rank >= args.size) return cudaErrorInvalidValue;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(1);
-  cfg.blockDim = dim3(32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, window_publish_kernel, args);
-  return e != cudaSuccess ? e : cudaGetLastError();
+  window_publish_kernel<<<1, 32, 0, stream>>>(args);
+  return cudaGetLastError();
 }
 
 size_t area_bytes(int size, size_t slot_bytes) { return kFlagBytes + static_cast<size_t>(size) * 2 * slot_bytes; }

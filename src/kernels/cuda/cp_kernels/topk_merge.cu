@@ -170,7 +170,6 @@ __device__ void write_merged_row(const TopkMergeParams& p, int64_t t, const int3
 // keys: max(n, k2) entries, then sel: n int32 (n = parts * K, k2 = next_pow2(K)).
 __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergeParams p, int keys_len, int k2,
                                                                DeviceErrorWord err) {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // a programmatic dependent: the parts are written
   extern __shared__ uint64_t keys[];
   const int S = p.num_parts, K = p.K, n = S * K;
   int32_t* sel = reinterpret_cast<int32_t*>(keys + keys_len);
@@ -290,7 +289,6 @@ __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v,
 // keys: k2 entries (the unsorted fallback's sort), then sel: n int32.
 __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const TopkMergeParams p, int k2,
                                                                          DeviceErrorWord err) {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // a programmatic dependent: the parts are written
   extern __shared__ uint64_t keys[];
   const int S = p.num_parts, K = p.K, n = S * K;
   int32_t* sel = reinterpret_cast<int32_t*>(keys + k2);
@@ -459,26 +457,6 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
   write_merged_row(p, t, sel, part_start, total, s_unsorted, keys, k2, &s_need);
 }
 
-// A launch as a programmatic dependent of the stream's previous kernel (Programmatic Dependent Launch): its CTAs
-// may be scheduled while that kernel's last CTAs finish (or as soon as it lets dependents go), and wait at their
-// start (griddepcontrol.wait) until it completed and its writes are visible. After anything but a kernel it is
-// an ordinary launch.
-template <typename... Params, typename... Args>
-cudaError_t launch_after_producer(void (*kernel)(Params...), int64_t blocks, int threads, size_t smem,
-                                  cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, args...);
-}
-
 int next_pow2(int64_t n) {
   int p = 1;
   while (p < n) p <<= 1;
@@ -509,8 +487,7 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   if (n <= kSmallMax && !(choice != nullptr && choice[0] == '1')) {
     const size_t small = static_cast<size_t>(k2) * sizeof(uint64_t) + static_cast<size_t>(n) * sizeof(int32_t);
     DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel, static_cast<int>(small)));
-    DSACP_CUDA_RETURN_IF_ERROR(launch_after_producer(topk_merge_small_kernel, p.num_rows, kSmallThreads, small,
-                                                     ctx.stream, p, k2, ctx.error));
+    topk_merge_small_kernel<<<static_cast<unsigned>(p.num_rows), kSmallThreads, small, ctx.stream>>>(p, k2, ctx.error);
     DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_small_kernel");
     return Status::ok_status();
   }
@@ -520,8 +497,7 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
     DSACP_CUDA_RETURN_IF_ERROR(
         ensure_dynamic_smem_limit(topk_merge_kernel, static_cast<int>(smem)));
   }
-  DSACP_CUDA_RETURN_IF_ERROR(
-      launch_after_producer(topk_merge_kernel, p.num_rows, kThreads, smem, ctx.stream, p, keys_len, k2, ctx.error));
+  topk_merge_kernel<<<static_cast<unsigned>(p.num_rows), kThreads, smem, ctx.stream>>>(p, keys_len, k2, ctx.error);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_kernel");
   return Status::ok_status();
 }
