@@ -269,6 +269,29 @@ void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds time
 
 class NcclComm;
 
+// Keeps a sequence of device operations launched on possibly different streams in launch order (the peer
+// exchange's and the window's parity arguments need one after another): an operation on another stream than
+// the last one waits for the last one's end.
+struct InOrder {
+  cudaStream_t last = nullptr;
+  cudaEvent_t end = nullptr;
+  // Before launching on `on`.
+  cudaError_t before(cudaStream_t on) {
+    return last != nullptr && last != on ? cudaStreamWaitEvent(on, end, 0) : cudaSuccess;
+  }
+  // After launching on `on`.
+  cudaError_t after(cudaStream_t on) {
+    cudaError_t e = end == nullptr ? cudaEventCreateWithFlags(&end, cudaEventDisableTiming) : cudaSuccess;
+    if (e == cudaSuccess) e = cudaEventRecord(end, on);
+    if (e == cudaSuccess) last = on;
+    return e;
+  }
+  void destroy() {
+    if (end != nullptr) (void)cudaEventDestroy(end);
+    end = nullptr;
+  }
+};
+
 class NcclHandle final : public CollectiveHandle {
  public:
   NcclHandle(NcclComm* comm, cudaEvent_t start, cudaEvent_t end, const char* what, cudaStream_t stream)
@@ -301,8 +324,8 @@ class NcclComm final : public NcclCommunicator {
     std::lock_guard<std::mutex> lock(g_destroy_mu);
     for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     if (producer_ready_ != nullptr) (void)cudaEventDestroy(producer_ready_);
-    if (last_peer_end_ != nullptr) (void)cudaEventDestroy(last_peer_end_);
-    if (last_window_end_ != nullptr) (void)cudaEventDestroy(last_window_end_);
+    peer_order_.destroy();
+    window_order_.destroy();
     print_stamps();
     if (peer_stamps_ != nullptr) (void)cudaFree(peer_stamps_);
     release_peer_exchange(area_safe);
@@ -798,10 +821,7 @@ class NcclComm final : public NcclCommunicator {
       fail(st.message());
       return st;
     };
-    if (last_peer_stream_ != nullptr && last_peer_stream_ != on) {
-      const cudaError_t e = cudaStreamWaitEvent(on, last_peer_end_, 0);
-      if (e != cudaSuccess) return failed(e);
-    }
+    if (const cudaError_t e = peer_order_.before(on); e != cudaSuccess) return failed(e);
     auto h = launch(what, sent, [&] {
       a.seq = ++peer_seq_;  // only exchanges that launch count, the same on every rank
       if (cuda::peer::launch_exchange(a, on) == cudaSuccess) return ncclSuccess;
@@ -809,11 +829,7 @@ class NcclComm final : public NcclCommunicator {
       return ncclUnhandledCudaError;
     }, a.num_parts == 0, on);
     if (h.ok() && a.num_parts > 0) {
-      cudaError_t e = last_peer_end_ == nullptr ? cudaEventCreateWithFlags(&last_peer_end_, cudaEventDisableTiming)
-                                                : cudaSuccess;
-      if (e == cudaSuccess) e = cudaEventRecord(last_peer_end_, on);
-      if (e != cudaSuccess) return failed(e);
-      last_peer_stream_ = on;
+      if (const cudaError_t e = peer_order_.after(on); e != cudaSuccess) return failed(e);
       ++stats_.peer_collectives;
     }
     return h;
@@ -862,10 +878,7 @@ class NcclComm final : public NcclCommunicator {
     };
     // Window exchanges run one after another (the parity argument): one on another stream than the last waits
     // for the last one's end.
-    if (last_window_stream_ != nullptr && last_window_stream_ != on) {
-      const cudaError_t e = cudaStreamWaitEvent(on, last_window_end_, 0);
-      if (e != cudaSuccess) return failed(e);
-    }
+    if (const cudaError_t e = window_order_.before(on); e != cudaSuccess) return failed(e);
     auto h = launch("window publish", window_message_bytes_ * (size_ - 1), [&] {
       a.seq = ++window_seq_;  // only publishes that launch count, the same on every rank
       if (cuda::peer::launch_window_publish(a, on) == cudaSuccess) return ncclSuccess;
@@ -873,11 +886,7 @@ class NcclComm final : public NcclCommunicator {
       return ncclUnhandledCudaError;
     }, false, on);
     if (h.ok()) {
-      cudaError_t e = last_window_end_ == nullptr ? cudaEventCreateWithFlags(&last_window_end_, cudaEventDisableTiming)
-                                                  : cudaSuccess;
-      if (e == cudaSuccess) e = cudaEventRecord(last_window_end_, on);
-      if (e != cudaSuccess) return failed(e);
-      last_window_stream_ = on;
+      if (const cudaError_t e = window_order_.after(on); e != cudaSuccess) return failed(e);
       ++stats_.window_publishes;
     }
     return h;
@@ -975,16 +984,14 @@ class NcclComm final : public NcclCommunicator {
   uint64_t peer_seq_ = 0;
   unsigned long long* peer_stamps_ = nullptr;  // DSACP_PEER_STAMPS=1
   int32_t peer_fence_mode_ = 0;                // DSACP_PEER_FENCE (a diagnostic), read once at setup
-  cudaStream_t last_peer_stream_ = nullptr;  // where the last exchange ran, and its end
-  cudaEvent_t last_peer_end_ = nullptr;
+  InOrder peer_order_;  // the peer exchanges run one after another
   // The exchange window (after the slots in the area): its buffers' size, the window exchanges published so far,
   // the size of the message of the next one, where the last publish ran and its end.
   size_t window_bytes_ = 0;
   int32_t window_sync_mode_ = 0;  // DSACP_WINDOW_SYNC (a diagnostic), read once at setup
   uint64_t window_seq_ = 0;
   size_t window_message_bytes_ = 0;
-  cudaStream_t last_window_stream_ = nullptr;
-  cudaEvent_t last_window_end_ = nullptr;
+  InOrder window_order_;  // the window exchanges run one after another
 };
 
 NcclHandle::~NcclHandle() {

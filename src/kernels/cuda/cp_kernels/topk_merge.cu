@@ -98,6 +98,34 @@ __device__ void bitonic_sort_ascending(uint64_t* keys, int n) {
   }
 }
 
+// One radix pass's choice, by one warp (lane `lane`) over a pass's 256 bins (counts of the candidates still in
+// the race, by this byte): the digit whose bin holds the need-th best candidate (bins counted from the top), how
+// many of that bin are still needed, and whether that is the whole bin (the select is then done).
+__device__ __forceinline__ void pick_digit(const unsigned* bins, int need, int lane, int* digit, int* need_left,
+                                           int* done) {
+  int local = 0;
+  for (int j = 0; j < 8; ++j) local += static_cast<int>(bins[lane * 8 + j]);
+  int incl = local;  // bins of lanes >= lane
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_down_sync(0xffffffffu, incl, o);
+    if (lane + o < 32) incl += y;
+  }
+  const int above = incl - local;
+  if (above < need && need <= incl) {
+    int acc = above;
+    for (int j = 7; j >= 0; --j) {
+      const int h = static_cast<int>(bins[lane * 8 + j]);
+      if (acc + h >= need) {
+        *digit = lane * 8 + j;
+        *need_left = need - acc;
+        *done = h == need - acc;
+        break;
+      }
+      acc += h;
+    }
+  }
+}
+
 // Number of sorted[0, n) below v.
 __device__ __forceinline__ int lower_bound(const int32_t* sorted, int n, int32_t v) {
   int lo = 0, hi = n;
@@ -219,30 +247,7 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
         if (k != 0 && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 0xFF], 1u);
       }
       __syncthreads();
-      if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        int local = 0;
-        for (int j = 0; j < 8; ++j) local += static_cast<int>(hist[lane * 8 + j]);
-        int incl = local;  // bins of lanes >= lane
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_down_sync(0xffffffffu, incl, o);
-          if (lane + o < 32) incl += y;
-        }
-        const int above = incl - local;
-        if (above < need && need <= incl) {
-          int acc = above;
-          for (int j = 7; j >= 0; --j) {
-            const int h = static_cast<int>(hist[lane * 8 + j]);
-            if (acc + h >= need) {
-              s_digit = lane * 8 + j;
-              s_need = need - acc;
-              s_done = h == need - acc;
-              break;
-            }
-            acc += h;
-          }
-        }
-      }
+      if (threadIdx.x < 32) pick_digit(hist, need, threadIdx.x, &s_digit, &s_need, &s_done);
       __syncthreads();
       need = s_need;
       prefix |= static_cast<uint64_t>(s_digit) << shift;
@@ -409,29 +414,7 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
         bins[threadIdx.x] = sum;
       }
       __syncthreads();
-      if (warp == 0) {
-        int local = 0;
-        for (int j = 0; j < 8; ++j) local += static_cast<int>(bins[lane * 8 + j]);
-        int incl = local;  // bins of lanes >= lane
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_down_sync(0xffffffffu, incl, o);
-          if (lane + o < 32) incl += y;
-        }
-        const int above = incl - local;
-        if (above < need && need <= incl) {
-          int acc = above;
-          for (int j = 7; j >= 0; --j) {
-            const int h = static_cast<int>(bins[lane * 8 + j]);
-            if (acc + h >= need) {
-              s_digit = lane * 8 + j;
-              s_need = need - acc;
-              s_done = h == need - acc;
-              break;
-            }
-            acc += h;
-          }
-        }
-      }
+      if (warp == 0) pick_digit(bins, need, lane, &s_digit, &s_need, &s_done);
       __syncthreads();
       need = s_need;
       prefix |= static_cast<uint64_t>(s_digit) << shift;
