@@ -103,7 +103,9 @@ class Communicator {
   //   Window w = window_next(bytes);  // then enqueue work on the producer stream that writes w.mine[0, bytes)
   //   auto h = window_publish();      // then enqueue reads of w.all[k] (rank k's message) on the producer stream
   // One window exchange at a time: the reads of an exchange must be enqueued on the producer stream before this
-  // rank's next window_publish() (each rank keeps two window buffers and alternates). The handle works as a
+  // rank's next window_publish() (each rank keeps two window buffers and alternates), and before the next
+  // window_next() if the producer stream changes in between (window_next orders the new stream after the old
+  // one's work so far). The handle works as a
   // collective's (order_before, a bounded wait() that reports a rank that never published). Communicators
   // without windows (host transports, ranks that cannot reach each other, messages past the window size)
   // answer window_next with kUnsupported: use the collectives then.

@@ -35,8 +35,8 @@ struct CacheWriteParams {
   const int64_t* slots = nullptr;  // [T]
   PagedPoolView pool;
   // Optional: more pools written by the same call (one launch on a GPU), each with its own rows ([T, its dim],
-  // rows_dtype) and slots; unused while rows is null. The steps write a token's indexer key, latent and rope rows
-  // together.
+  // rows_dtype) and slots; an entry is used when its pool has data (then rows and slots must be set). The steps
+  // write a token's indexer key, latent and rope rows together.
   struct MorePool {
     const void* rows = nullptr;
     const int64_t* slots = nullptr;
@@ -49,7 +49,7 @@ struct CacheWriteParams {
 // number of pools is cache_write_pools(p).
 inline int cache_write_pools(const CacheWriteParams& p) {
   int n = 1;
-  for (const CacheWriteParams::MorePool& m : p.more) n += m.rows != nullptr;
+  for (const CacheWriteParams::MorePool& m : p.more) n += m.pool.data != nullptr;
   return n;
 }
 inline CacheWriteParams cache_write_pool(const CacheWriteParams& p, int i) {
@@ -63,7 +63,7 @@ inline CacheWriteParams cache_write_pool(const CacheWriteParams& p, int i) {
     return one;
   }
   for (const CacheWriteParams::MorePool& m : p.more) {
-    if (m.rows != nullptr && --i == 0) {
+    if (m.pool.data != nullptr && --i == 0) {
       one.rows = m.rows;
       one.slots = m.slots;
       one.pool = m.pool;

@@ -78,12 +78,14 @@ Status validate(const CacheWriteParams& p) {
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "rows_dtype", p.rows_dtype));
   DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool));
   for (const CacheWriteParams::MorePool& m : p.more) {
-    if (m.rows != nullptr) DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool));
+    if (m.pool.data != nullptr) DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool));
   }
   if (p.num_rows == 0) return Status::ok_status();
   DSACP_RETURN_IF_ERROR(check_pointer(k, "rows", p.rows));
   for (const CacheWriteParams::MorePool& m : p.more) {
-    if (m.rows != nullptr) DSACP_RETURN_IF_ERROR(check_pointer(k, "more[].slots", m.slots));
+    if (m.pool.data == nullptr) continue;
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "more[].rows", m.rows));
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "more[].slots", m.slots));
   }
   return check_pointer(k, "slots", p.slots);
 }

@@ -225,10 +225,12 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
     pt.local_len_host = pt.local_len.data();
   }
   const size_t topk_bytes = static_cast<size_t>(n * K) * sizeof(int32_t);
-  // The window under one PCP rank only (the DCP decode: the world is the DCP group). With P > 1 the world also
-  // carries the step's NCCL collectives (KV views, partials), and P2 layouts stalled in a window publish in 2 of
-  // 5 test runs on 2 x H200 (not understood yet: docs/design/gpu-notes.md, session 10): they keep NCCL.
-  if (s.layout.P == 1) {
+  // The window only under one PCP rank (the DCP decode: the world is the DCP group) and for the merge kernel's
+  // small shape (at most 4096 candidates a row: 2 x 2048), what was run on the GPUs. P2 layouts stalled in a
+  // window publish in 2 of 5 test runs on 2 x H200 (not understood: docs/design/gpu-notes.md, session 10; D2
+  // layouts, whose prefill rows' views also go over the world, passed every run); they keep NCCL, as do larger
+  // merges (whose host fallback would copy from the peers' memory).
+  if (s.layout.P == 1 && Pt * K <= 4096) {
     DSACP_ASSIGN_OR_RETURN(pt.window, try_window(world, 2 * topk_bytes));
   }
   int32_t* part_topk = nullptr;

@@ -137,11 +137,16 @@ TEST(CacheWriteKernel, MorePoolsWriteWhatSeparateCallsWould) {
     EXPECT_EQ(together[i], apart[i]) << "pool " << i;
   }
   EXPECT_EQ(together[2][2], 20.5f);  // row 0 of pool 2 went to slot 1 (its own slots)
-  // A more[] pool without slots is refused, naming it.
+  // A more[] pool without slots, or without rows (a missing input, not a skipped write), is refused, naming it.
   p.more[1].slots = nullptr;
-  const Status s = cache_write_run(*backend, p);
+  Status s = cache_write_run(*backend, p);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("more[].slots"), std::string::npos) << s.to_string();
+  p.more[1].slots = slots_b.data();
+  p.more[1].rows = nullptr;
+  s = cache_write_run(*backend, p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("more[].rows"), std::string::npos) << s.to_string();
 }
 
 }  // namespace

@@ -544,8 +544,8 @@ class NcclComm final : public NcclCommunicator {
                : peer_words_[1] < 0 || !failure_.empty()
                    ? failure_status()
                    : Status(StatusCode::kTimeout, "rank " + std::to_string(rank_) + ": " + what + ": rank " +
-                                                std::to_string(peer_words_[1] - 1) + " did not deliver its blocks within " +
-                                                std::to_string(options_.timeout.count()) + " ms (peer exchange)");
+                                                std::to_string(peer_words_[1] - 1) + " did not deliver within " +
+                                                std::to_string(options_.timeout.count()) + " ms (peer exchange or window)");
     }
     stats_.wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     cuda::timeline::host_span(options_.device, tl0, label, "wait");
@@ -848,6 +848,24 @@ class NcclComm final : public NcclCommunicator {
     if (bytes > window_bytes_) {
       return unsupported("NCCL communicator: a window message of " + std::to_string(bytes) + " bytes, the window holds " +
                          std::to_string(window_bytes_) + " (NcclOptions::window_bytes, DSACP_NCCL_WINDOW_MB)");
+    }
+    // A producer stream other than the last exchange's: this exchange's producers (enqueued after this call) and
+    // its publish wait for all the old stream's work so far (the last publish and the reads after it), as the
+    // parity argument needs; reads of the last exchange enqueued on the old stream after this call are not
+    // covered (communicator.h: enqueue them first).
+    const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
+                                                                : stream_;
+    if (window_order_.last != nullptr && window_order_.last != on) {
+      cudaError_t e = window_order_.end == nullptr ? cudaEventCreateWithFlags(&window_order_.end, cudaEventDisableTiming)
+                                                   : cudaSuccess;
+      if (e == cudaSuccess) e = cudaEventRecord(window_order_.end, window_order_.last);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(on, window_order_.end, 0);
+      if (e != cudaSuccess) {
+        const Status st = cuda_error(e, "rank " + std::to_string(rank_) + ": window stream change");
+        fail(st.message());
+        return st;
+      }
+      window_order_.last = on;
     }
     const int parity = static_cast<int>((window_seq_ + 1) & 1);
     Window w;

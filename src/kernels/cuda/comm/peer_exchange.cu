@@ -195,8 +195,16 @@ __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArg
 // kernels' writes of the message came before, in stream order), then thread k waits for peer k's flag here,
 // bounded as in peer_wait_kernel. One warp; nothing else waits.
 __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) {
-  const bool dead = *a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0;
-  if (dead) return;  // a failed communicator publishes nothing; its error is reported already
+  volatile int32_t* error = reinterpret_cast<volatile int32_t*>(a.error_word);
+  if (*a.abort_word != 0 || *error != 0) {
+    // A failed communicator publishes nothing and waits for nobody; the host must not take this publish for a
+    // completed one (the consumers after it would read buffers nobody published), so the error word says so.
+    if (threadIdx.x == 0 && *error == 0) {
+      *error = -1;
+      __threadfence_system();
+    }
+    return;
+  }
   if (threadIdx.x == 0) {
     if (a.sync_mode == 0) __threadfence_system();
     if (a.sync_mode == 2) __threadfence();

@@ -30,7 +30,7 @@
 
 namespace dsacp::cuda::peer {
 
-constexpr int kMaxRanks = 8;
+constexpr int kMaxRanks = 8;  // (= kMaxPartBuffers of kernel_params.h: a window's messages are merge parts)
 constexpr int kMaxParts = 8;
 constexpr int kMaxCtas = 128;
 constexpr size_t kFlagBytes = sizeof(uint64_t) * kMaxRanks * kMaxCtas;  // the data starts here (8 KiB)
