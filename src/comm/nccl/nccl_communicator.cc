@@ -286,6 +286,16 @@ struct InOrder {
     if (e == cudaSuccess) last = on;
     return e;
   }
+  // Moves the sequence to `on` now: work enqueued on `on` from here waits for all of the last stream's work so
+  // far (not just the last operation: what was enqueued after it too).
+  cudaError_t move_to(cudaStream_t on) {
+    if (last == nullptr || last == on) return cudaSuccess;
+    const cudaStream_t old = last;
+    cudaError_t e = after(old);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(on, end, 0);
+    if (e == cudaSuccess) last = on;
+    return e;
+  }
   void destroy() {
     if (end != nullptr) (void)cudaEventDestroy(end);
     end = nullptr;
@@ -578,6 +588,23 @@ class NcclComm final : public NcclCommunicator {
 
   // ---- The peer exchange (kernels/cuda/comm/peer_exchange.h) ----
 
+  // The stream the peer exchange and the window run on: the producer's, else the communicator's own.
+  cudaStream_t exchange_stream() const {
+    return options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream) : stream_;
+  }
+  // The communicator's timeout in ns, for the kernels' bounded waits.
+  uint64_t timeout_ns() const {
+    const uint64_t ms = static_cast<uint64_t>(options_.timeout.count());
+    return ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
+  }
+  // A CUDA failure of a peer exchange or window call: it fails the communicator (a rank that skipped an exchange
+  // its peers ran would pair its next one with their last: the waits accept any newer sequence number).
+  Status exchange_failed(cudaError_t e, const char* what) {
+    const Status st = cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
+    fail(st.message());
+    return st;
+  }
+
   // What each rank tells the others when a communicator is made.
   struct PeerInfo {
     int32_t want = 0;    // this rank has an exchange area and wants to use it
@@ -803,8 +830,7 @@ class NcclComm final : public NcclCommunicator {
     }
     for (int k = 0; k < size_; ++k) a.areas[k] = peer_areas_[k];
     a.slot_bytes = slot_bytes_;
-    const uint64_t ms = static_cast<uint64_t>(options_.timeout.count());
-    a.timeout_ns = ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
+    a.timeout_ns = timeout_ns();
     a.abort_word = peer_words_dev_;
     a.stamps = peer_stamps_;
     a.fence_mode = peer_fence_mode_;
@@ -812,16 +838,9 @@ class NcclComm final : public NcclCommunicator {
     // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
     // exchanges of this communicator must still run one after another (the area's parity argument): an
     // exchange on another stream than the last one waits for the last one's end.
-    const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
-                                                                : stream_;
-    // Any failure from here on fails the communicator: a rank that skipped an exchange its peers ran would pair
-    // its next one with their last (the waits accept any newer sequence number).
-    auto failed = [&](cudaError_t e) {
-      const Status st = cuda_error(e, std::string("rank ") + std::to_string(rank_) + ": " + what);
-      fail(st.message());
-      return st;
-    };
-    if (const cudaError_t e = peer_order_.before(on); e != cudaSuccess) return failed(e);
+    const cudaStream_t on = exchange_stream();
+    // Any failure from here on fails the communicator (exchange_failed).
+    if (const cudaError_t e = peer_order_.before(on); e != cudaSuccess) return exchange_failed(e, what);
     auto h = launch(what, sent, [&] {
       a.seq = ++peer_seq_;  // only exchanges that launch count, the same on every rank
       if (cuda::peer::launch_exchange(a, on) == cudaSuccess) return ncclSuccess;
@@ -829,7 +848,7 @@ class NcclComm final : public NcclCommunicator {
       return ncclUnhandledCudaError;
     }, a.num_parts == 0, on);
     if (h.ok() && a.num_parts > 0) {
-      if (const cudaError_t e = peer_order_.after(on); e != cudaSuccess) return failed(e);
+      if (const cudaError_t e = peer_order_.after(on); e != cudaSuccess) return exchange_failed(e, what);
       ++stats_.peer_collectives;
     }
     return h;
@@ -853,19 +872,8 @@ class NcclComm final : public NcclCommunicator {
     // its publish wait for all the old stream's work so far (the last publish and the reads after it), as the
     // parity argument needs; reads of the last exchange enqueued on the old stream after this call are not
     // covered (communicator.h: enqueue them first).
-    const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
-                                                                : stream_;
-    if (window_order_.last != nullptr && window_order_.last != on) {
-      cudaError_t e = window_order_.end == nullptr ? cudaEventCreateWithFlags(&window_order_.end, cudaEventDisableTiming)
-                                                   : cudaSuccess;
-      if (e == cudaSuccess) e = cudaEventRecord(window_order_.end, window_order_.last);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(on, window_order_.end, 0);
-      if (e != cudaSuccess) {
-        const Status st = cuda_error(e, "rank " + std::to_string(rank_) + ": window stream change");
-        fail(st.message());
-        return st;
-      }
-      window_order_.last = on;
+    if (const cudaError_t e = window_order_.move_to(exchange_stream()); e != cudaSuccess) {
+      return exchange_failed(e, "window stream change");
     }
     const int parity = static_cast<int>((window_seq_ + 1) & 1);
     Window w;
@@ -882,21 +890,14 @@ class NcclComm final : public NcclCommunicator {
     a.rank = rank_;
     a.size = size_;
     for (int k = 0; k < size_; ++k) a.windows[k] = window_region(k);
-    const uint64_t ms = static_cast<uint64_t>(options_.timeout.count());
-    a.timeout_ns = ms > UINT64_MAX / 1000000ull ? UINT64_MAX : ms * 1000000ull;
+    a.timeout_ns = timeout_ns();
     a.abort_word = peer_words_dev_;
     a.error_word = peer_words_dev_ + 1;
     a.sync_mode = window_sync_mode_;
-    const cudaStream_t on = options_.producer_stream != nullptr ? static_cast<cudaStream_t>(options_.producer_stream)
-                                                                : stream_;
-    auto failed = [&](cudaError_t e) {
-      const Status st = cuda_error(e, "rank " + std::to_string(rank_) + ": window publish");
-      fail(st.message());
-      return st;
-    };
+    const cudaStream_t on = exchange_stream();
     // Window exchanges run one after another (the parity argument): one on another stream than the last waits
-    // for the last one's end.
-    if (const cudaError_t e = window_order_.before(on); e != cudaSuccess) return failed(e);
+    // for the last one's end (window_next has moved the sequence to this stream already, unless it changed since).
+    if (const cudaError_t e = window_order_.before(on); e != cudaSuccess) return exchange_failed(e, "window publish");
     auto h = launch("window publish", window_message_bytes_ * (size_ - 1), [&] {
       a.seq = ++window_seq_;  // only publishes that launch count, the same on every rank
       if (cuda::peer::launch_window_publish(a, on) == cudaSuccess) return ncclSuccess;
@@ -904,7 +905,7 @@ class NcclComm final : public NcclCommunicator {
       return ncclUnhandledCudaError;
     }, false, on);
     if (h.ok()) {
-      if (const cudaError_t e = window_order_.after(on); e != cudaSuccess) return failed(e);
+      if (const cudaError_t e = window_order_.after(on); e != cudaSuccess) return exchange_failed(e, "window publish");
       ++stats_.window_publishes;
     }
     return h;
