@@ -624,7 +624,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                    const CpRankPlan& plan, const CpLayout& layout, const KvSharding& sharding, const BlockTable& table,
                    PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
   PhaseClock clock(backend);
-  LaunchClock launch_clock;
   const PagedCacheConfig& cc = cache.config();
   DSACP_RETURN_IF_ERROR(check_comms(comms, plan));
   DSACP_RETURN_IF_ERROR(check_step_config(c, cc));
@@ -832,7 +831,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.host_request = plan.row_request.data();
     ip.host_key_len = plan.row_key_len.data();
     DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("replicated indexer top-k"));
-    launch_clock.indexer_launched();
+    clock.indexer_launched();
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (layout.dsa_cp && decode_only) {
       DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
@@ -849,7 +848,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
     DSACP_RETURN_IF_ERROR(merged_topk(s, T_all, all_q.get(), all_w.as<const float>(), d_all_request.as<const int32_t>(),
                                       all_request.data(), all_key_len, all_topk.as<int32_t>()));
-    launch_clock.indexer_launched();
+    clock.indexer_launched();
     DSACP_RETURN_IF_ERROR(backend.copy_on_device(out.topk, all_topk.as<int32_t>() + plan.d * rows * c.K,
                                                  rows * c.K * sizeof(int32_t)));
   } else {
@@ -867,7 +866,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request,
                                                              plan.row_request.data(), {}, out.topk,
                                                              s.d_row_local_len, s.row_local_len.data()));
-      launch_clock.indexer_launched();  // (and the candidates' exchange started)
+      clock.indexer_launched();  // (and the candidates' exchange started)
     }
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (shared < rows) {
@@ -888,7 +887,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       ip.host_request = plan.row_request.data() + shared;
       ip.host_key_len = plan.row_key_len.data() + shared;
       DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k over gathered keys"));
-      launch_clock.indexer_launched();
+      clock.indexer_launched();
     }
     if (pending_topk) {
       // While the candidates are computed and exchanged, issue what the local decodes need that does not
@@ -947,7 +946,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("CP step, rank " + std::to_string(plan.cr)));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();
-  launch_clock.finish();
   return Status();
 }
 

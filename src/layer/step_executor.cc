@@ -69,7 +69,6 @@ Status check_block_table_pages(const BlockTable& table, const std::vector<int64_
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
   PhaseClock clock(backend);
-  LaunchClock launch_clock;
   const PagedCacheConfig& cc = cache.config();
   DSACP_RETURN_IF_ERROR(check_step_config(config, cc));
   DSACP_ASSIGN_OR_RETURN(SingleDevicePlan plan,
@@ -131,7 +130,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ip.host_request = plan.token_request.data();
   ip.host_key_len = plan.token_key_len.data();
   DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
-  launch_clock.indexer_launched();
+  clock.indexer_launched();
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
   // 3. Sparse MLA attention over the chosen keys.
@@ -156,7 +155,6 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("step"));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();
-  launch_clock.finish();
   return Status();
 }
 
