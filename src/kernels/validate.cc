@@ -1,6 +1,7 @@
 // Parameter validation shared by every backend, and the validated entry points (*_run).
 // validate() only looks at scalars and pointer nullness: the pointers may be device memory, so anything
 // that depends on tensor contents (request ids, key lengths, page ids, slots) is checked by the backend.
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -139,6 +140,34 @@ Status validate(const SparseMlaParams& p) {
   return check_pointer(k, "lse", p.lse);
 }
 
+namespace {
+
+// A merge's parts: two arrays of every part (names[0], names[1]; `whole`), or, with both null, one pair of buffers
+// per part (a_of, b_of: the "<name>_of" fields), at most kMaxPartBuffers parts, every one set.
+template <typename A, typename B>
+Status check_merge_parts(const char* k, int32_t num_parts, std::array<const char*, 2> names,
+                         std::array<const void*, 2> whole, const A* const (&a_of)[kMaxPartBuffers],
+                         const B* const (&b_of)[kMaxPartBuffers]) {
+  if (whole[0] != nullptr || whole[1] != nullptr) {
+    DSACP_RETURN_IF_ERROR(check_pointer(k, names[0], whole[0]));
+    return check_pointer(k, names[1], whole[1]);
+  }
+  if (num_parts > kMaxPartBuffers) {
+    return invalid_argument(std::string(k) + ": parts given one buffer each (" + names[0] + "_of) take at most " +
+                            str(kMaxPartBuffers) + " parts, got num_parts=" + str(num_parts));
+  }
+  for (int32_t s = 0; s < num_parts; ++s) {
+    if (a_of[s] == nullptr || b_of[s] == nullptr) {
+      return invalid_argument(std::string(k) + ": part " + str(s) + " has no buffer (" + names[0] + " and " + names[1] +
+                              " are null, so " + names[0] + "_of[s] and " + names[1] +
+                              "_of[s] must be set for every part)");
+    }
+  }
+  return Status::ok_status();
+}
+
+}  // namespace
+
 Status validate(const LseMergeParams& p) {
   const char* k = "lse_merge";
   DSACP_RETURN_IF_ERROR(check_positive(k, "num_parts", p.num_parts));
@@ -147,22 +176,8 @@ Status validate(const LseMergeParams& p) {
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "out_dtype", p.out_dtype));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "part_dtype", p.part_dtype));
   if (p.num_rows == 0) return Status::ok_status();
-  if (p.part_out != nullptr || p.part_lse != nullptr) {
-    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_out", p.part_out));
-    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_lse", p.part_lse));
-  } else {
-    // One buffer per part.
-    if (p.num_parts > kMaxPartBuffers) {
-      return invalid_argument(std::string(k) + ": parts given one buffer each (part_out_of) take at most " +
-                              str(kMaxPartBuffers) + " parts, got num_parts=" + str(p.num_parts));
-    }
-    for (int32_t s = 0; s < p.num_parts; ++s) {
-      if (p.part_out_of[s] == nullptr || p.part_lse_of[s] == nullptr) {
-        return invalid_argument(std::string(k) + ": part " + str(s) + " has no buffer (part_out and part_lse are null, "
-                                "so part_out_of[s] and part_lse_of[s] must be set for every part)");
-      }
-    }
-  }
+  DSACP_RETURN_IF_ERROR(check_merge_parts(k, p.num_parts, {"part_out", "part_lse"}, {p.part_out, p.part_lse},
+                                          p.part_out_of, p.part_lse_of));
   for (int32_t s = 0; s < p.num_parts; ++s) {
     if (p.out == lse_merge_part_out(p, s, dtype_size(p.part_dtype)) && p.out_dtype != p.part_dtype) {
       return invalid_argument(std::string(k) + ": out aliases part " + str(s) + " with a different dtype (out " +
@@ -214,22 +229,8 @@ Status validate(const TopkMergeParams& p) {
   DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
   DSACP_RETURN_IF_ERROR(check_positive(k, "I", p.I));
   if (p.num_rows == 0) return Status::ok_status();
-  if (p.part_topk != nullptr || p.part_scores != nullptr) {
-    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_topk", p.part_topk));
-    DSACP_RETURN_IF_ERROR(check_pointer(k, "part_scores", p.part_scores));
-  } else {
-    // One buffer per part.
-    if (p.num_parts > kMaxPartBuffers) {
-      return invalid_argument(std::string(k) + ": parts given one buffer each (part_topk_of) take at most " +
-                              str(kMaxPartBuffers) + " parts, got num_parts=" + str(p.num_parts));
-    }
-    for (int32_t s = 0; s < p.num_parts; ++s) {
-      if (p.part_topk_of[s] == nullptr || p.part_scores_of[s] == nullptr) {
-        return invalid_argument(std::string(k) + ": part " + str(s) + " has no buffer (part_topk and part_scores are "
-                                "null, so part_topk_of[s] and part_scores_of[s] must be set for every part)");
-      }
-    }
-  }
+  DSACP_RETURN_IF_ERROR(check_merge_parts(k, p.num_parts, {"part_topk", "part_scores"},
+                                          {p.part_topk, p.part_scores}, p.part_topk_of, p.part_scores_of));
   if (p.local_topk != nullptr && (p.local_part < 0 || p.local_part >= p.num_parts)) {
     return invalid_argument(std::string(k) + ": local_part=" + str(p.local_part) + " outside [0, num_parts=" +
                             str(p.num_parts) + ")");
