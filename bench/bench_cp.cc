@@ -113,19 +113,14 @@ class RankThreads {
   bool stop_ = false;
 };
 
-RankThreads* g_ranks = nullptr;  // made in main for every GPU
+RankThreads* g_ranks = nullptr;  // made in main, one thread for every GPU, before any rank work
 
+// f(r) for ranks r < n (at most the GPUs' count), each on its rank's thread.
 template <typename F>
 void on_ranks(int n, F f) {
-  if (g_ranks != nullptr && n <= g_ranks->size()) {
-    g_ranks->run([&](int r) {
-      if (r < n) f(r);
-    });
-    return;
-  }
-  std::vector<std::thread> t;
-  for (int r = 0; r < n; ++r) t.emplace_back([&f, r] { f(r); });
-  for (auto& x : t) x.join();
+  g_ranks->run([&](int r) {
+    if (r < n) f(r);
+  });
 }
 
 // 64 MiB of random bf16 in [-1, 1), tiled over a buffer (no two indexer keys of a 128K context repeat).
