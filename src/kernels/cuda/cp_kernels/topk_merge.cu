@@ -70,7 +70,7 @@ struct ShardMap {
   __device__ __forceinline__ int part(int32_t g) const { return static_cast<int>(div_i(static_cast<uint32_t>(g)) % S); }
 };
 
-// Part s's row t and its scores// Part s's row t and its scores (the parts as one [Pt, T, K] array, or one buffer each: a window's messages).
+// Part s's row t and its scores (the parts as one [Pt, T, K] array, or one buffer each: a window's messages).
 __device__ __forceinline__ const int32_t* part_topk_row(const TopkMergeParams& p, int s, int64_t t) {
   return (p.part_topk != nullptr ? p.part_topk + s * p.num_rows * p.K : p.part_topk_of[s]) + t * p.K;
 }
@@ -151,9 +151,7 @@ __device__ void write_merged_row(const TopkMergeParams& p, int64_t t, const int3
   int32_t* out = p.topk + t * K;
   int32_t* local = p.local_topk == nullptr ? nullptr : p.local_topk + t * K;
   const int64_t own = p.local_part;
-  // A global position's local position on part `own` (topk_remap's map).
-  const ShardMap map(S, p.I);
-  auto to_local = [&](int32_t g) { return map.local(g); };
+  const ShardMap map(S, p.I);  // map.local: a global position's local position on part `own` (topk_remap's)
   int own_kept = 0;
   if (!unsorted) {
     for (int c = threadIdx.x; c < total; c += blockDim.x) {
@@ -165,7 +163,7 @@ __device__ void write_merged_row(const TopkMergeParams& p, int64_t t, const int3
         if (s2 != s) rank += lower_bound(sel + part_start[s2], part_start[s2 + 1] - part_start[s2], pos);
       }
       if (rank < K) out[rank] = pos;
-      if (local != nullptr && s == own) local[c - part_start[s]] = to_local(pos);
+      if (local != nullptr && s == own) local[c - part_start[s]] = map.local(pos);
     }
     own_kept = part_start[own + 1] - part_start[own];
   } else {
@@ -181,7 +179,7 @@ __device__ void write_merged_row(const TopkMergeParams& p, int64_t t, const int3
         int n_own = 0;
         for (int i = 0; i < kept; ++i) {
           const int32_t g = static_cast<int32_t>(keys[i]);
-          if (map.part(g) == own) local[n_own++] = to_local(g);
+          if (map.part(g) == own) local[n_own++] = map.local(g);
         }
         *s_scratch = n_own;
       }
@@ -319,6 +317,12 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
   float sc[kSmallPer];
   const bool one_part = i0 < n && (i0 / K) == (min(i0 + kSmallPer, n) - 1) / K;
   const int s0 = i0 / K, j0 = i0 - (i0 / K) * K;
+  // Candidate i0 + e's part and column (no division per candidate).
+  auto locate = [&](int e, int* s, int* j) {
+    *s = s0;
+    *j = j0 + e;
+    while (*j >= K) *j -= K, ++*s;
+  };
   const int32_t* row0 = i0 < n ? part_topk_row(p, s0, t) + j0 : nullptr;
   const float* score0 = i0 < n ? part_scores_row(p, s0, t) + j0 : nullptr;
   if (one_part && i0 + kSmallPer <= n && (reinterpret_cast<uintptr_t>(row0) & 15) == 0 &&
@@ -334,8 +338,8 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
       pos[e] = -1;
       sc[e] = 0.f;
       if (i < n) {
-        int s = s0, j = j0 + e;
-        while (j >= K) j -= K, ++s;
+        int s, j;
+        locate(e, &s, &j);
         pos[e] = part_topk_row(p, s, t)[j];
         sc[e] = part_scores_row(p, s, t)[j];
       }
@@ -350,8 +354,8 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
     if (i >= n) continue;
     if (pos[e] < -1) report_device_error(err, kDevBadEntry, t);
     if (pos[e] == -1) {
-      int s = s0, j = j0 + e;
-      while (j >= K) j -= K, ++s;
+      int s, j;
+      locate(e, &s, &j);
       atomicMin(&valid_len[s], j);
     }
   }
@@ -364,8 +368,8 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
     const int i = i0 + e;
     key[e] = 0;  // below every candidate's key
     if (i >= n) continue;
-    int s = s0, j = j0 + e;
-    while (j >= K) j -= K, ++s;
+    int s, j;
+    locate(e, &s, &j);
     const int32_t l = pos[e];
     if (j < valid_len[s] && l >= 0) {
       key[e] = rank_key(sc[e], map.global(l, s));
