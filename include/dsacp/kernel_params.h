@@ -45,7 +45,7 @@ struct CacheWriteParams {
   MorePool more[2];
 };
 
-// Pool i of a cache write (0: the main one, 1.. the `more` ones whose rows are set) as a single-pool write; the
+// Pool i of a cache write (0: the main one, 1.. the `more` ones whose pool has data) as a single-pool write; the
 // number of pools is cache_write_pools(p).
 inline int cache_write_pools(const CacheWriteParams& p) {
   int n = 1;

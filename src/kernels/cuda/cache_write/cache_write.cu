@@ -55,12 +55,12 @@ __global__ void fill_kernel(T* __restrict__ dst, int64_t count, float value) {
   }
 }
 
-// One launch for pools [first, first + count) of p (all of one dtype).
+// One launch for every pool of p (all of one dtype).
 template <typename SrcT, typename DstT>
-Status launch_cw(const CacheWriteParams& p, int first, int count, const LaunchContext& ctx) {
+Status launch_cw_pools(const CacheWriteParams& p, int count, const LaunchContext& ctx) {
   WritePools w{};
   for (int i = 0; i < count; ++i) {
-    const CacheWriteParams one = cache_write_pool(p, first + i);
+    const CacheWriteParams one = cache_write_pool(p, i);
     w.rows[i] = one.rows;
     w.slots[i] = one.slots;
     w.pool[i] = one.pool.data;
@@ -80,7 +80,7 @@ Status launch_cw(const CacheWriteParams& p, const LaunchContext& ctx) {
   const int pools = cache_write_pools(p);
   bool same = true;
   for (int i = 1; i < pools; ++i) same = same && cache_write_pool(p, i).pool.dtype == p.pool.dtype;
-  if (same) return launch_cw<SrcT, DstT>(p, 0, pools, ctx);
+  if (same) return launch_cw_pools<SrcT, DstT>(p, pools, ctx);
   for (int i = 0; i < pools; ++i) DSACP_RETURN_IF_ERROR(launch_cache_write(cache_write_pool(p, i), ctx));
   return Status::ok_status();
 }
