@@ -99,8 +99,17 @@ __device__ void copy_bytes(char* __restrict__ dst, const char* __restrict__ src,
 
 // True once the host raised the abort word or an earlier wait of this communicator failed: the exchange must not
 // touch the peers' slots any more (a failed rank's later puts would overwrite slots a healthy peer still reads).
-__device__ __forceinline__ bool exchange_dead(const ExchangeArgs& a) {
-  return *a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0;
+__device__ __forceinline__ bool words_dead(const volatile int32_t* abort_word, const int32_t* error_word) {
+  return *abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(error_word) != 0;
+}
+__device__ __forceinline__ bool exchange_dead(const ExchangeArgs& a) { return words_dead(a.abort_word, a.error_word); }
+
+// A wait that gives up: the first failure's code goes to the error word (-1 after an abort, else 1 + the peer
+// that did not deliver), visible to the host and the later kernels.
+__device__ __forceinline__ void record_wait_failure(const volatile int32_t* abort_word, int32_t* error_word, int peer) {
+  volatile int32_t* error = reinterpret_cast<volatile int32_t*>(error_word);
+  if (*error == 0) *error = *abort_word != 0 ? -1 : 1 + peer;
+  __threadfence_system();
 }
 
 // Calls body(i, from, to) for each part i whose block overlaps the message range [lo, hi), with the overlap as
@@ -161,10 +170,7 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs 
     const uint64_t* flag = flag_at(own, k, c);
     for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
       if ((spins & 255) == 0 && (exchange_dead(a) || global_timer_ns() - t0 > a.timeout_ns)) {
-        if (*reinterpret_cast<volatile int32_t*>(a.error_word) == 0) {
-          *reinterpret_cast<volatile int32_t*>(a.error_word) = *a.abort_word != 0 ? -1 : 1 + k;
-        }
-        __threadfence_system();
+        record_wait_failure(a.abort_word, a.error_word, k);
         failed = true;
         break;
       }
@@ -195,10 +201,10 @@ __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArg
 // kernels' writes of the message came before, in stream order), then thread k waits for peer k's flag here,
 // bounded as in peer_wait_kernel. One warp; nothing else waits.
 __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) {
-  volatile int32_t* error = reinterpret_cast<volatile int32_t*>(a.error_word);
-  if (*a.abort_word != 0 || *error != 0) {
+  if (words_dead(a.abort_word, a.error_word)) {
     // A failed communicator publishes nothing and waits for nobody; the host must not take this publish for a
     // completed one (the consumers after it would read buffers nobody published), so the error word says so.
+    volatile int32_t* error = reinterpret_cast<volatile int32_t*>(a.error_word);
     if (threadIdx.x == 0 && *error == 0) {
       *error = -1;
       __threadfence_system();
@@ -229,12 +235,8 @@ __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) 
     return v;
   };
   for (uint32_t spins = 1; seen() < a.seq; ++spins) {
-    if ((spins & 255) == 0 && (*a.abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(a.error_word) != 0 ||
-                               global_timer_ns() - t0 > a.timeout_ns)) {
-      if (*reinterpret_cast<volatile int32_t*>(a.error_word) == 0) {
-        *reinterpret_cast<volatile int32_t*>(a.error_word) = *a.abort_word != 0 ? -1 : 1 + k;
-      }
-      __threadfence_system();
+    if ((spins & 255) == 0 && (words_dead(a.abort_word, a.error_word) || global_timer_ns() - t0 > a.timeout_ns)) {
+      record_wait_failure(a.abort_word, a.error_word, k);
       return;
     }
   }
