@@ -5,10 +5,13 @@
 // inputs: host planning, uploads, kernels, collectives. Each rank's communicators' statistics (device time of
 // the collectives, time blocked in wait) give compute vs communication and the overlap; phases come from
 // separate passes with a StepPhaseRecorder (it synchronizes at phase boundaries). Median of the timed reps
-// after one warm-up; a step's time is the slowest rank's. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
+// after one warm-up; the ranks start a step together (a spin barrier) and its time runs from the first rank's
+// start to the last rank's end; every step (the one-GPU one too) runs on a long-lived rank thread pinned to a
+// core of its own. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
-//        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N]
+//        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N] [--no-pin] [--timeout-ms N]
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,8 +23,9 @@
 #include <optional>
 #include <string>
 #include <thread>
-#include <condition_variable>
-#include <mutex>
+
+#include <pthread.h>
+#include <sched.h>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -38,6 +42,7 @@ using namespace dsacp;
 namespace {
 
 int g_stagger_us = 0;  // --stagger-us
+long g_timeout_ms = 300000;  // --timeout-ms: the communicators' bound on every wait
 
 void die_if(const Status& s, const char* what) {
   if (!s.ok()) {
@@ -59,31 +64,79 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// A spin-wait's pause: on x86 it leaves the core's other hardware thread the issue slots a tight loop would take.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// CPUs this process may run on, one per physical core (the first hardware thread of each, from sysfs), so that
+// the spinning rank threads never share a core: a busy sibling slowed a rank's host work by up to 2x.
+std::vector<int> one_cpu_per_core() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  std::vector<std::pair<int, int>> seen;  // (package, core)
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &set)) continue;
+    auto read_id = [cpu](const char* what) {
+      const std::string path = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/" + what;
+      FILE* f = std::fopen(path.c_str(), "r");
+      int v = -1;
+      if (f != nullptr) {
+        if (std::fscanf(f, "%d", &v) != 1) v = -1;
+        std::fclose(f);
+      }
+      return v;
+    };
+    const std::pair<int, int> id{read_id("physical_package_id"), read_id("core_id")};
+    if (id.second >= 0 && std::find(seen.begin(), seen.end(), id) != seen.end()) continue;
+    seen.push_back(id);
+    cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+bool pin_to(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
+}
+
 // One long-lived thread per rank, as a serving engine keeps them: every rank's work (communicator creation,
 // steps, release) runs on its own thread, and a step's time does not include starting a thread (a fresh thread's
-// first CUDA calls, which set up its per-thread state, cost tens of microseconds).
+// first CUDA calls, which set up its per-thread state, cost tens of microseconds). The threads spin between jobs
+// (a serving engine's rank workers are busy stepping): a thread woken from a sleep runs its first tens of
+// microseconds of host work slower. The one-GPU step runs on rank 0's thread the same way, so both sides of a
+// comparison pay the same dispatch.
 class RankThreads {
  public:
-  explicit RankThreads(int n) {
-    for (int r = 0; r < n; ++r) threads_.emplace_back([this, r] { loop(r); });
+  // cpus: where to pin rank r's thread (cpus[r], when there is one); empty: not pinned.
+  RankThreads(int n, const std::vector<int>& cpus) {
+    for (int r = 0; r < n; ++r) {
+      const int cpu = r < static_cast<int>(cpus.size()) ? cpus[r] : -1;
+      threads_.emplace_back([this, r, cpu] {
+        if (cpu >= 0 && !pin_to(cpu)) std::fprintf(stderr, "rank thread %d: could not pin to CPU %d\n", r, cpu);
+        loop(r);
+      });
+    }
   }
   ~RankThreads() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
+    stop_.store(true, std::memory_order_release);
     for (auto& t : threads_) t.join();
   }
   int size() const { return static_cast<int>(threads_.size()); }
   // Runs f(r) on rank r's thread for every rank, and waits for all of them.
   void run(const std::function<void(int)>& f) {
-    std::unique_lock<std::mutex> lock(mu_);
     job_ = &f;
-    pending_ = size();
-    ++generation_;
-    cv_.notify_all();
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
+    pending_.store(size(), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+    while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
     job_ = nullptr;
   }
 
@@ -91,29 +144,47 @@ class RankThreads {
   void loop(int r) {
     uint64_t seen = 0;
     for (;;) {
-      const std::function<void(int)>* job = nullptr;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        job = job_;
+      uint64_t g;
+      while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+        if (stop_.load(std::memory_order_acquire)) return;
+        cpu_relax();
       }
-      (*job)(r);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_all();
+      seen = g;
+      (*job_)(r);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
   std::vector<std::thread> threads_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(int)>* job_ = nullptr;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  const std::function<void(int)>* job_ = nullptr;  // published by generation_'s release
+  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 RankThreads* g_ranks = nullptr;  // made in main, one thread for every GPU, before any rank work
+
+// A spinning barrier for the rank threads: after the communicators' barrier (an NCCL all-reduce, whose waits
+// return on each thread at its own time, and a condition variable's wake-ups before it), every rank leaves this
+// within a microsecond or so, so that the ranks start a timed step together. Without it one rank started its step
+// up to tens of microseconds after the other, and the earlier rank's time included waiting for it.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    const uint64_t gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    while (generation_.load(std::memory_order_acquire) == gen) cpu_relax();
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0};
+  std::atomic<uint64_t> generation_{0};
+};
 
 // f(r) for ranks r < n (at most the GPUs' count), each on its rank's thread.
 template <typename F>
@@ -180,6 +251,7 @@ struct Measure {
   StepPhaseTimes phases;  // rank 0, per step (averaged over the timed reps)
   StepLaunchTimes launch;  // the slowest rank's host times per timed step: to its indexer launch, whole step
   double rank_to_indexer_ms[8] = {};  // with --stagger-us: each rank's
+  double start_skew_us = 0;  // the latest rank's step start after the earliest's, per timed step (the spin barrier's)
   double comm_busy_ms = 0, comm_enqueue_ms = 0, comm_wait_ms = 0, comm_bytes = 0;  // rank 0, per step
   // Rank 0, per step: all collectives, those by the peer exchange, and window publishes.
   double collectives = 0, peer_collectives = 0, window_publishes = 0;
@@ -193,10 +265,10 @@ std::string measure_json(const Measure& m) {
                 "{\"step_ms\":%.4f,\"kv_ms\":%.4f,\"topk_ms\":%.4f,\"attention_ms\":%.4f,\"comm_busy_ms\":%.4f,"
                 "\"comm_enqueue_ms\":%.4f,\"comm_wait_ms\":%.4f,\"comm_bytes\":%.0f,\"overlap\":%.3f,"
                 "\"collectives\":%.1f,\"peer_collectives\":%.1f,\"window_publishes\":%.1f,\"host_to_indexer_ms\":%.4f,"
-                "\"kv_bytes_per_gpu\":%zu}",
+                "\"start_skew_us\":%.2f,\"kv_bytes_per_gpu\":%zu}",
                 m.step_ms, m.phases.kv_ms, m.phases.topk_ms, m.phases.attention_ms, m.comm_busy_ms, m.comm_enqueue_ms,
                 m.comm_wait_ms, m.comm_bytes, overlap, m.collectives, m.peer_collectives, m.window_publishes, m.launch.to_indexer_ms,
-                m.kv_bytes_per_gpu);
+                m.start_skew_us, m.kv_bytes_per_gpu);
   return buf;
 }
 
@@ -230,15 +302,19 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
   for (int i = 0; i <= 2 * reps; ++i) {
     StepPhaseTimes phases;
     const bool phase_pass = i >= 1 && i <= reps;
-    const auto t0 = Clock::now();
     StepLaunchTimes launch;
-    {
-      std::optional<StepPhaseRecorder> rec;
-      if (phase_pass) rec.emplace(&phases);
-      StepLaunchRecorder launch_rec(&launch);
-      die_if(step_run(be, c, requests, table, cache, b.in(), b.outs()), "step_run");
-    }
-    const double ms = ms_since(t0);
+    double ms = 0;
+    on_ranks(1, [&](int) {  // on rank 0's thread, as each CP rank's step runs on its own
+      die_if(be.synchronize(), "synchronize");
+      const auto t0 = Clock::now();
+      {
+        std::optional<StepPhaseRecorder> rec;
+        if (phase_pass) rec.emplace(&phases);
+        StepLaunchRecorder launch_rec(&launch);
+        die_if(step_run(be, c, requests, table, cache, b.in(), b.outs()), "step_run");
+      }
+      ms = ms_since(t0);
+    });
     if (i == 0) continue;  // warm-up
     if (!phase_pass) {
       times.push_back(ms);
@@ -264,7 +340,7 @@ std::vector<OwnedCpComms> make_comms(const std::vector<std::unique_ptr<Backend>>
     NcclOptions o;
     o.device = cr;
     o.producer_stream = gpus[cr]->native_stream();
-    o.timeout = std::chrono::seconds(300);
+    o.timeout = std::chrono::milliseconds(g_timeout_ms);
     comms[cr] = take(nccl_cp_comms(id, layout, cr, o), "nccl communicators");
   });
   return comms;
@@ -299,21 +375,22 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
   Measure m;
   m.kv_bytes_per_gpu = caches[0].bytes();
   std::vector<double> times;
-  std::vector<double> rank_ms(static_cast<size_t>(Pt));
   std::vector<StepPhaseTimes> phases(static_cast<size_t>(Pt));
   std::vector<StepLaunchTimes> rank_launch(static_cast<size_t>(Pt));
+  std::vector<Clock::time_point> rank_start(static_cast<size_t>(Pt)), rank_end(static_cast<size_t>(Pt));
+  SpinBarrier start_together(Pt);
   for (int i = 0; i <= 2 * reps; ++i) {
     const bool phase_pass = i >= 1 && i <= reps;  // as in one_gpu: phase passes, then timed passes
     on_ranks(Pt, [&](int cr) {
       OwnedCpComms& rc = comms[cr];
       die_if(rc.world->barrier(), "barrier");
       for (auto* comm : {rc.world.get(), rc.pcp.get(), rc.dcp.get()}) comm->reset_stats();
+      start_together.arrive_and_wait();
       // --stagger-us N (a diagnostic): rank r starts its step r * N us after the barrier, so the ranks' host work
       // before their indexers does not overlap (ranks that are threads share the CUDA driver).
       if (g_stagger_us > 0 && cr > 0) {
         const auto until = Clock::now() + std::chrono::microseconds(g_stagger_us * cr);
-        while (Clock::now() < until) {
-        }
+        while (Clock::now() < until) cpu_relax();
       }
       StepPhaseTimes p;
       StepLaunchTimes launch;
@@ -327,7 +404,8 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
                            bufs[cr].outs()),
                "cp_step_run");
       }
-      rank_ms[cr] = ms_since(t0);
+      rank_end[cr] = Clock::now();
+      rank_start[cr] = t0;
       phases[cr] = p;
       rank_launch[cr] = launch;
     });
@@ -338,7 +416,12 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
       m.phases.attention_ms += phases[0].attention_ms;
       continue;
     }
-    times.push_back(*std::max_element(rank_ms.begin(), rank_ms.end()));
+    // The step: from the earliest rank's start to the latest rank's end (the ranks start together: SpinBarrier).
+    const Clock::time_point first = *std::min_element(rank_start.begin(), rank_start.end());
+    const Clock::time_point last_start = *std::max_element(rank_start.begin(), rank_start.end());
+    times.push_back(std::chrono::duration<double, std::milli>(*std::max_element(rank_end.begin(), rank_end.end()) - first)
+                        .count());
+    m.start_skew_us += std::chrono::duration<double, std::micro>(last_start - first).count() / reps;
     double to_indexer = 0;
     for (const StepLaunchTimes& l : rank_launch) to_indexer = std::max(to_indexer, l.to_indexer_ms);
     m.launch.to_indexer_ms += to_indexer / reps;
@@ -485,12 +568,12 @@ void print_case(const char* name, const Measure& one, const Measure& cp) {
   const double overlap = cp.comm_busy_ms > 0 ? std::max(0.0, 1.0 - cp.comm_wait_ms / cp.comm_busy_ms) : 0.0;
   std::printf("%-34s 1 GPU %9.3f ms | CP %9.3f ms  speedup %5.2fx (ratio %.2f)  kv %.2f/%.2f/%.2f ms"
               "  comm busy %.3f enqueue %.3f wait %.3f ms (overlap %.0f%%)  KV/GPU %.2f -> %.2f GiB"
-              "  collectives %.0f (window %.0f)  host to indexer launch %.3f / %.3f ms\n",
+              "  collectives %.0f (window %.0f)  host to indexer launch %.3f / %.3f ms  start skew %.1f us\n",
               name, one.step_ms, cp.step_ms, one.step_ms / cp.step_ms, cp.step_ms / one.step_ms, cp.phases.kv_ms,
               cp.phases.topk_ms, cp.phases.attention_ms, cp.comm_busy_ms, cp.comm_enqueue_ms, cp.comm_wait_ms,
               100 * overlap,
               one.kv_bytes_per_gpu / 1073741824.0, cp.kv_bytes_per_gpu / 1073741824.0, cp.collectives,
-              cp.window_publishes, one.launch.to_indexer_ms, cp.launch.to_indexer_ms);
+              cp.window_publishes, one.launch.to_indexer_ms, cp.launch.to_indexer_ms, cp.start_skew_us);
   std::fflush(stdout);
 }
 
@@ -502,7 +585,8 @@ int main(int argc, char** argv) {
   bool quick = false;
   int64_t only_S = 0;
   std::string only_mode;
-  bool one_gpu_only = false;  // DCP: time the one-GPU step only (its timeline is then the last step's)
+  bool one_gpu_only = false;
+  bool pin = true;  // DCP: time the one-GPU step only (its timeline is then the last step's)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json = argv[++i];
@@ -514,6 +598,8 @@ int main(int argc, char** argv) {
     else if (a == "--host-table") g_device_table = false;
     else if (a == "--one-gpu-only") one_gpu_only = true;
     else if (a == "--stagger-us" && i + 1 < argc) g_stagger_us = std::atoi(argv[++i]);
+    else if (a == "--no-pin") pin = false;
+    else if (a == "--timeout-ms" && i + 1 < argc) g_timeout_ms = std::atol(argv[++i]);
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {
@@ -524,12 +610,19 @@ int main(int argc, char** argv) {
   const int n = *count;  // every GPU of the machine: P = n, D = n, and P x D = 2 x n/2, n/2 x 2 from 4 GPUs
   std::vector<std::unique_ptr<Backend>> gpus;
   for (int g = 0; g < n; ++g) gpus.push_back(take(make_cuda_backend(g), "backend"));
-  RankThreads rank_threads(n);
+  // The main thread and each rank thread on a core of its own (--no-pin: wherever the OS puts them).
+  std::vector<int> cpus = pin ? one_cpu_per_core() : std::vector<int>{};
+  if (cpus.size() < static_cast<size_t>(n) + 1) cpus.clear();
+  if (!cpus.empty() && !pin_to(cpus[0])) std::fprintf(stderr, "main thread: could not pin to CPU %d\n", cpus[0]);
+  std::string pinned = cpus.empty() ? "not pinned" : "main thread and ranks on CPUs";
+  for (size_t k = 0; k < cpus.size() && k <= static_cast<size_t>(n); ++k) pinned += " " + std::to_string(cpus[k]);
+  RankThreads rank_threads(n, cpus.empty() ? std::vector<int>{} : std::vector<int>(cpus.begin() + 1, cpus.end()));
   g_ranks = &rank_threads;
   const StepConfig c = config();
   std::vector<std::string> cases, bus;
-  std::printf("dsacp CP scaling: %d GPUs, %s, H=%d K=%d, %d timed reps, block table %s\n", n, nccl_version().c_str(),
-              c.H, c.K, reps, g_device_table ? "kept on the device" : "uploaded every step");
+  std::printf("dsacp CP scaling: %d GPUs, %s, H=%d K=%d, %d timed reps, block table %s, %s\n", n,
+              nccl_version().c_str(), c.H, c.K, reps, g_device_table ? "kept on the device" : "uploaded every step",
+              pinned.c_str());
   auto add = [&](const std::string& name, int64_t S, const char* layout, const Measure& one, const Measure& cp) {
     print_case(name.c_str(), one, cp);
     cases.push_back("{\"case\":\"" + name + "\",\"tokens\":" + std::to_string(S) + ",\"layout\":\"" + layout +

@@ -410,6 +410,7 @@ int main(int argc, char** argv) {
   if (want("indexer_prefill")) bench_indexer("indexer_prefill T=8192 causal", 1, 0, 8192, std::max(3, reps / 4));
   if (want("indexer_decode")) {
     bench_indexer("indexer_decode b=64 ctx32K", 64, 32768 - 1, 1, reps);
+    bench_indexer("indexer_decode b=64 ctx64K (a DCP rank's half of 128K)", 64, 65536 - 1, 1, reps);
     bench_indexer("indexer_decode b=64 ctx128K", 64, 131072 - 1, 1, reps);
   }
   if (want("topk_merge")) {  // the DCP decode's candidate merge (2 ranks: 2 x 2048 candidates a row)
