@@ -100,6 +100,12 @@ class Backend {
   virtual Status gather_rows(const GatherRowsParams& p) = 0;
   virtual Status topk_remap(const TopkRemapParams& p) = 0;
   virtual Status topk_merge(const TopkMergeParams& p) = 0;
+
+  // Whether sparse_mla would take these parameters (shapes, dtypes, options such as SparseMlaParams::peer),
+  // without running anything: ok, or the Status sparse_mla would return (kUnsupported ...). For a caller that
+  // picks between two ways of doing one thing before committing to either (the DCP step, before it asks the
+  // communicator for a row-synchronized window). The default accepts anything but SparseMlaParams::peer.
+  virtual Status check_sparse_mla(const SparseMlaParams& p) const;
 };
 
 // Deferred error checks for a scope (an executor's step). The step calls synchronize() before the scope ends

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "dsacp/kernel_params.h"
 #include "dsacp/status.h"
 
 namespace dsacp {
@@ -111,10 +112,21 @@ class Communicator {
   // answer window_next with kUnsupported: use the collectives then.
   struct Window {
     void* mine = nullptr;
-    std::vector<const void*> all;  // rank order; all[rank()] == mine
+    std::vector<void*> all;  // rank order; all[rank()] == mine
   };
   virtual Result<Window> window_next(size_t bytes);
   virtual Result<std::unique_ptr<CollectiveHandle>> window_publish();
+
+  // A window exchange synchronized by the kernels, row by row, instead of window_publish (no publish kernel
+  // between producer and consumer, and a consumer's row t waits only for row t). After window_next:
+  //   WindowRowSync sync = window_rows(num_rows);  // the producer kernel signals with it, the consumer waits
+  //   ... enqueue the producer, then the consumer, on the producer stream ...
+  //   auto h = window_rows_done();                // a handle whose wait() reports a consumer's failed wait
+  // Producers may also store into the peers' buffers (w.all[k]) instead of their own: a peer's buffer of this
+  // exchange is free once window_next returned it (the same parity argument). The consumer must wait for every
+  // peer's flag of each row it reads. Unsupported past the row flags (4096 rows) and where window_next is.
+  virtual Result<WindowRowSync> window_rows(int64_t num_rows);
+  virtual Result<std::unique_ptr<CollectiveHandle>> window_rows_done();
 
   // Blocking forms.
   Status all_gather(const void* send, void* recv, size_t bytes);

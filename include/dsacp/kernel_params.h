@@ -19,6 +19,29 @@ struct PagedPoolView {
   int32_t dim = 0;
 };
 
+// The most parts a merge takes as one buffer each (LseMergeParams::part_out_of, TopkMergeParams::part_topk_of):
+// a window exchange's messages, read in place from every rank's buffer (Communicator::window_next).
+inline constexpr int kMaxPartBuffers = 8;
+
+// A window exchange that the kernels synchronize themselves, row by row (Communicator::window_rows): the
+// producer kernel raises row t's flag in every peer once its stores of row t (into its own window buffer, or
+// into the peers') are done (system-scope release after a system fence); the consumer kernel waits, for each row
+// t it reads, until every peer's flag of row t reached `seq` (acquire), bounded by `timeout_ns` and the
+// communicator's abort word; a wait that gives up stores its code in the error word (-1 after an abort, else
+// 1 + the late rank), which the communicator reports (Communicator::window_rows_done). seq == 0: no exchange
+// (the kernel neither signals nor waits).
+struct WindowRowSync {
+  uint64_t seq = 0;
+  int32_t rank = 0, size = 0;
+  int64_t num_rows = 0;                           // rows [0, num_rows) have flags
+  uint64_t* signal_to[kMaxPartBuffers] = {};      // rank k's flags of this rank's rows ([num_rows]); null for k == rank
+  const uint64_t* wait_on[kMaxPartBuffers] = {};  // this rank's flags of rank k's rows; null for k == rank
+  uint64_t timeout_ns = 0;
+  const volatile int32_t* abort_word = nullptr;  // the communicator's mapped host words
+  int32_t* error_word = nullptr;
+  bool active() const { return seq != 0; }
+};
+
 // Block table: request b's logical page c lives in physical page data[b * max_pages + c].
 struct BlockTableView {
   const int32_t* data = nullptr;  // [num_requests, max_pages]
@@ -99,6 +122,9 @@ struct IndexerTopkParams {
   // launch from them instead of reading the rows back, which would wait for the work queued before the call.
   const int32_t* host_request = nullptr;  // [T]
   const int32_t* host_key_len = nullptr;  // [T]
+  // Optional (device backends): topk / topk_scores are this rank's message of a row-synchronized window exchange,
+  // and row t's flag is raised in every peer once its row is stored (Communicator::window_rows).
+  WindowRowSync signal;
 };
 
 // Sparse MLA attention over the chosen keys, with natural-log LSE.
@@ -123,6 +149,22 @@ struct SparseMlaParams {
   // the layout of a gather along heads, and of an all-to-all by head slice) instead of [T, H, ...]. H must be a
   // multiple of head_blocks. 1 = the plain layout.
   int32_t head_blocks = 1;
+  // Optional (device backends; the DCP decode over a window, Communicator::window_rows): the partial results of
+  // the head_blocks == peer.sync.size ranks merged inside attention. This rank attends over its own keys for every
+  // head block; block k != sync.rank's normalized rows ([T, H / head_blocks, Dl] of part_dtype) and their LSE
+  // ([T, H / head_blocks]) go to rank k's window (part_out_to[k], part_lse_to[k]: this rank's slot there) and row
+  // t's flag is raised in rank k after them. Block sync.rank is not stored as a partial: its rows are merged (as
+  // LseMergeParams, parts in rank order) with every peer's rows of that block (part_out_from[s],
+  // part_lse_from[s] in this rank's window, row t read once peer s raised its flag) into out / lse, which then
+  // hold this rank's head slice only: [T, H / head_blocks, Dl] and [T, H / head_blocks].
+  struct PeerMerge {
+    WindowRowSync sync;
+    DType part_dtype = DType::kF32;  // f32 or bf16
+    void* part_out_to[kMaxPartBuffers] = {};
+    float* part_lse_to[kMaxPartBuffers] = {};
+    const void* part_out_from[kMaxPartBuffers] = {};
+    const float* part_lse_from[kMaxPartBuffers] = {};
+  } peer;
 };
 
 // The row of (token t, head h) in a SparseMlaParams' q / out / lse layout.
@@ -134,10 +176,6 @@ inline int64_t mla_head_row(const SparseMlaParams& p, int64_t t, int32_t h) {
 // Exact merge of S partial attention results over disjoint key sets (reference-design 4.4 step 6):
 //   L_s = lse_s if finite else -inf; w_s = exp(L_s - logsumexp L) (0 when every L_s is -inf);
 //   out = sum_s w_s out_s; lse = logsumexp_s L_s (-inf when all are -inf, and out = 0).
-// The most parts a merge takes as one buffer each (LseMergeParams::part_out_of, TopkMergeParams::part_topk_of):
-// a window exchange's messages, read in place from every rank's buffer (Communicator::window_next).
-inline constexpr int kMaxPartBuffers = 8;
-
 struct LseMergeParams {
   int32_t num_parts = 0;         // S
   int64_t num_rows = 0;          // T * H
@@ -200,6 +238,9 @@ struct TopkMergeParams {
   // at part_topk_of[s] and part_scores_of[s].
   const int32_t* part_topk_of[kMaxPartBuffers] = {};
   const float* part_scores_of[kMaxPartBuffers] = {};
+  // Optional (device backends): the parts are a row-synchronized window exchange's messages; row t of the other
+  // parts is read once their ranks raised its flag (Communicator::window_rows).
+  WindowRowSync wait;
 };
 
 // Part s's rows of a merge, whichever way its parts were given (row 0 of the part; rows are contiguous).

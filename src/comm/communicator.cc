@@ -33,6 +33,14 @@ Result<std::unique_ptr<CollectiveHandle>> Communicator::window_publish() {
   return unsupported("this communicator has no exchange window");
 }
 
+Result<WindowRowSync> Communicator::window_rows(int64_t num_rows) {
+  return unsupported("this communicator has no exchange window (" + std::to_string(num_rows) + " rows)");
+}
+
+Result<std::unique_ptr<CollectiveHandle>> Communicator::window_rows_done() {
+  return unsupported("this communicator has no exchange window");
+}
+
 Result<std::unique_ptr<CollectiveHandle>> Communicator::all_gather_group_async(const std::vector<Part>& parts) {
   std::vector<std::unique_ptr<CollectiveHandle>> handles;
   for (const Part& p : parts) {

@@ -274,6 +274,15 @@ Status sparse_mla_run(Backend& backend, const SparseMlaParams& p) {
   return backend.sparse_mla(p);
 }
 
+Status Backend::check_sparse_mla(const SparseMlaParams& p) const {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.peer.sync.active()) {
+    return unsupported(name() + ": sparse_mla: partials merged across ranks inside attention (SparseMlaParams::peer) "
+                                "need a device backend with peer memory");
+  }
+  return Status::ok_status();
+}
+
 Status lse_merge_run(Backend& backend, const LseMergeParams& p) {
   DSACP_RETURN_IF_ERROR(validate(p));
   if (p.num_rows == 0) return Status::ok_status();

@@ -189,6 +189,20 @@ Result<std::optional<Communicator::Window>> try_window(Communicator& comm, size_
   return w.status();
 }
 
+// The window exchange's synchronization by the kernels themselves, row by row (Communicator::window_rows), for
+// `rows` rows; inactive (seq 0: the caller publishes) where the communicator cannot. Experimental, off unless
+// DSACP_WINDOW_ROWS=1 (both exchanges), =topk or =mla (that one only): on 2 x H200 the CP tests pass with it, but
+// the DCP bench at b=64 hung with the candidates' rows and its attention phase took 0.50 ms with the partials'
+// (docs/design/gpu-notes.md, session 11). Every rank decides alike: the answer depends on the environment, the
+// communicator and the shape only.
+Result<WindowRowSync> try_window_rows(Communicator& comm, int64_t rows, const char* which) {
+  const char* knob = std::getenv("DSACP_WINDOW_ROWS");
+  if (knob == nullptr || !(knob[0] == '1' || knob[0] == which[0])) return WindowRowSync{};
+  Result<WindowRowSync> r = comm.window_rows(rows);
+  if (r.ok() || r.status().code() != StatusCode::kUnsupported) return r;
+  return WindowRowSync{};
+}
+
 // The sharded indexer's merged top-k of `n` rows in flight: the local top-k (with scores) over this rank's own
 // indexer keys is enqueued and its exchange over the world group started (written straight into the world's
 // exchange window and published, where it has one; else an all-gather); finish_merged_topk waits for the
@@ -201,6 +215,7 @@ struct PendingTopk {
   const int32_t* local_len_dev = nullptr;
   const int32_t* local_len_host = nullptr;
   std::optional<Communicator::Window> window;  // every rank's [n, K] positions, then [n, K] scores
+  WindowRowSync rows;  // the window synchronized row by row by the top-k and the merge (else a publish)
   std::unique_ptr<CollectiveHandle> handle;
 };
 
@@ -258,9 +273,16 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   ip.topk_scores = part_scores;
   ip.host_request = host_request;
   ip.host_key_len = pt.local_len_host;
+  if (pt.window) {
+    // The top-k raises each row's flag in the peers as it stores the row; the merge waits for it.
+    DSACP_ASSIGN_OR_RETURN(pt.rows, try_window_rows(producing(s, world), n, "topk"));
+    ip.signal = pt.rows;
+  }
   DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
   if (pt.window) {
-    DSACP_ASSIGN_OR_RETURN(pt.handle, producing(s, world).window_publish());
+    if (!pt.rows.active()) {
+      DSACP_ASSIGN_OR_RETURN(pt.handle, producing(s, world).window_publish());
+    }
     return pt;
   }
   DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
@@ -274,7 +296,7 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
 // With local_topk, the merge also writes the merged rows remapped to this rank's own local positions (the
 // local decodes' input, in the same kernel).
 Status finish_merged_topk(RankStep& s, PendingTopk& pt, int32_t* local_topk = nullptr) {
-  DSACP_RETURN_IF_ERROR(after(s, std::move(pt.handle)));
+  if (pt.handle) DSACP_RETURN_IF_ERROR(after(s, std::move(pt.handle)));
   TopkMergeParams mp;
   mp.num_parts = s.comms.world->size();
   mp.num_rows = pt.n;
@@ -297,7 +319,14 @@ Status finish_merged_topk(RankStep& s, PendingTopk& pt, int32_t* local_topk = nu
   mp.topk = pt.topk;
   mp.local_topk = local_topk;
   mp.local_part = s.plan.cr;
-  return topk_merge_run(s.backend, mp).with_context("sharded indexer: candidate merge");
+  mp.wait = pt.rows;
+  DSACP_RETURN_IF_ERROR(topk_merge_run(s.backend, mp).with_context("sharded indexer: candidate merge"));
+  if (pt.rows.active()) {
+    // The step's end reports a merge whose wait gave up (a peer's row never came).
+    DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *s.comms.world).window_rows_done());
+    s.in_flight.push_back(std::move(h));
+  }
+  return Status();
 }
 
 Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
@@ -306,26 +335,13 @@ Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const 
   return finish_merged_topk(s, pt);
 }
 
-// Partial attention of `n` rows (all `H` heads) over this rank's own keys: the global top-k remapped to local
-// positions (into local_topk; already there when `remapped`), sparse over the local lengths d_local_len. Writes
-// the partial out [n, H, Dl] in part_dtype (f32 or bf16) and the lse [n, H] in f32.
-Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
-                                  const int32_t* d_local_len, const int32_t* global_topk, int32_t* local_topk,
-                                  void* part_out, float* part_lse, int32_t head_blocks = 1,
-                                  DType part_dtype = DType::kF32, bool remapped = false) {
-  if (!remapped) {
-    TopkRemapParams rp;
-    rp.num_rows = n;
-    rp.K = s.c.K;
-    rp.topk = global_topk;
-    rp.local = local_topk;
-    rp.Pt = s.sharding.Pt;
-    rp.I = s.sharding.I;
-    rp.cr = s.plan.cr;
-    DSACP_RETURN_IF_ERROR(topk_remap_run(s.backend, rp).with_context("top-k remap to local positions"));
-  }
-  // After the remap the causal horizon is already in the indices: every kept entry is below the request's
-  // local length (the sparse_mode 0 of reference-design 4.4 step 5).
+// The sparse MLA of partial attention of `n` rows (all `H` heads) over this rank's own keys: local_topk (local
+// positions) over the local lengths d_local_len; the partial out [n, H, Dl] in part_dtype (f32 or bf16) and the
+// lse [n, H] in f32. (After the remap the causal horizon is already in the indices: every kept entry is below the
+// request's local length, the sparse_mode 0 of reference-design 4.4 step 5.)
+SparseMlaParams own_keys_mla_params(RankStep& s, int64_t n, const void* q_nope, const void* q_rope,
+                                    const int32_t* request, const int32_t* d_local_len, const int32_t* local_topk,
+                                    void* part_out, float* part_lse, int32_t head_blocks, DType part_dtype) {
   SparseMlaParams ap;
   ap.rows = {n, request, d_local_len};
   ap.H = s.c.H;
@@ -344,7 +360,32 @@ Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, co
   ap.out_dtype = part_dtype;
   ap.lse = part_lse;
   ap.head_blocks = head_blocks;
-  return sparse_mla_run(s.backend, ap).with_context("local sparse MLA");
+  return ap;
+}
+
+// The global top-k of `n` rows remapped to this rank's local positions (into local_topk).
+Status remap_to_local(RankStep& s, int64_t n, const int32_t* global_topk, int32_t* local_topk) {
+  TopkRemapParams rp;
+  rp.num_rows = n;
+  rp.K = s.c.K;
+  rp.topk = global_topk;
+  rp.local = local_topk;
+  rp.Pt = s.sharding.Pt;
+  rp.I = s.sharding.I;
+  rp.cr = s.plan.cr;
+  return topk_remap_run(s.backend, rp).with_context("top-k remap to local positions");
+}
+
+// Partial attention over own keys (own_keys_mla_params), the global top-k remapped first (unless `remapped`: the
+// merge wrote local_topk already).
+Status partial_attention_own_keys(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
+                                  const int32_t* d_local_len, const int32_t* global_topk, int32_t* local_topk,
+                                  void* part_out, float* part_lse, int32_t head_blocks = 1,
+                                  DType part_dtype = DType::kF32, bool remapped = false) {
+  if (!remapped) DSACP_RETURN_IF_ERROR(remap_to_local(s, n, global_topk, local_topk));
+  return sparse_mla_run(s.backend, own_keys_mla_params(s, n, q_nope, q_rope, request, d_local_len, local_topk,
+                                                       part_out, part_lse, head_blocks, part_dtype))
+      .with_context("local sparse MLA");
 }
 
 Status local_partial_attention(RankStep& s, int64_t n, const void* q_nope, const void* q_rope, const int32_t* request,
@@ -540,6 +581,47 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   return d;
 }
 
+// The direct layout's attention with the ranks' partials merged inside the kernel (SparseMlaParams::peer): each
+// rank stores the other head blocks' partials straight into their owners' window buffers (rank k's buffer holds
+// [Pt senders' blocks of out][Pt senders' blocks of lse]) and raises each row's flag there; the CTAs of its own
+// block wait for the peers' rows and write the merged result into the step's out / lse. False (nothing enqueued,
+// no window exchange taken) where the backend cannot or DSACP_WINDOW_ROWS=0: the caller then publishes and runs
+// the LSE merge.
+Result<bool> attention_merged_in_window(RankStep& s, LocalDecodes& d) {
+  const StepConfig& c = s.c;
+  Communicator& world = *s.comms.world;
+  const int64_t n = d.n, Pt = world.size(), block = n * s.plan.num_heads;
+  const int32_t me = world.rank();
+  if (!d.remapped) DSACP_RETURN_IF_ERROR(remap_to_local(s, n, s.out.topk, d.local_topk.as<int32_t>()));
+  d.remapped = true;
+  SparseMlaParams ap = own_keys_mla_params(s, n, d.qn, d.qr, s.d_row_request, s.d_row_local_len,
+                                           d.local_topk.as<const int32_t>(), s.out.out, s.out.lse,
+                                           static_cast<int32_t>(Pt), c.out_dtype);
+  SparseMlaParams::PeerMerge& pm = ap.peer;
+  pm.part_dtype = d.part_dtype;
+  const size_t out_block = static_cast<size_t>(block * c.Dl) * dtype_size(d.part_dtype);
+  for (int32_t k = 0; k < Pt; ++k) {
+    char* theirs = static_cast<char*>(d.window->all[static_cast<size_t>(k)]);
+    const char* mine = static_cast<const char*>(d.window->mine);
+    pm.part_out_to[k] = theirs + me * out_block;
+    pm.part_lse_to[k] = reinterpret_cast<float*>(theirs + d.window_lse_at) + me * block;
+    pm.part_out_from[k] = mine + k * out_block;
+    pm.part_lse_from[k] = reinterpret_cast<const float*>(mine + d.window_lse_at) + k * block;
+  }
+  // Ask the backend first (with a stand-in exchange), so that a refusal leaves the window's sequence untouched.
+  pm.sync.seq = 1;
+  pm.sync.rank = me;
+  pm.sync.size = static_cast<int32_t>(Pt);
+  pm.sync.num_rows = n;
+  if (!s.backend.check_sparse_mla(ap).ok()) return false;
+  DSACP_ASSIGN_OR_RETURN(pm.sync, try_window_rows(producing(s, world), n, "mla"));
+  if (!pm.sync.active()) return false;
+  DSACP_RETURN_IF_ERROR(sparse_mla_run(s.backend, ap).with_context("local sparse MLA, merged across ranks"));
+  DSACP_ASSIGN_OR_RETURN(auto h, producing(s, world).window_rows_done());
+  s.in_flight.push_back(std::move(h));
+  return true;
+}
+
 Status run_local_decodes(RankStep& s, LocalDecodes& d) {
   const StepConfig& c = s.c;
   const int64_t n = d.n, H = c.H, Pt = s.comms.world->size(), block = n * s.plan.num_heads;
@@ -549,6 +631,11 @@ Status run_local_decodes(RankStep& s, LocalDecodes& d) {
     // 2 x H200: 0.92 against 0.85 ms a step; two launches of half the heads take longer than one, and the own
     // block's CTAs compete with NCCL's kernels for the SMs.)
     DSACP_RETURN_IF_ERROR(after(s, std::move(d.q_heads->handle)));
+    if (d.window) {
+      // The partials merged inside attention where the backend can (no publish, no LSE merge kernel).
+      DSACP_ASSIGN_OR_RETURN(bool merged, attention_merged_in_window(s, d));
+      if (merged) return Status();
+    }
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(
         s, n, d.qn, d.qr, s.d_row_request, s.d_row_local_len, s.out.topk, d.local_topk.as<int32_t>(),
         d.send_out_at, d.send_lse_at, static_cast<int32_t>(s.comms.dcp->size()), d.part_dtype, d.remapped));

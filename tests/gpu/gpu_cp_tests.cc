@@ -255,6 +255,62 @@ void test_nccl_abort(bool peer, bool window = false) {
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
 }
 
+// A row-synchronized window exchange (Communicator::window_rows) whose peer never raises its rows: rank 0's
+// consumer (a candidate merge waiting on the rows' flags) gives up after the 2 s timeout, the exchange's handle
+// reports it naming the late rank, and the communicator fails later calls at once.
+void test_window_rows_timeout() {
+  auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr, false);
+  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
+    report(false, "window rows timeout: create", ranks[0].status.to_string());
+    return;
+  }
+  Status got;
+  double waited = 0;
+  on_ranks(2, [&](int r) {
+    if (r == 1) return;  // never takes part
+    Backend& be = *ranks[0].backend;
+    Communicator& c = *ranks[0].comm;
+    c.set_producer_stream(be.native_stream());
+    const int32_t K = 4;
+    auto out = be.allocate(K * sizeof(int32_t));
+    auto w = c.window_next(2 * K * sizeof(int32_t));
+    if (!out.ok() || !w.ok()) {
+      got = !w.ok() ? w.status() : out.status();
+      return;
+    }
+    auto sync = c.window_rows(1);
+    if (!sync.ok()) {
+      got = sync.status();
+      return;
+    }
+    TopkMergeParams mp;
+    mp.num_parts = 2;
+    mp.num_rows = 1;
+    mp.K = K;
+    for (int k = 0; k < 2; ++k) {
+      mp.part_topk_of[k] = static_cast<const int32_t*>(w->all[k]);
+      mp.part_scores_of[k] = reinterpret_cast<const float*>(static_cast<const char*>(w->all[k]) + K * sizeof(int32_t));
+    }
+    mp.topk = out->as<int32_t>();
+    mp.wait = *sync;
+    const auto t0 = Clock::now();
+    got = be.topk_merge(mp);
+    if (got.ok()) {
+      auto h = c.window_rows_done();
+      got = h.ok() ? (*h)->wait() : h.status();
+    }
+    waited = seconds_since(t0);
+  });
+  report(got.code() == StatusCode::kTimeout && got.message().find("rank 1 did not deliver") != std::string::npos &&
+             waited >= 1.9 && waited < 15,
+         "window rows: a peer that never raises its rows -> kTimeout naming it, bounded",
+         got.to_string() + ", after " + std::to_string(waited) + " s");
+  Status later = ranks[0].comm->barrier();
+  report(!later.ok(), "window rows: the timed-out communicator fails later calls at once", later.to_string());
+  ranks[1].comm->abort("test: the peer is gone");
+  on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
+}
+
 // Window exchanges (Communicator::window_next / window_publish): 2 ranks, 6 exchanges of different sizes back to
 // back (both buffers, each reused), each rank writing its message into its own buffer on its backend stream and,
 // after the publish, reading every rank's message in place with a kernel (gather_rows, as the step's merges read
@@ -505,7 +561,9 @@ struct Layout {
   const char* name;
   CpLayout layout;
   bool one_gpu;  // every rank on GPU 0
-  bool no_window = false;  // NCCL without its exchange window (DSACP_NCCL_WINDOW=0): the collectives only
+  // NAME=VALUE set while the layout runs: DSACP_NCCL_WINDOW=0 (NCCL without its exchange window: the collectives
+  // only), DSACP_WINDOW_ROWS=1 (the window synchronized row by row by the step's kernels: experimental).
+  const char* env = nullptr;
 };
 
 CpLayout make_layout(int P, int D, IndexerMode indexer = IndexerMode::kSharded, int interleave = 0,
@@ -558,9 +616,10 @@ void test_layouts(uint64_t seed, int num_gpus) {
       {"P2 interleave 1 (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 1), false},
       {"P2 gathered decodes (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 0, false, DecodeMode::kGathered), false},
       {"D2 DSA-CP (NCCL)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false},
-      {"D2 sharded (NCCL, no window)", make_layout(1, 2), false, true},
-      {"D2 replicated (NCCL, no window)", make_layout(1, 2, IndexerMode::kReplicated), false, true},
-      {"D2 DSA-CP (NCCL, no window)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false, true},
+      {"D2 sharded (NCCL, no window)", make_layout(1, 2), false, "DSACP_NCCL_WINDOW=0"},
+      {"D2 sharded (NCCL, window rows: experimental)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=1"},
+      {"D2 replicated (NCCL, no window)", make_layout(1, 2, IndexerMode::kReplicated), false, "DSACP_NCCL_WINDOW=0"},
+      {"D2 DSA-CP (NCCL, no window)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false, "DSACP_NCCL_WINDOW=0"},
       {"P2xD2 on one GPU", make_layout(2, 2), true},
       {"P4 on one GPU", make_layout(4, 1), true},
       {"D4 replicated on one GPU", make_layout(1, 4, IndexerMode::kReplicated), true},
@@ -598,9 +657,11 @@ void test_layouts(uint64_t seed, int num_gpus) {
       std::vector<Backend*> ranks;
       for (int32_t cr = 0; cr < l.layout.num_ranks(); ++cr) ranks.push_back(gpus[l.one_gpu ? 0 : cr].get());
       const auto t0 = Clock::now();
-      if (l.no_window) setenv("DSACP_NCCL_WINDOW", "0", 1);
+      const std::string env = l.env != nullptr ? l.env : "";
+      const std::string env_name = env.substr(0, env.find('='));
+      if (!env.empty()) setenv(env_name.c_str(), env.substr(env.find('=') + 1).c_str(), 1);
       auto got = replay_case(ranks, c, o);
-      if (l.no_window) unsetenv("DSACP_NCCL_WINDOW");
+      if (!env.empty()) unsetenv(env_name.c_str());
       if (!got.ok()) {
         report(false, tag + l.name, got.status().to_string());
         continue;
@@ -714,6 +775,7 @@ int main(int argc, char** argv) {
     test_window(seed);
     test_nccl_timeout(false, true);
     test_nccl_abort(false, true);
+    test_window_rows_timeout();
   } else {
     std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
   }

@@ -155,5 +155,39 @@ TEST(KernelValidate, RunRefusesBeforeTheBackendSeesAnything) {
   EXPECT_EQ(indexer_topk_run(*backend, p).code(), StatusCode::kInvalidArgument);
 }
 
+// Row-synchronized window exchanges (WindowRowSync) are a device feature: the CPU backend refuses each kernel
+// that would signal or wait, naming the kernel, and check_sparse_mla answers as sparse_mla would.
+TEST(KernelValidate, CpuBackendRefusesWindowRowSync) {
+  auto backend = make_cpu_backend(1);
+  WindowRowSync sync;
+  sync.seq = 3;
+  sync.size = 2;
+  sync.num_rows = 2;
+  IndexerTopkParams ip = good_indexer();
+  ip.signal = sync;
+  Status st = backend->indexer_topk(ip);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("indexer_topk"), std::string::npos) << st.message();
+  SparseMlaParams mp = good_mla();
+  EXPECT_TRUE(backend->check_sparse_mla(mp).ok());
+  mp.peer.sync = sync;
+  st = backend->check_sparse_mla(mp);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("peer"), std::string::npos) << st.message();
+  EXPECT_EQ(backend->sparse_mla(mp).code(), StatusCode::kUnsupported);
+  TopkMergeParams tp;
+  tp.num_parts = 2;
+  tp.num_rows = 2;
+  tp.K = 4;
+  tp.wait = sync;
+  st = backend->topk_merge(tp);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("topk_merge"), std::string::npos) << st.message();
+  // A bad parameter is still reported as such by check_sparse_mla.
+  SparseMlaParams bad = good_mla();
+  bad.Dl = 256;
+  EXPECT_EQ(backend->check_sparse_mla(bad).code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace dsacp

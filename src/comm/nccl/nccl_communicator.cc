@@ -296,6 +296,9 @@ struct InOrder {
     if (e == cudaSuccess) last = on;
     return e;
   }
+  // The sequence's last operation is on `on` (enqueued there without an event of its own: a later move_to records
+  // one when the stream changes).
+  void now_on(cudaStream_t on) { last = on; }
   void destroy() {
     if (end != nullptr) (void)cudaEventDestroy(end);
     end = nullptr;
@@ -652,7 +655,7 @@ class NcclComm final : public NcclCommunicator {
       cudaError_t e = cudaMalloc(&area_, window_at + (window_bytes_ > 0 ? cuda::peer::window_region_bytes(window_bytes_) : 0));
       if (e == cudaSuccess) e = cudaMemsetAsync(area_, 0, cuda::peer::kFlagBytes, stream_);
       if (e == cudaSuccess && window_bytes_ > 0) {
-        e = cudaMemsetAsync(area_ + window_at, 0, cuda::peer::kWindowFlagBytes, stream_);
+        e = cudaMemsetAsync(area_ + window_at, 0, cuda::peer::kWindowHeaderBytes, stream_);
       }
       if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
       if (e == cudaSuccess) e = cudaHostAlloc(&words, 2 * sizeof(int32_t), cudaHostAllocMapped);
@@ -909,6 +912,41 @@ class NcclComm final : public NcclCommunicator {
       ++stats_.window_publishes;
     }
     return h;
+  }
+
+  Result<WindowRowSync> window_rows(int64_t num_rows) override {
+    DSACP_RETURN_IF_ERROR(usable());
+    if (!peer_ready_ || window_bytes_ == 0) return unsupported("NCCL communicator: no exchange window");
+    if (num_rows < 0 || num_rows > cuda::peer::kMaxWindowRows) {
+      return unsupported("NCCL communicator: a window exchange of " + std::to_string(num_rows) +
+                         " rows synchronized by the kernels; the row flags hold " +
+                         std::to_string(cuda::peer::kMaxWindowRows));
+    }
+    WindowRowSync sync;
+    sync.seq = ++window_seq_;  // the same on every rank: each calls this once per exchange, in the same order
+    sync.rank = rank_;
+    sync.size = size_;
+    sync.num_rows = num_rows;
+    for (int k = 0; k < size_; ++k) {
+      if (k == rank_) continue;
+      sync.signal_to[k] = cuda::peer::window_row_flags(window_region(k), rank_);
+      sync.wait_on[k] = cuda::peer::window_row_flags(window_region(rank_), k);
+    }
+    sync.timeout_ns = timeout_ns();
+    sync.abort_word = peer_words_dev_;
+    sync.error_word = peer_words_dev_ + 1;
+    ++stats_.window_publishes;
+    return sync;
+  }
+
+  Result<std::unique_ptr<CollectiveHandle>> window_rows_done() override {
+    DSACP_RETURN_IF_ERROR(usable());
+    if (!peer_ready_ || window_bytes_ == 0) return unsupported("NCCL communicator: no exchange window");
+    const cudaStream_t on = exchange_stream();
+    window_order_.now_on(on);
+    // Nothing to enqueue: the handle's events bracket the point after the consumer, and its wait reads the error
+    // word the consumers' waits store into.
+    return launch("window rows", window_message_bytes_ * (size_ - 1), [] { return ncclSuccess; }, true, on);
   }
 
  private:

@@ -115,14 +115,29 @@ class CpuBackend final : public Backend {
     for (int i = 0; i < cache_write_pools(p); ++i) DSACP_RETURN_IF_ERROR(cpu::cache_write(cache_write_pool(p, i), num_threads_));
     return Status::ok_status();
   }
-  Status indexer_topk(const IndexerTopkParams& p) override { return cpu::indexer_topk(p, num_threads_); }
-  Status sparse_mla(const SparseMlaParams& p) override { return cpu::sparse_mla(p, num_threads_); }
+  Status indexer_topk(const IndexerTopkParams& p) override {
+    DSACP_RETURN_IF_ERROR(no_window_rows(p.signal, "indexer_topk"));
+    return cpu::indexer_topk(p, num_threads_);
+  }
+  Status sparse_mla(const SparseMlaParams& p) override {
+    DSACP_RETURN_IF_ERROR(no_window_rows(p.peer.sync, "sparse_mla"));
+    return cpu::sparse_mla(p, num_threads_);
+  }
   Status lse_merge(const LseMergeParams& p) override { return cpu::lse_merge(p, num_threads_); }
   Status gather_rows(const GatherRowsParams& p) override { return cpu::gather_rows(p, num_threads_); }
   Status topk_remap(const TopkRemapParams& p) override { return cpu::topk_remap(p, num_threads_); }
-  Status topk_merge(const TopkMergeParams& p) override { return cpu::topk_merge(p, num_threads_); }
+  Status topk_merge(const TopkMergeParams& p) override {
+    DSACP_RETURN_IF_ERROR(no_window_rows(p.wait, "topk_merge"));
+    return cpu::topk_merge(p, num_threads_);
+  }
 
  private:
+  // Row-synchronized window exchanges are a device feature (kernels raising and waiting on peers' flags).
+  static Status no_window_rows(const WindowRowSync& w, const char* what) {
+    if (!w.active()) return Status::ok_status();
+    return unsupported(std::string(what) + ": a row-synchronized window exchange (WindowRowSync) needs a device "
+                       "backend; the CPU backend's communicators have no windows");
+  }
   static Status copy(const char* what, void* dst, const void* src, size_t bytes) {
     if (bytes == 0) return Status::ok_status();
     if (dst == nullptr || src == nullptr) return invalid_argument(std::string(what) + ": null pointer");

@@ -484,6 +484,13 @@ class CudaBackend final : public Backend {
     });
   }
 
+  Status check_sparse_mla(const SparseMlaParams& p) const override {
+    SparseMlaParams plain = p;
+    plain.peer = {};
+    DSACP_RETURN_IF_ERROR(Backend::check_sparse_mla(plain));
+    return cuda::sparse_mla_supported(p);
+  }
+
   Status gather_rows(const GatherRowsParams& p) override {
     return run_kernel("gather_rows", [&](const LaunchContext& c) { return cuda::launch_gather_rows(p, c); });
   }
@@ -497,6 +504,10 @@ class CudaBackend final : public Backend {
   Status topk_merge(const TopkMergeParams& p) override {
     if (cuda::topk_merge_on_device(p)) {
       return run_kernel("topk_merge", [&](const LaunchContext& c) { return cuda::launch_topk_merge(p, c); });
+    }
+    if (p.wait.active()) {
+      return unsupported("topk_merge: a window exchange's parts (WindowRowSync) of a shape the device merge does not "
+                         "take (" + std::to_string(p.num_parts) + " parts of K = " + std::to_string(p.K) + ")");
     }
     TraceScope trace(trace_, "topk_merge (host)");
     std::lock_guard<std::recursive_mutex> lock(mu_);

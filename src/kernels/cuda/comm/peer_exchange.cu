@@ -1,6 +1,7 @@
 // The peer exchange kernels (peer_exchange.h): per all-gather / all-to-all, a put (CTA c stores byte range c of
 // the message into every peer and raises its flag), a one-CTA wait for every peer's flags, and an unpack.
 #include "kernels/cuda/comm/peer_exchange.h"
+#include "kernels/cuda/comm/peer_sync.cuh"
 
 #include <cuda_runtime.h>
 
@@ -19,19 +20,6 @@ struct MessageLayout {
   size_t chunk;  // a multiple of kAlign
 };
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // The diagnostic stamps: slot 2j keeps the earliest start (atomicMin), 2j + 1 the latest end (atomicMax).
 __device__ __forceinline__ void stamp(const ExchangeArgs& a, int j, bool end) {
@@ -97,20 +85,7 @@ __device__ void copy_bytes(char* __restrict__ dst, const char* __restrict__ src,
   for (size_t i = head + body + threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
 }
 
-// True once the host raised the abort word or an earlier wait of this communicator failed: the exchange must not
-// touch the peers' slots any more (a failed rank's later puts would overwrite slots a healthy peer still reads).
-__device__ __forceinline__ bool words_dead(const volatile int32_t* abort_word, const int32_t* error_word) {
-  return *abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(error_word) != 0;
-}
 __device__ __forceinline__ bool exchange_dead(const ExchangeArgs& a) { return words_dead(a.abort_word, a.error_word); }
-
-// A wait that gives up: the first failure's code goes to the error word (-1 after an abort, else 1 + the peer
-// that did not deliver), visible to the host and the later kernels.
-__device__ __forceinline__ void record_wait_failure(const volatile int32_t* abort_word, int32_t* error_word, int peer) {
-  volatile int32_t* error = reinterpret_cast<volatile int32_t*>(error_word);
-  if (*error == 0) *error = *abort_word != 0 ? -1 : 1 + peer;
-  __threadfence_system();
-}
 
 // Calls body(i, from, to) for each part i whose block overlaps the message range [lo, hi), with the overlap as
 // byte offsets into the part's block.
@@ -253,7 +228,7 @@ size_t message_bytes(const Part* parts, int num_parts) {
   return total;
 }
 
-size_t window_region_bytes(size_t window_bytes) { return kWindowFlagBytes + 2 * window_bytes; }
+size_t window_region_bytes(size_t window_bytes) { return kWindowHeaderBytes + 2 * window_bytes; }
 
 cudaError_t launch_window_publish(const WindowArgs& args, cudaStream_t stream) {
   if (args.size < 2 || args.size > kMaxRanks || args.rank < 0 || args.rank >= args.size) return cudaErrorInvalidValue;

@@ -70,6 +70,19 @@ constexpr int kStampRing = 64, kStamps = 6;
 // argument of the slots holds: a rank rewrites parity p at seq + 2 only after its publish of seq + 1 saw the
 // peers' flags of seq + 1, which each peer raised after enqueueing its reads of seq.
 constexpr size_t kWindowFlagBytes = 4096;
+// Then the row flags of window exchanges that the kernels synchronize themselves (Communicator::window_rows,
+// WindowRowSync of kernel_params.h): [kMaxRanks senders][kMaxWindowRows] uint64, sender s's producer kernel
+// raising row t's flag (the exchange's sequence number, release at system scope after its stores) in every
+// peer's region. Sequence numbers only grow, so the flags are never reset; the parity argument above holds with
+// "a peer's row flag of seq + 1" in place of "its publish of seq + 1" (every consumer waits for every peer's flag
+// of each row it reads, and a producer runs after its rank's consumers of the exchange before).
+constexpr int64_t kMaxWindowRows = 4096;
+constexpr size_t kWindowRowFlagBytes = sizeof(uint64_t) * kMaxRanks * kMaxWindowRows;  // 256 KiB
+constexpr size_t kWindowHeaderBytes = kWindowFlagBytes + kWindowRowFlagBytes;         // zeroed once, at setup
+// Sender s's row flags in a window region.
+inline uint64_t* window_row_flags(char* region, int sender) {
+  return reinterpret_cast<uint64_t*>(region + kWindowFlagBytes) + static_cast<size_t>(sender) * kMaxWindowRows;
+}
 
 struct WindowArgs {
   int32_t rank = 0, size = 0;
@@ -83,11 +96,11 @@ struct WindowArgs {
   int32_t sync_mode = 0;
 };
 
-// Bytes of the window region: flags, then two buffers.
+// Bytes of the window region: flags, row flags, then two buffers.
 size_t window_region_bytes(size_t window_bytes);
 // The buffer of parity `parity` in a window region.
 inline char* window_buffer(char* region, size_t window_bytes, int parity) {
-  return region + kWindowFlagBytes + static_cast<size_t>(parity) * window_bytes;
+  return region + kWindowHeaderBytes + static_cast<size_t>(parity) * window_bytes;
 }
 // Enqueues a window publish (signal every peer, wait for every peer) on `stream`.
 cudaError_t launch_window_publish(const WindowArgs& args, cudaStream_t stream);

@@ -56,5 +56,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
+// The two bf16 of a packed pair (pack_bf16x2's order: .x the low half) as floats.
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t packed) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+}
 
 }  // namespace dsacp::cuda

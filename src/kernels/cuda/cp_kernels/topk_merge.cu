@@ -20,6 +20,7 @@
 #include "kernels/cuda/common/smem_attribute.h"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/comm/peer_sync.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace dsacp::cuda {
@@ -205,6 +206,8 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   __shared__ int warp_sums[32];
   __shared__ int s_digit, s_need, s_done, s_unsorted;
   const int64_t t = blockIdx.x;
+  // A window exchange's parts: the other ranks' row t once they raised its flag (a failed wait: nothing written).
+  if (!peer::window_row_wait(p.wait, t, &s_done)) return;
   const ShardMap map(S, p.I);
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
   if (threadIdx.x == 0) s_unsorted = 0;
@@ -303,6 +306,7 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
   __shared__ int s_digit, s_need, s_done, s_unsorted;
   __shared__ unsigned long long s_min, s_max;
   const int64_t t = blockIdx.x;
+  if (!peer::window_row_wait(p.wait, t, &s_done)) return;  // as in topk_merge_kernel
   const ShardMap map(S, p.I);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;

@@ -19,6 +19,7 @@
 #include <cstdlib>
 
 #include "kernels/cuda/common/smem_attribute.h"
+#include "kernels/cuda/comm/peer_sync.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 
@@ -64,7 +65,8 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
                                                                      int64_t t0, int32_t K, int32_t cache_elems,
                                                                      int32_t bin_elems,
                                                                      int32_t* __restrict__ topk,
-                                                                     float* __restrict__ topk_scores) {
+                                                                     float* __restrict__ topk_scores,
+                                                                     const WindowRowSync signal) {
   // [cache_elems] rank keys of the row, when it fits; else [bin_elems] boundary-bin keys, then their positions
   extern __shared__ __align__(16) uint32_t s_cache[];
   __shared__ uint32_t hist[4096];
@@ -83,6 +85,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
       out[i] = i < n ? i : -1;
       if (out_scores != nullptr) out_scores[i] = i < n ? row[i] : -INFINITY;
     }
+    peer::window_row_signal(signal, t);
     return;
   }
   const bool cached = n <= cache_elems;
@@ -259,6 +262,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
     out_base += __popc(sel_ballot);
     eq_base += __popc(eq_ballot);
   }
+  peer::window_row_signal(signal, t);
 }
 
 }  // namespace
@@ -276,7 +280,7 @@ Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t 
   DSACP_CUDA_RETURN_IF_ERROR(
       ensure_dynamic_smem_limit(radix_select_topk_kernel, bytes));
   radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
-      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores);
+      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores, p.signal);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
   return Status::ok_status();
 }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/cuda/common/smem_attribute.h"
+#include "kernels/cuda/comm/peer_sync.cuh"
 #include "kernels/cuda/common/cluster_sm90.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
@@ -40,6 +41,7 @@ struct MlaArgs {
   bool cluster_merge;           // splits > 1 merged inside the kernel: the splits of a (token, head group) are one
                                 // cluster and combine through shared memory (mla_cluster_merge); else part_out
   DeviceErrorWord err;
+  SparseMlaParams::PeerMerge peer;  // the ranks' partials merged in the kernel (peer.sync.seq != 0; splits == 1)
 };
 
 // The row of (token t, head h) in the caller's q / out / lse layout (SparseMlaParams::head_blocks blocks of
@@ -174,11 +176,16 @@ __device__ __forceinline__ void mla_store_pair(float* p, float v0, float v1) {
 // Where a CTA's result rows go. splits == 1: the caller's out / lse in its layout. Split-K merged in the cluster:
 // this CTA's shared memory from `smem_part` ([rows, 512] f32 partial rows, then [rows] f32 LSE; row = the head's
 // index in the group). Otherwise: this split's f32 partials in the workspace (plain t * H + h rows).
+// With a.peer (the ranks' partials merged in the kernel, splits == 1) the rows go to shared memory as the
+// cluster merge's do, and mla_peer_merge takes them from there.
+__device__ __forceinline__ bool mla_peer_on(const MlaArgs& a) { return a.peer.sync.seq != 0; }
 __device__ __forceinline__ int64_t mla_out_row(const MlaArgs& a, int64_t t, int h0, int r) {
+  if (mla_peer_on(a)) return r;
   if (a.splits == 1) return mla_head_row(a, t, h0 + r);
   return a.cluster_merge ? r : t * a.H + h0 + r;
 }
 __device__ __forceinline__ float* mla_lse_rows(const MlaArgs& a, int split, float* smem_part, int rows) {
+  if (mla_peer_on(a)) return smem_part + rows * 512;
   if (a.splits == 1) return a.lse;
   return a.cluster_merge ? smem_part + rows * 512 : a.part_lse + static_cast<int64_t>(split) * a.T * a.H;
 }
@@ -187,7 +194,9 @@ __device__ __forceinline__ float* mla_lse_rows(const MlaArgs& a, int split, floa
 // caller's store loop.
 template <typename Body>
 __device__ __forceinline__ void mla_with_out_rows(const MlaArgs& a, int split, float* smem_part, Body body) {
-  if (a.splits == 1 && a.out_bf16) {
+  if (mla_peer_on(a)) {
+    body(smem_part);
+  } else if (a.splits == 1 && a.out_bf16) {
     body(static_cast<__nv_bfloat16*>(a.out));
   } else if (a.splits == 1) {
     body(static_cast<float*>(a.out));
@@ -196,8 +205,11 @@ __device__ __forceinline__ void mla_with_out_rows(const MlaArgs& a, int split, f
   }
 }
 
-// Bytes of shared memory the cluster merge uses from smem_part: the partial rows, their LSE, the merge weights.
-__host__ __device__ constexpr int mla_cluster_merge_bytes(int rows) { return rows * 512 * 4 + rows * 4 + rows * 8 * 4; }
+// Bytes of shared memory the cluster merge and the peer merge use from smem_part: the partial rows, their LSE, the
+// merge weights (and one word of the peer merge's).
+__host__ __device__ constexpr int mla_cluster_merge_bytes(int rows) {
+  return rows * 512 * 4 + rows * 4 + rows * 8 * 4 + 16;
+}
 constexpr int kMlaMaxClusterSplits = 8;  // the portable cluster size
 
 // The split-K merge inside a cluster (a.cluster_merge): the a.splits CTAs of (token t, heads h0 ..) are one
@@ -257,6 +269,106 @@ __device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, i
     }
   }
   cluster_sync();  // the peers are done reading this CTA's rows
+}
+
+// The ranks' partials merged inside attention (a.peer, SparseMlaParams::PeerMerge), after the CTA's normalized
+// rows [kRows, 512] f32 and their LSE [kRows] were staged at smem_part (mla_with_out_rows / mla_lse_rows). The
+// CTA of head block k = h0 / block_heads:
+//   k != peer.sync.rank: stores its rows (as part_dtype) and LSE into rank k's window (this rank's slot there,
+//     row t * kRows + r), 16-byte stores, then raises row t's flag in rank k (peer::window_row_signal); nothing
+//     when the communicator is dead, so that a failed rank never writes into a peer's window;
+//   k == peer.sync.rank: waits for every peer's flag of row t, then merges, parts in rank order, its own staged
+//     rows with the peers' rows of its block in this rank's window (as mla_cluster_merge: w_s = exp(lse_s - max) /
+//     sum over the parts with a finite LSE; none: out = 0, lse = -inf) into out / lse rows t * kRows + r (this
+//     rank's head slice). A failed wait leaves them unwritten (the communicator reports the error).
+// Every thread of the CTA calls it (it has barriers); without a.peer it returns at once.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int h0, float* smem_part) {
+  constexpr float kInf = INFINITY;
+  const SparseMlaParams::PeerMerge& pm = a.peer;
+  if (!mla_peer_on(a)) return;
+  // (no __shared__ variable: static shared memory would move the kernels' 1024-byte-aligned dynamic block)
+  int& s_ok = *reinterpret_cast<int*>(smem_part + kRows * 512 + kRows + kRows * 8);
+  const int tid = threadIdx.x, k = h0 / a.block_heads, me = pm.sync.rank;
+  const float* rows = smem_part;
+  const float* lse = smem_part + kRows * 512;
+  const int64_t row0 = t * kRows;  // this token's first row in a [T, kRows] slot
+  const bool part_bf16 = pm.part_dtype == DType::kBF16;
+  if (k != me) {
+    if (tid == 0) s_ok = !peer::words_dead_one_read(pm.sync.abort_word, pm.sync.error_word);
+    __syncthreads();  // the staged rows and s_ok
+    if (s_ok) {
+      if (part_bf16) {
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(pm.part_out_to[k]) + row0 * 512;
+        for (int idx = tid; idx < kRows * 64; idx += kThreads) {  // 8 columns (16 bytes of bf16) each
+          const float4 x = *reinterpret_cast<const float4*>(rows + idx * 8);
+          const float4 y = *reinterpret_cast<const float4*>(rows + idx * 8 + 4);
+          *reinterpret_cast<uint4*>(dst + idx * 8) =
+              make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w), pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
+        }
+      } else {
+        float* dst = static_cast<float*>(pm.part_out_to[k]) + row0 * 512;
+        for (int idx = tid; idx < kRows * 128; idx += kThreads) {
+          *reinterpret_cast<float4*>(dst + idx * 4) = *reinterpret_cast<const float4*>(rows + idx * 4);
+        }
+      }
+      for (int r = tid; r < kRows; r += kThreads) pm.part_lse_to[k][row0 + r] = lse[r];
+      peer::window_row_signal(pm.sync, t);
+    }
+    return;
+  }
+  if (!peer::window_row_wait(pm.sync, t, &s_ok)) return;  // (its barriers order the staged rows too)
+  const int n = pm.sync.size;
+  float* weights = smem_part + kRows * 512 + kRows;  // [kRows][8]
+  for (int r = tid; r < kRows; r += kThreads) {
+    float l[kMaxPartBuffers];
+    float mx = -kInf;
+#pragma unroll
+    for (int s = 0; s < kMaxPartBuffers; ++s) {
+      l[s] = s >= n ? -kInf : s == me ? lse[r] : pm.part_lse_from[s][row0 + r];
+      if (isfinite(l[s])) mx = fmaxf(mx, l[s]);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxPartBuffers; ++s) {
+      l[s] = mx != -kInf && isfinite(l[s]) ? expf(l[s] - mx) : 0.f;
+      sum += l[s];
+    }
+#pragma unroll
+    for (int s = 0; s < kMaxPartBuffers; ++s) weights[r * 8 + s] = sum > 0.f ? l[s] / sum : 0.f;
+    a.lse[row0 + r] = sum > 0.f ? mx + logf(sum) : -kInf;
+  }
+  __syncthreads();  // the weights
+  for (int idx = tid; idx < kRows * 128; idx += kThreads) {
+    const int r = idx >> 7, c = (idx & 127) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < n; ++s) {
+      const float w = weights[r * 8 + s];
+      if (w == 0.f) continue;
+      float4 v;
+      if (s == me) {
+        v = *reinterpret_cast<const float4*>(rows + r * 512 + c);
+      } else if (part_bf16) {
+        const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(pm.part_out_from[s]) +
+                                                        (row0 + r) * 512 + c);
+        const float2 lo = bf16x2_to_float2(b.x), hi = bf16x2_to_float2(b.y);
+        v = make_float4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        v = *reinterpret_cast<const float4*>(static_cast<const float*>(pm.part_out_from[s]) + (row0 + r) * 512 + c);
+      }
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    const int64_t row = row0 + r;
+    if (a.out_bf16) {
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + row * 512 + c;
+      *reinterpret_cast<uint2*>(o) = make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
+    } else {
+      *reinterpret_cast<float4*>(static_cast<float*>(a.out) + row * 512 + c) = acc;
+    }
+  }
 }
 
 // O (the m64n256 accumulator of this thread's rows r0, r1) times a0 / a1, skipped when no row of the warp moves

@@ -393,12 +393,37 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
                        " (each block's heads must be a multiple of " + std::to_string(hg) +
                        ", the kernel's head group)");
   }
+  if (p.peer.sync.active()) {
+    // The ranks' partials merged in the kernel: one head block per rank, each a whole 64-head group of a
+    // wgmma kernel (its epilogue stages the rows in shared memory), every row with a flag.
+    const WindowRowSync& w = p.peer.sync;
+    if (hg != 64 || p.H / p.head_blocks != 64 || p.head_blocks != w.size || w.size < 2 || w.size > kMaxPartBuffers ||
+        w.rank < 0 || w.rank >= w.size || p.rows.num_tokens > w.num_rows || split_len_for(p.K, 1) > kMaxSplitKeys ||
+        (p.peer.part_dtype != DType::kF32 && p.peer.part_dtype != DType::kBF16) ||
+        sparse_mla_kernel_choice(p.rows.num_tokens, p.block_table.num_requests) == MlaKernel::kMmaSync) {
+      return unsupported("sparse_mla: partials merged across ranks need 64 heads a rank with head_blocks = the " +
+                         std::string("window's ranks (2..8), a wgmma kernel, f32 or bf16 partials and a flag a row "
+                                     "(H=") + std::to_string(p.H) + ", head_blocks=" + std::to_string(p.head_blocks) +
+                         ", ranks " + std::to_string(w.size) + ", T=" + std::to_string(p.rows.num_tokens) + ", flags for " +
+                         std::to_string(w.num_rows) + " rows)");
+    }
+    for (int k = 0; k < w.size; ++k) {
+      if (k == w.rank) continue;
+      // (the flags come from the communicator, Communicator::window_rows)
+      if (p.peer.part_out_to[k] == nullptr || p.peer.part_lse_to[k] == nullptr || p.peer.part_out_from[k] == nullptr ||
+          p.peer.part_lse_from[k] == nullptr) {
+        return invalid_argument("sparse_mla: partials merged across ranks: rank " + std::to_string(k) +
+                                "'s buffers or flags are missing");
+      }
+    }
+  }
   return Status::ok_status();
 }
 
 int mla_head_group(int H) { return H > 64 ? 64 : H; }
 
 int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
+  if (p.peer.sync.active()) return 1;  // the merge across ranks runs in the CTA of the whole key list
   const int64_t ctas = p.rows.num_tokens * (p.H / mla_head_group(p.H));
   const int64_t slots = static_cast<int64_t>(num_sms) * (p.H == 16 ? ctas_per_sm_for<16>() : 1);  // CTAs at once
   int splits = 1;
@@ -455,6 +480,11 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   a.out_bf16 = p.out_dtype == DType::kBF16;
   a.cluster_merge = sparse_mla_cluster_merge(a.splits, mla_head_group(p.H));
   a.err = ctx.error;
+  a.peer = p.peer;
+  if (p.peer.sync.active() && a.splits != 1) {
+    return internal_error("sparse_mla: partials merged across ranks with " + std::to_string(a.splits) +
+                          " key splits (the caller plans one)");
+  }
   const int64_t rows = a.T * a.H;
   if (a.splits > 1 && !a.cluster_merge) {
     if (workspace == nullptr) return internal_error("sparse_mla: split-K without a workspace");

@@ -208,6 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma64_kernel(const M
   static_assert(mla_cluster_merge_bytes(64) <= kOffP, "the cluster merge's rows fit over Q and the tiles");
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { __syncthreads(); }, m0, m1, smem_part);
   mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+  mla_peer_merge<64, kThreads>(a, t, h0, smem_part);
 }
 
 }  // namespace

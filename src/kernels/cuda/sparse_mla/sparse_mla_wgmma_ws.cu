@@ -162,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
     }
     cp_async_wait<0>();
     mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+    mla_peer_merge<64, kThreads>(a, t, h0, smem_part);
     return;
   }
 
@@ -316,6 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1, smem_part);
   mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+  mla_peer_merge<64, kThreads>(a, t, h0, smem_part);
 }
 
 }  // namespace

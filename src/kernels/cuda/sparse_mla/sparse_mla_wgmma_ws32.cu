@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     }
     cp_async_wait<0>();
     mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+    mla_peer_merge<64, kThreads>(a, t, h0, smem_part);
     return;
   }
 
@@ -268,6 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1, smem_part);
   mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+  mla_peer_merge<64, kThreads>(a, t, h0, smem_part);
 }
 
 }  // namespace
