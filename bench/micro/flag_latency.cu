@@ -1,6 +1,7 @@
 // Micro-benchmark: what a cross-GPU flag handshake costs on two GPUs of one host (peer access), to see where a
 // window publish's ~12 us go. Not part of the build; compile on the GPU machine:
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a bench/micro/flag_latency.cu -o /tmp/flag_latency
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I src -I include bench/micro/flag_latency.cu \
+//     -o /tmp/flag_latency
 // Rows (microseconds per iteration, 2 GPUs, one host thread driving both):
 //   empty kernel          back-to-back launches of an empty kernel on one stream
 //   host word reads       a kernel that reads two words of mapped host memory (the publish's dead check)
@@ -14,6 +15,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "kernels/cuda/comm/peer_sync.cuh"
+
 #define CK(x)                                                                      \
   do {                                                                             \
     cudaError_t e_ = (x);                                                          \
@@ -23,14 +26,8 @@
     }                                                                              \
   } while (0)
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+using dsacp::cuda::peer::ld_acquire_sys;  // the flag loads and stores the step's kernels use
+using dsacp::cuda::peer::st_release_sys;
 
 __global__ void empty_kernel() {}
 

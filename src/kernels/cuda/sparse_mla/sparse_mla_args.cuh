@@ -211,6 +211,28 @@ __host__ __device__ constexpr int mla_cluster_merge_bytes(int rows) {
   return rows * 512 * 4 + rows * 4 + rows * 8 * 4 + 16;
 }
 constexpr int kMlaMaxClusterSplits = 8;  // the portable cluster size
+static_assert(kMaxPartBuffers <= kMlaMaxClusterSplits, "mla_merge_weights takes the peer merge's parts too");
+
+// The weights of an exact merge of up to 8 parts by their LSE l[s] (-inf for an absent part) into w[0, 8):
+// w_s = exp(l_s - max) / sum over the parts with a finite LSE (0 for the others, all 0 when none has one), in a
+// fixed order (bit-identical reruns). Returns the merged LSE: max + log(sum), -inf when no part has a finite one.
+__device__ __forceinline__ float mla_merge_weights(float (&l)[kMlaMaxClusterSplits], float* w) {
+  constexpr float kInf = INFINITY;
+  float mx = -kInf;
+#pragma unroll
+  for (int s = 0; s < kMlaMaxClusterSplits; ++s) {
+    if (isfinite(l[s])) mx = fmaxf(mx, l[s]);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < kMlaMaxClusterSplits; ++s) {
+    l[s] = mx != -kInf && isfinite(l[s]) ? expf(l[s] - mx) : 0.f;
+    sum += l[s];
+  }
+#pragma unroll
+  for (int s = 0; s < kMlaMaxClusterSplits; ++s) w[s] = sum > 0.f ? l[s] / sum : 0.f;
+  return sum > 0.f ? mx + logf(sum) : -kInf;
+}
 
 // The split-K merge inside a cluster (a.cluster_merge): the a.splits CTAs of (token t, heads h0 ..) are one
 // cluster (ranks = splits), each with its normalized partial rows and their LSE in its own shared memory at
@@ -231,21 +253,9 @@ __device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, i
   for (int i = tid; i < my_rows; i += kThreads) {
     const int r = rank + n * i;
     float l[kMlaMaxClusterSplits];
-    float mx = -kInf;
 #pragma unroll
-    for (int s = 0; s < kMlaMaxClusterSplits; ++s) {
-      l[s] = s < n ? ld_cluster_f32(cluster_map(part + lse_off + r * 4, s)) : -kInf;
-      if (isfinite(l[s])) mx = fmaxf(mx, l[s]);
-    }
-    float sum = 0.f;
-#pragma unroll
-    for (int s = 0; s < kMlaMaxClusterSplits; ++s) {
-      l[s] = mx != -kInf && isfinite(l[s]) ? expf(l[s] - mx) : 0.f;
-      sum += l[s];
-    }
-#pragma unroll
-    for (int s = 0; s < kMlaMaxClusterSplits; ++s) weights[i * 8 + s] = sum > 0.f ? l[s] / sum : 0.f;
-    a.lse[mla_head_row(a, t, h0 + r)] = sum > 0.f ? mx + logf(sum) : -kInf;
+    for (int s = 0; s < kMlaMaxClusterSplits; ++s) l[s] = s < n ? ld_cluster_f32(cluster_map(part + lse_off + r * 4, s)) : -kInf;
+    a.lse[mla_head_row(a, t, h0 + r)] = mla_merge_weights(l, weights + i * 8);
   }
   __syncthreads();  // the weights
   for (int idx = tid; idx < my_rows * 128; idx += kThreads) {
@@ -321,22 +331,10 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
   const int n = pm.sync.size;
   float* weights = smem_part + kRows * 512 + kRows;  // [kRows][8]
   for (int r = tid; r < kRows; r += kThreads) {
-    float l[kMaxPartBuffers];
-    float mx = -kInf;
+    float l[kMlaMaxClusterSplits];
 #pragma unroll
-    for (int s = 0; s < kMaxPartBuffers; ++s) {
-      l[s] = s >= n ? -kInf : s == me ? lse[r] : pm.part_lse_from[s][row0 + r];
-      if (isfinite(l[s])) mx = fmaxf(mx, l[s]);
-    }
-    float sum = 0.f;
-#pragma unroll
-    for (int s = 0; s < kMaxPartBuffers; ++s) {
-      l[s] = mx != -kInf && isfinite(l[s]) ? expf(l[s] - mx) : 0.f;
-      sum += l[s];
-    }
-#pragma unroll
-    for (int s = 0; s < kMaxPartBuffers; ++s) weights[r * 8 + s] = sum > 0.f ? l[s] / sum : 0.f;
-    a.lse[row0 + r] = sum > 0.f ? mx + logf(sum) : -kInf;
+    for (int s = 0; s < kMlaMaxClusterSplits; ++s) l[s] = s >= n ? -kInf : s == me ? lse[r] : pm.part_lse_from[s][row0 + r];
+    a.lse[row0 + r] = mla_merge_weights(l, weights + r * 8);
   }
   __syncthreads();  // the weights
   for (int idx = tid; idx < kRows * 128; idx += kThreads) {
