@@ -125,6 +125,17 @@ TEST(LocalCommunicator, CompletesOnTheHostAndHostBackendsHaveOneLane) {
   EXPECT_TRUE(lanes.end().ok());  // a second end is a no-op
 }
 
+// Windows are a device transport's: the local group answers every window call with kUnsupported (the CP step then
+// uses its collectives), a row-synchronized exchange included.
+TEST(LocalCommunicator, HasNoWindows) {
+  auto group = LocalGroup::create(2, std::chrono::seconds(5));
+  auto c = group->make_communicator(0);
+  EXPECT_EQ(c->window_next(64).status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(c->window_publish().status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(c->window_rows(4).status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(c->window_rows_done().status().code(), StatusCode::kUnsupported);
+}
+
 TEST(LocalCommunicator, MissingRankTimesOutInsteadOfHanging) {
   auto group = LocalGroup::create(2, std::chrono::milliseconds(200));
   auto c0 = group->make_communicator(0);
