@@ -50,15 +50,17 @@ __device__ __forceinline__ bool words_dead_one_read(const volatile int32_t* abor
 }
 
 // Producer side of a row-synchronized window exchange: after the CTA's stores of row t (into this rank's window
-// buffer or the peers'), every thread fences at system scope, the CTA meets at a barrier, and thread 0 raises row
-// t's flag in every peer (release at system scope), unless the communicator is dead (an abort, or an earlier
-// failed wait: the peers then time out instead of reading a message of a failed rank). Every thread of the CTA
-// must call it.
+// buffer or the peers'), the CTA meets at a barrier and thread 0 fences at system scope (cumulative over the
+// stores the barrier ordered before it, as the peer exchange's put does) and raises row t's flag in every peer
+// (release at system scope), unless the communicator is dead (an abort, or an earlier failed wait: the peers then
+// time out instead of reading a message of a failed rank). One fence a CTA: a fence.sc.sys in every thread
+// (session 11's first version) may be what made the merged attention 0.4 ms slower. Every thread of the CTA must
+// call it.
 __device__ __forceinline__ void window_row_signal(const WindowRowSync& w, int64_t t) {
   if (w.seq == 0) return;
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0 && t >= 0 && t < w.num_rows && !words_dead_one_read(w.abort_word, w.error_word)) {
+    __threadfence_system();
     for (int k = 0; k < w.size; ++k) {
       if (w.signal_to[k] != nullptr) st_release_sys(w.signal_to[k] + t, w.seq);
     }
