@@ -191,10 +191,10 @@ Result<std::optional<Communicator::Window>> try_window(Communicator& comm, size_
 
 // The window exchange's synchronization by the kernels themselves, row by row (Communicator::window_rows), for
 // `rows` rows; inactive (seq 0: the caller publishes) where the communicator cannot. Experimental, off unless
-// DSACP_WINDOW_ROWS=1 (both exchanges), =topk or =mla (that one only): on 2 x H200 the CP tests pass with it, but
-// the DCP bench at b=64 hung with the candidates' rows and its attention phase took 0.50 ms with the partials'
-// (docs/design/gpu-notes.md, session 11). Every rank decides alike: the answer depends on the environment, the
-// communicator and the shape only.
+// DSACP_WINDOW_ROWS=1 (both exchanges), =topk or =mla (that one only): on 2 x H200 the CP tests pass with it; the
+// DCP bench at b=64 hung (CUDA's lazy module loading, since avoided) and its attention phase took 0.50 ms with the
+// partials' rows; neither re-run yet (docs/design/gpu-notes.md, session 11). Every rank decides alike: the answer
+// depends on the environment, the communicator and the shape only.
 Result<WindowRowSync> try_window_rows(Communicator& comm, int64_t rows, const char* which) {
   const char* knob = std::getenv("DSACP_WINDOW_ROWS");
   if (knob == nullptr || !(knob[0] == '1' || knob[0] == which[0])) return WindowRowSync{};
