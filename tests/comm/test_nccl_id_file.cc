@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -69,6 +70,21 @@ TEST(NcclCommunicator, BadArgumentsAreRefused) {
   } else {
     EXPECT_EQ(r.status().code(), StatusCode::kUnsupported);
   }
+}
+
+// A program that links the NCCL communicator starts with CUDA_MODULE_LOADING=EAGER (set before main unless the
+// environment the process was started with had a value, which is kept): lazy loading deadlocked two ranks of one
+// process (docs/design/gpu-notes.md, session 11). /proc/self/environ is the environment as started.
+TEST(NcclCommunicator, ProcessesStartWithEagerModuleLoading) {
+  if (!nccl_available()) GTEST_SKIP() << "built without NCCL";
+  std::string started_with;
+  std::ifstream environ("/proc/self/environ", std::ios::binary);
+  for (std::string entry; std::getline(environ, entry, '\0');) {
+    if (entry.rfind("CUDA_MODULE_LOADING=", 0) == 0) started_with = entry.substr(20);
+  }
+  const char* mode = std::getenv("CUDA_MODULE_LOADING");
+  ASSERT_NE(mode, nullptr);
+  EXPECT_EQ(std::string(mode), started_with.empty() ? "EAGER" : started_with);
 }
 
 }  // namespace

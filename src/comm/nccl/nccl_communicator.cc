@@ -3,6 +3,7 @@
 #include "dsacp/nccl_communicator.h"
 
 #include "kernels/cuda/comm/peer_exchange.h"
+#include "kernels/cuda/common/module_loading.h"
 #include "kernels/cuda/common/timeline.h"
 
 #include <cuda_runtime_api.h>
@@ -1147,6 +1148,7 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(const NcclId&
     return invalid_argument("NCCL communicator: device " + std::to_string(options.device) + " outside [0, " +
                             std::to_string(count) + ")");
   }
+  cuda::warn_if_lazy_module_loading("an NCCL communicator");
   static std::once_flag connect_at_init;
   std::call_once(connect_at_init, [] { (void)setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0); });
   ncclUniqueId raw;

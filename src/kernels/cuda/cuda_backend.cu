@@ -675,19 +675,6 @@ class CudaBackend final : public Backend {
   CallTrace trace_;
 };
 
-// CUDA loads kernels lazily by default (CUDA_MODULE_LOADING=LAZY since 12.2): a kernel's first launch on a device
-// loads its module under the context's lock, and the load waits for the device's running kernels. A kernel that
-// spins on another GPU (an NCCL collective, a window wait) then holds that lock through the other rank's launch
-// that would release it: a deadlock across the ranks of one process, seen on 2 x H200 in session 11 (one rank's
-// thread in cuKernelGetFunction, the other's kernel launch blocked behind it, an NCCL all-gather spinning on the
-// first GPU; docs/design/gpu-notes.md). Loading every kernel when the context is made avoids it. Set before
-// main() runs (before any CUDA call of this process); a value the environment already has is kept, and a process
-// whose CUDA was started before this library is loaded keeps the mode it started with.
-const bool kEagerModuleLoading = [] {
-  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
-  return true;
-}();
-
 }  // namespace
 
 Result<int> cuda_device_count() {
