@@ -68,4 +68,13 @@ inline bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) 
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
+// Parts [parts, per_part] of one array as one vector each (a window exchange's messages, each in its own buffer:
+// the merges' part_*_of inputs).
+template <typename T>
+std::vector<std::vector<T>> split_parts(const std::vector<T>& flat, int64_t parts, int64_t per_part) {
+  std::vector<std::vector<T>> out(static_cast<size_t>(parts));
+  for (int64_t k = 0; k < parts; ++k) out[k].assign(flat.begin() + k * per_part, flat.begin() + (k + 1) * per_part);
+  return out;
+}
+
 }  // namespace dsacp::testing

@@ -317,14 +317,12 @@ TEST(LseMergeKernel, Bf16PartsMergeAsTheirF32Values) {
     EXPECT_EQ(0, std::memcmp(want.data(), got.data(), n)) << dtype_name(out_dtype);
     EXPECT_TRUE(bit_equal(lse_want, lse_got));
     // The parts given one buffer each (a window exchange's messages, read in place): the same result.
-    std::vector<std::vector<bf16>> own_out(parts);
-    std::vector<std::vector<float>> own_lse(parts);
+    const std::vector<std::vector<bf16>> own_out = split_parts(part_bf, parts, rows * dl);
+    const std::vector<std::vector<float>> own_lse = split_parts(part_lse, parts, rows);
     LseMergeParams pp = pb;
     pp.part_out = nullptr;
     pp.part_lse = nullptr;
     for (int32_t k = 0; k < parts; ++k) {
-      own_out[k].assign(part_bf.begin() + k * rows * dl, part_bf.begin() + (k + 1) * rows * dl);
-      own_lse[k].assign(part_lse.begin() + k * rows, part_lse.begin() + (k + 1) * rows);
       pp.part_out_of[k] = own_out[k].data();
       pp.part_lse_of[k] = own_lse[k].data();
     }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dsacp/backend.h"
+#include "kernels/kernel_test_util.h"
 #include "support/test_seed.h"
 
 namespace dsacp {
@@ -107,14 +108,12 @@ TEST(TopkMergeKernel, MergedRowsAreTheGlobalTopkAndTheLocalOutputIsTheirRemap) {
         // The same parts given one buffer each (a window exchange's messages, read in place), in separate copies:
         // the same rows.
         {
-          std::vector<std::vector<int32_t>> own_topk(S);
-          std::vector<std::vector<float>> own_scores(S);
+          const std::vector<std::vector<int32_t>> own_topk = testing::split_parts(part_topk, S, T * K);
+          const std::vector<std::vector<float>> own_scores = testing::split_parts(part_scores, S, T * K);
           TopkMergeParams q = p;
           q.part_topk = nullptr;
           q.part_scores = nullptr;
           for (int32_t s = 0; s < S; ++s) {
-            own_topk[s].assign(part_topk.begin() + s * T * K, part_topk.begin() + (s + 1) * T * K);
-            own_scores[s].assign(part_scores.begin() + s * T * K, part_scores.begin() + (s + 1) * T * K);
             q.part_topk_of[s] = own_topk[s].data();
             q.part_scores_of[s] = own_scores[s].data();
           }
