@@ -858,6 +858,13 @@ class NcclComm final : public NcclCommunicator {
     return h;
   }
 
+  // A window call on this communicator: usable, and with a window.
+  Status window_usable() const {
+    DSACP_RETURN_IF_ERROR(usable());
+    if (!peer_ready_ || window_bytes_ == 0) return unsupported("NCCL communicator: no exchange window");
+    return Status();
+  }
+
   // Rank k's window region (its flags, then its two buffers) as this device addresses it.
   char* window_region(int k) const { return peer_areas_[k] + cuda::peer::area_bytes(size_, slot_bytes_); }
 
@@ -888,8 +895,7 @@ class NcclComm final : public NcclCommunicator {
   }
 
   Result<std::unique_ptr<CollectiveHandle>> window_publish() override {
-    DSACP_RETURN_IF_ERROR(usable());
-    if (!peer_ready_ || window_bytes_ == 0) return unsupported("NCCL communicator: no exchange window");
+    DSACP_RETURN_IF_ERROR(window_usable());
     cuda::peer::WindowArgs a;
     a.rank = rank_;
     a.size = size_;
@@ -916,8 +922,7 @@ class NcclComm final : public NcclCommunicator {
   }
 
   Result<WindowRowSync> window_rows(int64_t num_rows) override {
-    DSACP_RETURN_IF_ERROR(usable());
-    if (!peer_ready_ || window_bytes_ == 0) return unsupported("NCCL communicator: no exchange window");
+    DSACP_RETURN_IF_ERROR(window_usable());
     if (num_rows < 0 || num_rows > cuda::peer::kMaxWindowRows) {
       return unsupported("NCCL communicator: a window exchange of " + std::to_string(num_rows) +
                          " rows synchronized by the kernels; the row flags hold " +
@@ -941,8 +946,7 @@ class NcclComm final : public NcclCommunicator {
   }
 
   Result<std::unique_ptr<CollectiveHandle>> window_rows_done() override {
-    DSACP_RETURN_IF_ERROR(usable());
-    if (!peer_ready_ || window_bytes_ == 0) return unsupported("NCCL communicator: no exchange window");
+    DSACP_RETURN_IF_ERROR(window_usable());
     const cudaStream_t on = exchange_stream();
     window_order_.now_on(on);
     // Nothing to enqueue: the handle's events bracket the point after the consumer, and its wait reads the error
