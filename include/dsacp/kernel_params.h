@@ -28,8 +28,10 @@ inline constexpr int kMaxPartBuffers = 8;
 // into the peers') are done (system-scope release after a system fence); the consumer kernel waits, for each row
 // t it reads, until every peer's flag of row t reached `seq` (acquire), bounded by `timeout_ns` and the
 // communicator's abort word; a wait that gives up stores its code in the error word (-1 after an abort, else
-// 1 + the late rank), which the communicator reports (Communicator::window_rows_done). seq == 0: no exchange
-// (the kernel neither signals nor waits).
+// 1 + the late rank), which the communicator reports (Communicator::window_rows_done), and a 1 in the device
+// word failed_word. Producers check only failed_word (device memory) before they signal: a read of mapped host
+// memory per CTA queues on PCIe when every CTA of a kernel makes one at once. seq == 0: no exchange (the kernel
+// neither signals nor waits).
 struct WindowRowSync {
   uint64_t seq = 0;
   int32_t rank = 0, size = 0;
@@ -39,6 +41,7 @@ struct WindowRowSync {
   uint64_t timeout_ns = 0;
   const volatile int32_t* abort_word = nullptr;  // the communicator's mapped host words
   int32_t* error_word = nullptr;
+  int32_t* failed_word = nullptr;  // device memory of this rank: nonzero once a wait of the communicator failed
   bool active() const { return seq != 0; }
 };
 

@@ -568,7 +568,7 @@ class NcclComm final : public NcclCommunicator {
       return result;
     }
     float ms = 0;
-    if (cudaEventElapsedTime(&ms, start, end) == cudaSuccess) stats_.busy_ms += ms;
+    if (start != nullptr && cudaEventElapsedTime(&ms, start, end) == cudaSuccess) stats_.busy_ms += ms;
     return Status();
   }
 
@@ -941,6 +941,7 @@ class NcclComm final : public NcclCommunicator {
     sync.timeout_ns = timeout_ns();
     sync.abort_word = peer_words_dev_;
     sync.error_word = peer_words_dev_ + 1;
+    sync.failed_word = cuda::peer::window_failed_word(window_region(rank_));
     ++stats_.window_publishes;
     return sync;
   }
@@ -981,7 +982,9 @@ class NcclComm final : public NcclCommunicator {
     const auto t0 = Clock::now();
     cudaError_t e = cudaSetDevice(options_.device);
     cudaEvent_t start = nullptr, end = nullptr;
-    if (e == cudaSuccess) e = take_event(&start);
+    // (an empty launch records its end only: nothing runs between the two, and an event between the producer's
+    // kernels costs the stream a few microseconds)
+    if (e == cudaSuccess && !empty) e = take_event(&start);
     if (e == cudaSuccess) e = take_event(&end);
     const cudaStream_t stream = on != nullptr ? on : stream_;
     if (e == cudaSuccess && on == nullptr && options_.producer_stream != nullptr) {
@@ -990,7 +993,7 @@ class NcclComm final : public NcclCommunicator {
       if (e == cudaSuccess) e = cudaEventRecord(producer_ready_, static_cast<cudaStream_t>(options_.producer_stream));
       if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, producer_ready_, 0);
     }
-    if (e == cudaSuccess) e = cudaEventRecord(start, stream);
+    if (e == cudaSuccess && start != nullptr) e = cudaEventRecord(start, stream);
     if (e != cudaSuccess) {
       give_back_events(start, end);
       // Failed before enqueueing: the peers would run this collective alone, so the communicator is done.

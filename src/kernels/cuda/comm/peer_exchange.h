@@ -79,6 +79,12 @@ constexpr size_t kWindowFlagBytes = 4096;
 constexpr int64_t kMaxWindowRows = 4096;
 constexpr size_t kWindowRowFlagBytes = sizeof(uint64_t) * kMaxRanks * kMaxWindowRows;  // 256 KiB
 constexpr size_t kWindowHeaderBytes = kWindowFlagBytes + kWindowRowFlagBytes;         // zeroed once, at setup
+// The rank's failure word (WindowRowSync::failed_word) in its own window region, after the publish flags (zeroed
+// with the header): the kernels' failed row waits set it, the producers read it before they signal.
+inline int32_t* window_failed_word(char* region) {
+  return reinterpret_cast<int32_t*>(region + kWindowFlagBytes - sizeof(int32_t));
+}
+static_assert(sizeof(uint64_t) * kMaxRanks <= kWindowFlagBytes - sizeof(int32_t), "the failure word after the flags");
 // Sender s's row flags in a window region.
 inline uint64_t* window_row_flags(char* region, int sender) {
   return reinterpret_cast<uint64_t*>(region + kWindowFlagBytes) + static_cast<size_t>(sender) * kMaxWindowRows;
