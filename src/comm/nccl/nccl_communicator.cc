@@ -653,7 +653,13 @@ class NcclComm final : public NcclCommunicator {
     if (wanted) {
       void* words = nullptr;
       const size_t window_at = cuda::peer::area_bytes(size_, slot_bytes_);
-      cudaError_t e = cudaMalloc(&area_, window_at + (window_bytes_ > 0 ? cuda::peer::window_region_bytes(window_bytes_) : 0));
+      // [exchange flags and slots][window region][this rank's failed word (device memory, peer_sync.cuh)]
+      const size_t failed_at = window_at + (window_bytes_ > 0 ? cuda::peer::window_region_bytes(window_bytes_) : 0);
+      cudaError_t e = cudaMalloc(&area_, failed_at + 256);
+      if (e == cudaSuccess) {
+        failed_dev_ = reinterpret_cast<int32_t*>(area_ + failed_at);
+        e = cudaMemsetAsync(failed_dev_, 0, sizeof(int32_t), stream_);
+      }
       if (e == cudaSuccess) e = cudaMemsetAsync(area_, 0, cuda::peer::kFlagBytes, stream_);
       if (e == cudaSuccess && window_bytes_ > 0) {
         e = cudaMemsetAsync(area_ + window_at, 0, cuda::peer::kWindowHeaderBytes, stream_);
@@ -803,6 +809,7 @@ class NcclComm final : public NcclCommunicator {
     ipc_opened_.clear();
     if (area_ != nullptr && area_safe) (void)cudaFree(area_);
     area_ = nullptr;
+    failed_dev_ = nullptr;
     if (peer_words_ != nullptr) (void)cudaFreeHost(const_cast<int32_t*>(peer_words_));
     peer_words_ = nullptr;
     (void)cudaGetLastError();
@@ -839,6 +846,7 @@ class NcclComm final : public NcclCommunicator {
     a.stamps = peer_stamps_;
     a.fence_mode = peer_fence_mode_;
     a.error_word = peer_words_dev_ + 1;  // [1]: the host reads it after the exchange ([0] is the abort word)
+    a.failed_word = failed_dev_;
     // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
     // exchanges of this communicator must still run one after another (the area's parity argument): an
     // exchange on another stream than the last one waits for the last one's end.
@@ -903,6 +911,7 @@ class NcclComm final : public NcclCommunicator {
     a.timeout_ns = timeout_ns();
     a.abort_word = peer_words_dev_;
     a.error_word = peer_words_dev_ + 1;
+    a.failed_word = failed_dev_;
     a.sync_mode = window_sync_mode_;
     const cudaStream_t on = exchange_stream();
     // Window exchanges run one after another (the parity argument): one on another stream than the last waits
@@ -941,7 +950,7 @@ class NcclComm final : public NcclCommunicator {
     sync.timeout_ns = timeout_ns();
     sync.abort_word = peer_words_dev_;
     sync.error_word = peer_words_dev_ + 1;
-    sync.failed_word = cuda::peer::window_failed_word(window_region(rank_));
+    sync.failed_word = failed_dev_;
     ++stats_.window_publishes;
     return sync;
   }
@@ -1046,6 +1055,7 @@ class NcclComm final : public NcclCommunicator {
   size_t slot_bytes_ = 0;
   volatile int32_t* peer_words_ = nullptr;
   int32_t* peer_words_dev_ = nullptr;
+  int32_t* failed_dev_ = nullptr;  // in area_: 1 once a wait of this rank's exchanges failed (peer_sync.cuh)
   uint64_t peer_seq_ = 0;
   unsigned long long* peer_stamps_ = nullptr;  // DSACP_PEER_STAMPS=1
   int32_t peer_fence_mode_ = 0;                // DSACP_PEER_FENCE (a diagnostic), read once at setup

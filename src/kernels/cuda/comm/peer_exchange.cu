@@ -85,7 +85,13 @@ __device__ void copy_bytes(char* __restrict__ dst, const char* __restrict__ src,
   for (size_t i = head + body + threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
 }
 
-__device__ __forceinline__ bool exchange_dead(const ExchangeArgs& a) { return words_dead(a.abort_word, a.error_word); }
+__device__ __forceinline__ PeerWords exchange_words(const ExchangeArgs& a) {
+  PeerWords w;
+  w.abort_word = a.abort_word;
+  w.error_word = a.error_word;
+  w.failed_word = a.failed_word;
+  return w;
+}
 
 // Calls body(i, from, to) for each part i whose block overlaps the message range [lo, hi), with the overlap as
 // byte offsets into the part's block.
@@ -107,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a
   const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
   stamp(a, 0, false);
   __shared__ int dead;
-  if (threadIdx.x == 0) dead = exchange_dead(a);
+  if (threadIdx.x == 0) dead = rank_failed(exchange_words(a));
   __syncthreads();
   if (dead) return;  // the whole CTA: no stores, no flags
   for (int k = 0; k < a.size; ++k) {
@@ -142,14 +148,7 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs 
   for (int f = threadIdx.x; f < a.size * ctas && !failed; f += kThreads) {
     const int k = f / ctas, c = f % ctas;
     if (k == a.rank) continue;
-    const uint64_t* flag = flag_at(own, k, c);
-    for (uint32_t spins = 1; ld_acquire_sys(flag) < a.seq; ++spins) {
-      if ((spins & 255) == 0 && (exchange_dead(a) || global_timer_ns() - t0 > a.timeout_ns)) {
-        record_wait_failure(a.abort_word, a.error_word, k);
-        failed = true;
-        break;
-      }
-    }
+    failed = !wait_flag(flag_at(own, k, c), a.seq, t0, a.timeout_ns, exchange_words(a), k);
   }
   __syncthreads();
   stamp(a, 1, true);
@@ -176,9 +175,13 @@ __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArg
 // kernels' writes of the message came before, in stream order), then thread k waits for peer k's flag here,
 // bounded as in peer_wait_kernel. One warp; nothing else waits.
 __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) {
-  if (words_dead(a.abort_word, a.error_word)) {
-    // A failed communicator publishes nothing and waits for nobody; the host must not take this publish for a
-    // completed one (the consumers after it would read buffers nobody published), so the error word says so.
+  PeerWords words;
+  words.abort_word = a.abort_word;
+  words.error_word = a.error_word;
+  words.failed_word = a.failed_word;
+  if (rank_failed(words)) {
+    // A failed rank publishes nothing and waits for nobody; the host must not take this publish for a completed
+    // one (the consumers after it would read buffers nobody published), so the error word says so.
     volatile int32_t* error = reinterpret_cast<volatile int32_t*>(a.error_word);
     if (threadIdx.x == 0 && *error == 0) {
       *error = -1;
@@ -201,20 +204,8 @@ __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) 
   }
   const int k = threadIdx.x;
   if (k >= a.size || k == a.rank) return;
-  const uint64_t t0 = global_timer_ns();
   const uint64_t* flag = reinterpret_cast<const uint64_t*>(a.windows[a.rank]) + k;
-  auto seen = [&]() -> uint64_t {
-    if (a.sync_mode != 2) return ld_acquire_sys(flag);
-    uint64_t v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-    return v;
-  };
-  for (uint32_t spins = 1; seen() < a.seq; ++spins) {
-    if ((spins & 255) == 0 && (words_dead(a.abort_word, a.error_word) || global_timer_ns() - t0 > a.timeout_ns)) {
-      record_wait_failure(a.abort_word, a.error_word, k);
-      return;
-    }
-  }
+  if (!wait_flag(flag, a.seq, global_timer_ns(), a.timeout_ns, words, k, a.sync_mode == 2)) return;
   if (a.sync_mode == 2) __threadfence();
 }
 

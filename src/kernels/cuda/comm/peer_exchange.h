@@ -18,9 +18,9 @@
 // the producer's stream and makes an exchange on another stream than the last wait for the last one's end.
 //
 // The wait is bounded: past timeout_ns it stores 1 + the late peer's rank in the error word (host memory), once
-// the host raises the abort word -1, and ends; the host turns that into the collective's error. Once either word
-// is set, later puts store nothing and later waits end at once, so a failed rank never writes into a slot a
-// healthy peer may still be reading.
+// the host raises the abort word -1, and ends; the host turns that into the collective's error. It also sets the
+// rank's failed word (device memory); once that is set, later puts store nothing and later waits end at once, so
+// a failed rank never writes into a slot a healthy peer may still be reading (peer_sync.cuh, PeerWords).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -54,6 +54,7 @@ struct ExchangeArgs {
   uint64_t timeout_ns = 0;
   const volatile int32_t* abort_word = nullptr;  // mapped host memory, raised by the host on failure
   int32_t* error_word = nullptr;                 // mapped host memory: 1 + the rank that did not deliver, or -1
+  int32_t* failed_word = nullptr;                // device memory: 1 once a wait of this rank failed
   // Diagnostic (DSACP_PEER_STAMPS=1): device memory [kStampRing][kStamps] of global-timer ns for exchanges
   // seq < kStampRing: put first start / last end, wait start / end, unpack first start / last end.
   unsigned long long* stamps = nullptr;
@@ -79,12 +80,6 @@ constexpr size_t kWindowFlagBytes = 4096;
 constexpr int64_t kMaxWindowRows = 4096;
 constexpr size_t kWindowRowFlagBytes = sizeof(uint64_t) * kMaxRanks * kMaxWindowRows;  // 256 KiB
 constexpr size_t kWindowHeaderBytes = kWindowFlagBytes + kWindowRowFlagBytes;         // zeroed once, at setup
-// The rank's failure word (WindowRowSync::failed_word) in its own window region, after the publish flags (zeroed
-// with the header): the kernels' failed row waits set it, the producers read it before they signal.
-inline int32_t* window_failed_word(char* region) {
-  return reinterpret_cast<int32_t*>(region + kWindowFlagBytes - sizeof(int32_t));
-}
-static_assert(sizeof(uint64_t) * kMaxRanks <= kWindowFlagBytes - sizeof(int32_t), "the failure word after the flags");
 // Sender s's row flags in a window region.
 inline uint64_t* window_row_flags(char* region, int sender) {
   return reinterpret_cast<uint64_t*>(region + kWindowFlagBytes) + static_cast<size_t>(sender) * kMaxWindowRows;
@@ -97,6 +92,7 @@ struct WindowArgs {
   uint64_t timeout_ns = 0;
   const volatile int32_t* abort_word = nullptr;  // as in ExchangeArgs
   int32_t* error_word = nullptr;
+  int32_t* failed_word = nullptr;
   // Diagnostic (DSACP_WINDOW_SYNC): 0 fence.sc.sys, release and acquire at system scope; 1 the flag's release and
   // the polls' acquire only; 2 relaxed system-scope flag and polls, a GPU-scope fence on each side.
   int32_t sync_mode = 0;

@@ -25,50 +25,96 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// True once the host raised the abort word or an earlier wait of this communicator failed: an exchange must not
-// touch the peers' memory any more (a failed rank's later stores could overwrite what a healthy peer still reads).
+// The communicator's words, three of them:
+//   abort word   mapped host memory, raised by the host when the communicator fails (a wait sees it and ends);
+//   error word   mapped host memory, the first failed wait's code (-1 after an abort, else 1 + the late peer),
+//                read by the host after the exchange;
+//   failed word  device memory, 1 once a wait of this rank failed: what the producers read before they store
+//                into a peer's memory or raise its flags, and what a later wait reads first.
+// Reads of mapped host memory are served one at a time, ~1.1 us each (bench/micro/host_word_reads.cu on an
+// H200: 64 CTAs reading one word once take 76 us, 128 take 143 us); a host-word check in every CTA of a kernel
+// made the row-signalling top-k 50 us slower and the merged attention 0.3 ms (session 12). So the producers
+// check only the failed word, and the waits read the host words rarely (kWaitWordsEveryNs). A host abort
+// reaches the producers through the waits (a wait that sees the abort word fails and sets the failed word);
+// a producer that runs after an abort before any wait failed stores a correct message of the current exchange,
+// and after an abort the host enqueues nothing more.
+struct PeerWords {
+  const volatile int32_t* abort_word = nullptr;
+  int32_t* error_word = nullptr;
+  int32_t* failed_word = nullptr;
+};
+
+// True when the host words say the communicator failed (two reads of host memory: ~2 us).
 __device__ __forceinline__ bool words_dead(const volatile int32_t* abort_word, const int32_t* error_word) {
   return *abort_word != 0 || *reinterpret_cast<const volatile int32_t*>(error_word) != 0;
 }
 
+// True once a wait of this rank failed (the failed word; the host words where a caller has none).
+__device__ __forceinline__ bool rank_failed(const PeerWords& w) {
+  if (w.failed_word != nullptr) return *reinterpret_cast<const volatile int32_t*>(w.failed_word) != 0;
+  return words_dead(w.abort_word, w.error_word);
+}
+
 // A wait that gives up: the first failure's code goes to the error word (-1 after an abort, else 1 + the peer
-// that did not deliver), visible to the host and the later kernels.
-__device__ __forceinline__ void record_wait_failure(const volatile int32_t* abort_word, int32_t* error_word, int peer) {
-  volatile int32_t* error = reinterpret_cast<volatile int32_t*>(error_word);
-  if (*error == 0) *error = *abort_word != 0 ? -1 : 1 + peer;
+// that did not deliver), visible to the host, and the failed word to 1, visible to the later kernels.
+__device__ __forceinline__ void record_wait_failure(const PeerWords& w, int peer) {
+  volatile int32_t* error = reinterpret_cast<volatile int32_t*>(w.error_word);
+  if (*error == 0) *error = *w.abort_word != 0 ? -1 : 1 + peer;
+  if (w.failed_word != nullptr) *reinterpret_cast<volatile int32_t*>(w.failed_word) = 1;
   __threadfence_system();
 }
 
-// words_dead with one read of host memory where the error word follows the abort word (the communicator's
-// layout; a read of mapped host memory costs about a microsecond).
-__device__ __forceinline__ bool words_dead_one_read(const volatile int32_t* abort_word, const int32_t* error_word) {
-  if (error_word == abort_word + 1 && (reinterpret_cast<uintptr_t>(abort_word) & 7) == 0) {
-    const unsigned long long both = *reinterpret_cast<const volatile unsigned long long*>(abort_word);
-    return both != 0ull;
+// When a wait looks at the host words: not before it has spun for kWaitWordsEveryNs, then every
+// kWaitWordsEveryNs. With a read every 20 us, 64 waiting CTAs kept the host-read queue full, and a wait whose flag
+// had come sat up to ~0.1 ms behind its own read (session 12). An abort ends the waits within ~1 ms.
+constexpr uint64_t kWaitWordsEveryNs = 1000000;
+
+// Spins (one thread) until *flag reaches seq, with acquire at system scope (relaxed: a relaxed load, for the
+// publish's diagnostic mode), bounded by timeout_ns from t0 and the communicator's words; false, with the failure
+// recorded, when it gave up. A rank whose earlier wait failed gives up at once.
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t seq, uint64_t t0, uint64_t timeout_ns,
+                                          const PeerWords& w, int peer, bool relaxed = false) {
+  auto seen = [&]() -> uint64_t {
+    if (!relaxed) return ld_acquire_sys(flag);
+    uint64_t v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+    return v;
+  };
+  if (seen() >= seq) return true;
+  if (w.failed_word != nullptr && *reinterpret_cast<const volatile int32_t*>(w.failed_word) != 0) {
+    record_wait_failure(w, peer);
+    return false;
   }
-  return words_dead(abort_word, error_word);
+  uint64_t next_words = t0 + kWaitWordsEveryNs;
+  for (uint32_t spins = 1; seen() < seq; ++spins) {
+    if ((spins & 63) != 0) continue;
+    const uint64_t now = global_timer_ns();
+    if (now - t0 > timeout_ns || (now >= next_words && words_dead(w.abort_word, w.error_word))) {
+      record_wait_failure(w, peer);
+      return false;
+    }
+    if (now >= next_words) next_words = now + kWaitWordsEveryNs;
+  }
+  return true;
 }
 
-// True once a row wait of this rank's communicator failed (WindowRowSync::failed_word: device memory, an L2 read).
-// The producers' check before they store into a peer's window or raise its flags. Not the host words: one read
-// of mapped host memory per CTA, all CTAs of a kernel at once, queue on PCIe (session 12: +50 us on the top-k,
-// +0.3 ms on the merged attention of the DCP 128K step). A host abort reaches the producers through the
-// waits: a wait that sees the abort word fails and sets failed_word; a producer that runs after an abort before
-// any wait failed stores a correct row of the current exchange (after an abort the host enqueues nothing more).
-__device__ __forceinline__ bool row_sync_failed(const WindowRowSync& w) {
-  return w.failed_word != nullptr ? *reinterpret_cast<const volatile int32_t*>(w.failed_word) != 0
-                                  : words_dead_one_read(w.abort_word, w.error_word);
+__device__ __forceinline__ PeerWords row_words(const WindowRowSync& w) {
+  PeerWords p;
+  p.abort_word = w.abort_word;
+  p.error_word = w.error_word;
+  p.failed_word = w.failed_word;
+  return p;
 }
 
 // Producer side of a row-synchronized window exchange: after the CTA's stores of row t (into this rank's window
 // buffer or the peers'), the CTA meets at a barrier and thread 0 fences at system scope (cumulative over the
 // stores the barrier ordered before it, as the peer exchange's put does) and raises row t's flag in every peer
-// (release at system scope), unless a wait of this communicator failed (the peers then time out instead of
-// reading a message of a failed rank). One fence a CTA. Every thread of the CTA must call it.
+// (release at system scope), unless a wait of this rank failed (the peers then time out instead of reading a
+// message of a failed rank). One fence a CTA. Every thread of the CTA must call it.
 __device__ __forceinline__ void window_row_signal(const WindowRowSync& w, int64_t t) {
   if (w.seq == 0) return;
   __syncthreads();
-  if (threadIdx.x == 0 && t >= 0 && t < w.num_rows && !row_sync_failed(w)) {
+  if (threadIdx.x == 0 && t >= 0 && t < w.num_rows && !rank_failed(row_words(w))) {
     __threadfence_system();
     for (int k = 0; k < w.size; ++k) {
       if (w.signal_to[k] != nullptr) st_release_sys(w.signal_to[k] + t, w.seq);
@@ -76,34 +122,16 @@ __device__ __forceinline__ void window_row_signal(const WindowRowSync& w, int64_
   }
 }
 
-// How often a row wait looks at the communicator's host words (the abort and error words), in ns of its own
-// spinning: rarely, since every waiting CTA reads them (an abort still ends the wait within ~20 us).
-constexpr uint64_t kRowWaitWordsEveryNs = 20000;
-
-// Consumer side: thread k (k < size, k != rank) waits until peer k's flag of row t reached seq (acquire),
-// bounded by the timeout and the communicator's words; the CTA then meets at a barrier. Returns false, on every
-// thread, when a wait gave up (the failure is in the error word and failed_word; the CTA must not read the
-// peers' row). Every thread of the CTA must call it; `ok` is one int of shared memory.
+// Consumer side: thread k (k < size, k != rank) waits until peer k's flag of row t reached seq (wait_flag); the
+// CTA then meets at a barrier. Returns false, on every thread, when a wait gave up (the failure is recorded; the
+// CTA must not read the peers' row). Every thread of the CTA must call it; `ok` is one int of shared memory.
 __device__ __forceinline__ bool window_row_wait(const WindowRowSync& w, int64_t t, int* ok) {
   if (w.seq == 0) return true;
   if (threadIdx.x == 0) *ok = 1;
   __syncthreads();
   const int k = static_cast<int>(threadIdx.x);
   if (k < w.size && k != w.rank && t >= 0 && t < w.num_rows) {
-    const uint64_t* flag = w.wait_on[k] + t;
-    const uint64_t t0 = global_timer_ns();
-    uint64_t next_words = t0 + kRowWaitWordsEveryNs;
-    for (uint32_t spins = 1; ld_acquire_sys(flag) < w.seq; ++spins) {
-      if ((spins & 63) != 0) continue;
-      const uint64_t now = global_timer_ns();
-      if (now - t0 > w.timeout_ns || (now >= next_words && words_dead(w.abort_word, w.error_word))) {
-        record_wait_failure(w.abort_word, w.error_word, k);
-        if (w.failed_word != nullptr) *reinterpret_cast<volatile int32_t*>(w.failed_word) = 1;
-        *ok = 0;
-        break;
-      }
-      if (now >= next_words) next_words = now + kRowWaitWordsEveryNs;
-    }
+    if (!wait_flag(w.wait_on[k] + t, w.seq, global_timer_ns(), w.timeout_ns, row_words(w), k)) *ok = 0;
   }
   __syncthreads();
   return *ok != 0;

@@ -286,7 +286,7 @@ __device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, i
 // CTA of head block k = h0 / block_heads:
 //   k != peer.sync.rank: stores its rows (as part_dtype) and LSE into rank k's window (this rank's slot there,
 //     row t * kRows + r), 16-byte stores, then raises row t's flag in rank k (peer::window_row_signal); nothing
-//     when a wait of this communicator failed (peer::row_sync_failed), so that a failed rank never writes into a peer's window;
+//     when a wait of this rank failed (peer::rank_failed), so that a failed rank never writes into a peer's window;
 //   k == peer.sync.rank: waits for every peer's flag of row t, then merges, parts in rank order, its own staged
 //     rows with the peers' rows of its block in this rank's window (as mla_cluster_merge: w_s = exp(lse_s - max) /
 //     sum over the parts with a finite LSE; none: out = 0, lse = -inf) into out / lse rows t * kRows + r (this
@@ -305,7 +305,7 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
   const int64_t row0 = t * kRows;  // this token's first row in a [T, kRows] slot
   const bool part_bf16 = pm.part_dtype == DType::kBF16;
   if (k != me) {
-    if (tid == 0) s_ok = !peer::row_sync_failed(pm.sync);
+    if (tid == 0) s_ok = !peer::rank_failed(peer::row_words(pm.sync));
     __syncthreads();  // the staged rows and s_ok
     if (s_ok) {
       if (part_bf16) {
