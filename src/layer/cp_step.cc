@@ -190,14 +190,14 @@ Result<std::optional<Communicator::Window>> try_window(Communicator& comm, size_
 }
 
 // The window exchange's synchronization by the kernels themselves, row by row (Communicator::window_rows), for
-// `rows` rows; inactive (seq 0: the caller publishes) where the communicator cannot. Experimental, off unless
-// DSACP_WINDOW_ROWS=1 (both exchanges), =topk or =mla (that one only): on 2 x H200 the CP tests pass with it; the
-// DCP bench at b=64 hung (CUDA's lazy module loading, since avoided) and its attention phase took 0.50 ms with the
-// partials' rows; neither re-run yet (docs/design/gpu-notes.md, session 11). Every rank decides alike: the answer
-// depends on the environment, the communicator and the shape only.
+// `rows` rows; inactive (seq 0: the caller publishes) where the communicator cannot. On by default for both
+// exchanges (the candidates and the partials); DSACP_WINDOW_ROWS=0 turns it off (a publish kernel per exchange
+// and the LSE merge kernel, as before), =topk or =mla keeps that exchange's only. On 2 x H200 (session 12) the
+// DCP 128K step took 0.685 / 0.667 ms with it against 0.693 / 0.693 without (docs/design/gpu-notes.md). Every
+// rank decides alike: the answer depends on the environment, the communicator and the shape only.
 Result<WindowRowSync> try_window_rows(Communicator& comm, int64_t rows, const char* which) {
   const char* knob = std::getenv("DSACP_WINDOW_ROWS");
-  if (knob == nullptr || !(knob[0] == '1' || knob[0] == which[0])) return WindowRowSync{};
+  if (knob != nullptr && !(knob[0] == '1' || knob[0] == which[0])) return WindowRowSync{};
   Result<WindowRowSync> r = comm.window_rows(rows);
   if (r.ok() || r.status().code() != StatusCode::kUnsupported) return r;
   return WindowRowSync{};

@@ -562,7 +562,7 @@ struct Layout {
   CpLayout layout;
   bool one_gpu;  // every rank on GPU 0
   // NAME=VALUE set while the layout runs: DSACP_NCCL_WINDOW=0 (NCCL without its exchange window: the collectives
-  // only), DSACP_WINDOW_ROWS=1 (the window synchronized row by row by the step's kernels: experimental).
+  // only), DSACP_WINDOW_ROWS=0 (the window synchronized by publish kernels, not row by row by the step's kernels).
   const char* env = nullptr;
 };
 
@@ -617,7 +617,8 @@ void test_layouts(uint64_t seed, int num_gpus) {
       {"P2 gathered decodes (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 0, false, DecodeMode::kGathered), false},
       {"D2 DSA-CP (NCCL)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false},
       {"D2 sharded (NCCL, no window)", make_layout(1, 2), false, "DSACP_NCCL_WINDOW=0"},
-      {"D2 sharded (NCCL, window rows: experimental)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=1"},
+      {"D2 sharded (NCCL, window publishes)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=0"},
+      {"D2 sharded (NCCL, window rows: candidates only)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=topk"},
       {"D2 replicated (NCCL, no window)", make_layout(1, 2, IndexerMode::kReplicated), false, "DSACP_NCCL_WINDOW=0"},
       {"D2 DSA-CP (NCCL, no window)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false, "DSACP_NCCL_WINDOW=0"},
       {"P2xD2 on one GPU", make_layout(2, 2), true},

@@ -283,8 +283,7 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
 // (contiguous, loaded as vectors where aligned), one load round. The radix select starts below the leading bytes
 // every candidate shares (from the block's min and max key) and counts into per-warp histograms (no atomics
 // contention across warps); then the same compaction and output as topk_merge_kernel.
-constexpr int kSmallThreads = 512, kSmallPer = 8, kSmallMax = kSmallThreads * kSmallPer;
-constexpr int kSmallWarps = kSmallThreads / 32;
+constexpr int kSmallMax = 4096;  // parts x K of the small kernel: kSmallThreads x kSmallPer, both variants
 
 __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int o) {
   const uint32_t lo = __shfl_xor_sync(0xffffffffu, static_cast<uint32_t>(v), o);
@@ -293,8 +292,11 @@ __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v,
 }
 
 // keys: k2 entries (the unsorted fallback's sort), then sel: n int32.
+template <int kSmallThreads, int kSmallPer>
 __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const TopkMergeParams p, int k2,
                                                                          DeviceErrorWord err) {
+  static_assert(kSmallThreads * kSmallPer == kSmallMax && kSmallPer % 4 == 0, "one load round of 4-vectors");
+  constexpr int kSmallWarps = kSmallThreads / 32;
   extern __shared__ uint64_t keys[];
   const int S = p.num_parts, K = p.K, n = S * K;
   int32_t* sel = reinterpret_cast<int32_t*>(keys + k2);
@@ -331,10 +333,13 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
   const float* score0 = i0 < n ? part_scores_row(p, s0, t) + j0 : nullptr;
   if (one_part && i0 + kSmallPer <= n && (reinterpret_cast<uintptr_t>(row0) & 15) == 0 &&
       (reinterpret_cast<uintptr_t>(score0) & 15) == 0) {
-    const int4 a = reinterpret_cast<const int4*>(row0)[0], b = reinterpret_cast<const int4*>(row0)[1];
-    const float4 c = reinterpret_cast<const float4*>(score0)[0], d = reinterpret_cast<const float4*>(score0)[1];
-    pos[0] = a.x, pos[1] = a.y, pos[2] = a.z, pos[3] = a.w, pos[4] = b.x, pos[5] = b.y, pos[6] = b.z, pos[7] = b.w;
-    sc[0] = c.x, sc[1] = c.y, sc[2] = c.z, sc[3] = c.w, sc[4] = d.x, sc[5] = d.y, sc[6] = d.z, sc[7] = d.w;
+#pragma unroll
+    for (int v = 0; v < kSmallPer / 4; ++v) {
+      const int4 a = reinterpret_cast<const int4*>(row0)[v];
+      const float4 c = reinterpret_cast<const float4*>(score0)[v];
+      pos[4 * v] = a.x, pos[4 * v + 1] = a.y, pos[4 * v + 2] = a.z, pos[4 * v + 3] = a.w;
+      sc[4 * v] = c.x, sc[4 * v + 1] = c.y, sc[4 * v + 2] = c.z, sc[4 * v + 3] = c.w;
+    }
   } else {
 #pragma unroll
     for (int e = 0; e < kSmallPer; ++e) {
@@ -477,8 +482,15 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   const char* choice = std::getenv("DSACP_TOPK_MERGE");  // "1": the general kernel for every shape (an A/B switch)
   if (n <= kSmallMax && !(choice != nullptr && choice[0] == '1')) {
     const size_t small = static_cast<size_t>(k2) * sizeof(uint64_t) + static_cast<size_t>(n) * sizeof(int32_t);
-    DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel, static_cast<int>(small)));
-    topk_merge_small_kernel<<<static_cast<unsigned>(p.num_rows), kSmallThreads, small, ctx.stream>>>(p, k2, ctx.error);
+    // DSACP_TOPK_MERGE_THREADS=1024: 4 candidates a thread instead of 8 (an A/B switch, session 12)
+    const char* threads = std::getenv("DSACP_TOPK_MERGE_THREADS");
+    if (threads != nullptr && std::atoi(threads) == 1024) {
+      DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<1024, 4>, static_cast<int>(small)));
+      topk_merge_small_kernel<1024, 4><<<static_cast<unsigned>(p.num_rows), 1024, small, ctx.stream>>>(p, k2, ctx.error);
+    } else {
+      DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<512, 8>, static_cast<int>(small)));
+      topk_merge_small_kernel<512, 8><<<static_cast<unsigned>(p.num_rows), 512, small, ctx.stream>>>(p, k2, ctx.error);
+    }
     DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_small_kernel");
     return Status::ok_status();
   }
