@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergePar
   write_merged_row(p, t, sel, part_start, total, s_unsorted, keys, k2, &s_need);
 }
 
-// The DCP decode's merge (parts x K <= 4096: 2 parts of K = 2048): 512 threads, 8 candidates each in registers
+// The DCP decode's merge (parts x K <= 4096: 2 parts of K = 2048): 1024 threads, 4 candidates each in registers
 // (contiguous, loaded as vectors where aligned), one load round. The radix select starts below the leading bytes
 // every candidate shares (from the block's min and max key) and counts into per-warp histograms (no atomics
 // contention across warps); then the same compaction and output as topk_merge_kernel.
@@ -482,14 +482,15 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   const char* choice = std::getenv("DSACP_TOPK_MERGE");  // "1": the general kernel for every shape (an A/B switch)
   if (n <= kSmallMax && !(choice != nullptr && choice[0] == '1')) {
     const size_t small = static_cast<size_t>(k2) * sizeof(uint64_t) + static_cast<size_t>(n) * sizeof(int32_t);
-    // DSACP_TOPK_MERGE_THREADS=1024: 4 candidates a thread instead of 8 (an A/B switch, session 12)
+    // 1024 threads of 4 candidates: b=64, 2 x 2048 (bench_gpu, one H200, session 12) 19.9 us against 20.8 with
+    // 512 threads of 8 (DSACP_TOPK_MERGE_THREADS=512, an A/B switch)
     const char* threads = std::getenv("DSACP_TOPK_MERGE_THREADS");
-    if (threads != nullptr && std::atoi(threads) == 1024) {
-      DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<1024, 4>, static_cast<int>(small)));
-      topk_merge_small_kernel<1024, 4><<<static_cast<unsigned>(p.num_rows), 1024, small, ctx.stream>>>(p, k2, ctx.error);
-    } else {
+    if (threads != nullptr && std::atoi(threads) == 512) {
       DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<512, 8>, static_cast<int>(small)));
       topk_merge_small_kernel<512, 8><<<static_cast<unsigned>(p.num_rows), 512, small, ctx.stream>>>(p, k2, ctx.error);
+    } else {
+      DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<1024, 4>, static_cast<int>(small)));
+      topk_merge_small_kernel<1024, 4><<<static_cast<unsigned>(p.num_rows), 1024, small, ctx.stream>>>(p, k2, ctx.error);
     }
     DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_small_kernel");
     return Status::ok_status();
