@@ -1,6 +1,6 @@
 // Context-parallel scaling on all the GPUs of one machine (NCCL, one thread per GPU), against one GPU in the
-// same run: PCP prefill of one long request (32K, 128K tokens), DCP decode at batch 64 with 32K and 128K contexts
-// (sharded and replicated indexer), and NCCL all-gather / all-to-all bus bandwidth in the style of
+// same run: PCP prefill of one long request (32K, 128K tokens), DCP decode at batch 64 (--batch) with 32K and 128K
+// contexts (sharded and replicated indexer), and NCCL all-gather / all-to-all bus bandwidth in the style of
 // nccl-tests. Whole steps through the executors (step_run on one GPU, cp_step_run per rank) with device-resident
 // inputs: host planning, uploads, kernels, collectives. Each rank's communicators' statistics (device time of
 // the collectives, time blocked in wait) give compute vs communication and the overlap; phases come from
@@ -9,7 +9,7 @@
 // start to the last rank's end; every step (the one-GPU one too) runs on a long-lived rank thread pinned to a
 // core of its own. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
-//        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N] [--no-pin] [--timeout-ms N]
+//        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N] [--no-pin] [--timeout-ms N] [--batch N]
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -583,6 +583,7 @@ int main(int argc, char** argv) {
   std::string json, only;
   int reps = 3;
   bool quick = false;
+  int batch = 64;  // --batch: the DCP decode batch
   int64_t only_S = 0;
   std::string only_mode;
   bool one_gpu_only = false;
@@ -600,6 +601,7 @@ int main(int argc, char** argv) {
     else if (a == "--stagger-us" && i + 1 < argc) g_stagger_us = std::atoi(argv[++i]);
     else if (a == "--no-pin") pin = false;
     else if (a == "--timeout-ms" && i + 1 < argc) g_timeout_ms = std::atol(argv[++i]);
+    else if (a == "--batch" && i + 1 < argc) batch = std::max(1, std::atoi(argv[++i]));
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {
@@ -642,17 +644,19 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "dcp") {
     for (int64_t S : {int64_t{32768}, int64_t{131072}}) {
       if ((quick && S > 32768) || (only_S != 0 && S != only_S)) continue;
-      const std::vector<Request> req(64, Request{1, static_cast<int32_t>(S - 1)});
+      const std::vector<Request> req(static_cast<size_t>(batch), Request{1, static_cast<int32_t>(S - 1)});
+      const std::string b = "b" + std::to_string(batch);
       const Measure one = one_gpu(*gpus[0], c, req, reps, true);
       if (one_gpu_only) {
-        std::printf("dcp decode b64 %lldK, one GPU only: %.3f ms\n", static_cast<long long>(S / 1024), one.step_ms);
+        std::printf("dcp decode %s %lldK, one GPU only: %.3f ms\n", b.c_str(), static_cast<long long>(S / 1024),
+                    one.step_ms);
         continue;
       }
       for (IndexerMode mode : {IndexerMode::kSharded, IndexerMode::kReplicated}) {
         if (!only_mode.empty() && only_mode != (mode == IndexerMode::kSharded ? "sharded" : "replicated")) continue;
         const Measure cp = cp_gpus(gpus, c, req, layout_of(1, n, mode), reps, true);
         const std::string m = mode == IndexerMode::kSharded ? "sharded" : "replicated";
-        add("dcp decode b64 " + std::to_string(S / 1024) + "K " + m, S, ("D" + std::to_string(n) + " " + m).c_str(),
+        add("dcp decode " + b + " " + std::to_string(S / 1024) + "K " + m, S, ("D" + std::to_string(n) + " " + m).c_str(),
             one, cp);
       }
       // Hybrid layouts from 4 GPUs: 2 x n/2 and n/2 x 2 (sharded indexer).
@@ -662,7 +666,7 @@ int main(int argc, char** argv) {
       for (int P : hybrid_P) {
         const Measure cp = cp_gpus(gpus, c, req, layout_of(P, n / P, IndexerMode::kSharded), reps, true);
         const std::string name = std::to_string(P) + "x" + std::to_string(n / P);
-        add("hybrid decode b64 " + std::to_string(S / 1024) + "K " + name, S, name.c_str(), one, cp);
+        add("hybrid decode " + b + " " + std::to_string(S / 1024) + "K " + name, S, name.c_str(), one, cp);
       }
     }
   }

@@ -693,6 +693,40 @@ void test_layouts(uint64_t seed, int num_gpus) {
              describe(cc));
     }
   }
+  // A decode batch past one wave of the GPU: 100 rows at H=128, so the merged attention's grid (200 CTAs of one
+  // an SM) and the candidate merge's cannot all be resident at once. The kernels that wait for the peer's rows
+  // (the merge; attention's own head block) then run beside CTAs not yet started on either GPU: the rows must
+  // still arrive (token-major grids: a CTA never waits for a row whose producer comes after it in its own grid).
+  // bf16 out (bf16 partials): the partials of 100 rows fit the 16 MiB window, so both exchanges are row-synced.
+  if (num_gpus >= 2) {
+    CaseGenSpec spec;
+    spec.dims = CaseDims{128, 512, 64, 64, 128};
+    spec.topk = 512;
+    spec.scale = 0.0723f;
+    spec.dtype = DType::kBF16;
+    spec.seed = seed * 31 + 3;
+    for (int i = 0; i < 100; ++i) {
+      spec.requests.push_back({1, 600 + static_cast<int32_t>(counter_hash(spec.seed, 5, i) % 5000)});
+    }
+    auto c = case_generate(spec);
+    ReplayOptions one;
+    one.page_size = 64;
+    one.out_dtype = DType::kBF16;
+    auto want = c.ok() ? replay_case(*gpus[0], *c, one) : Result<StepResult>(c.status());
+    ReplayOptions o = one;
+    o.layout = make_layout(1, 2);
+    const auto t0 = Clock::now();
+    const std::string name = "decode-only H=128, 100 rows (grids past one wave): D2 sharded (NCCL, window rows)";
+    if (!want.ok()) {
+      report(false, name, want.status().to_string());
+    } else if (auto got = replay_case(std::vector<Backend*>{gpus[0].get(), gpus[1].get()}, *c, o); !got.ok()) {
+      report(false, name, got.status().to_string());
+    } else {
+      const Compare cc = compare(*got, *want);
+      report(cc.topk_same && cc.out_rel < 1e-2 && cc.lse_abs < 2e-2, name + " vs one GPU",
+             describe(cc) + " (" + std::to_string(seconds_since(t0)) + " s)");
+    }
+  }
   // Two different backends on one GPU cannot be NCCL ranks: refused with the reason, not hung.
   {
     CaseFile c = make_case(seed + 5, 64, false);
