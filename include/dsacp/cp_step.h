@@ -16,6 +16,8 @@
 
 namespace dsacp {
 
+class RankWorkers;  // (src/core/rank_workers.h: one long-lived thread per rank)
+
 // A rank's communicators: all Pt ranks (rank cr = r*D + d), its PCP group (the P ranks with the same d,
 // rank r) and its DCP group (the D ranks with the same r, rank d).
 struct CpComms {
@@ -113,6 +115,7 @@ class LocalCpCluster {
  private:
   LocalCpCluster() = default;
   Status make_nccl_comms();
+  void release_nccl_comms();
   std::vector<Backend*> backends_;  // one per CP rank cr
   bool nccl_ = false;
   CpLayout layout_;
@@ -121,6 +124,7 @@ class LocalCpCluster {
   std::vector<PagedKvCache> caches_;  // one per CP rank cr
   std::vector<OwnedCpComms> comms_;   // NCCL: one per CP rank, made once (again after a failed step)
   std::vector<CommStats> comm_stats_;
+  std::unique_ptr<RankWorkers> workers_;  // one long-lived thread per CP rank: every rank's work runs there
 };
 
 // Host rows of `full` selected by `rows` (-1 = a zero row): [rows.size(), ...].

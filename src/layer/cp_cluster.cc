@@ -2,12 +2,13 @@
 // or one per rank (GPUs: NCCL).
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
-#include <thread>
 
 #include <algorithm>
 
 #include "dsacp/cp_step.h"
+#include "core/rank_workers.h"
 #include "dsacp/nccl_communicator.h"
 #include "layer/step_checks.h"
 
@@ -110,22 +111,23 @@ Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(const std::vector
     DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(*rank_backends[r], c->cache_config_));
     c->caches_.push_back(std::move(cache));
   }
+  c->workers_ = std::make_unique<RankWorkers>(Pt);
   if (nccl) DSACP_RETURN_IF_ERROR(c->make_nccl_comms());
   return c;
 }
 
-LocalCpCluster::~LocalCpCluster() {
-  // NCCL communicators are released by their own rank's thread, all at once (finalization may wait for peers).
+LocalCpCluster::~LocalCpCluster() { release_nccl_comms(); }
+
+// NCCL communicators are released by their own rank's thread, all at once (finalization may wait for peers).
+void LocalCpCluster::release_nccl_comms() {
   if (comms_.empty()) return;
-  std::vector<std::thread> threads;
-  for (auto& rc : comms_) {
-    threads.emplace_back([&rc] {
-      rc.dcp.reset();
-      rc.pcp.reset();
-      rc.world.reset();
-    });
-  }
-  for (auto& t : threads) t.join();
+  workers_->run([this](int32_t cr) {
+    OwnedCpComms& rc = comms_[static_cast<size_t>(cr)];
+    rc.dcp.reset();
+    rc.pcp.reset();
+    rc.world.reset();
+  });
+  comms_.clear();
 }
 
 std::string LocalCpCluster::transport() const {
@@ -154,23 +156,19 @@ Status LocalCpCluster::make_nccl_comms() {
   DSACP_ASSIGN_OR_RETURN(NcclId id, nccl_make_id());
   auto signal = std::make_shared<AbortSignal>();
   std::vector<Status> status(static_cast<size_t>(Pt));
-  std::vector<std::thread> threads;
-  for (int32_t cr = 0; cr < Pt; ++cr) {
-    threads.emplace_back([&, cr] {
-      auto run = [&]() -> Status {
-        NcclOptions o;
-        o.device = backends_[cr]->cuda_device();
-        o.producer_stream = backends_[cr]->native_stream();
-        o.timeout = std::chrono::milliseconds(layout_.comm_timeout_ms);
-        o.abort_signal = signal;
-        DSACP_ASSIGN_OR_RETURN(comms_[cr], nccl_cp_comms(id, layout_, cr, o));
-        return Status();
-      };
-      status[cr] = run();
-      if (!status[cr].ok()) signal->raise("rank " + std::to_string(cr) + ": " + status[cr].message());
-    });
-  }
-  for (auto& t : threads) t.join();
+  workers_->run([&](int32_t cr) {
+    auto run = [&]() -> Status {
+      NcclOptions o;
+      o.device = backends_[cr]->cuda_device();
+      o.producer_stream = backends_[cr]->native_stream();
+      o.timeout = std::chrono::milliseconds(layout_.comm_timeout_ms);
+      o.abort_signal = signal;
+      DSACP_ASSIGN_OR_RETURN(comms_[cr], nccl_cp_comms(id, layout_, cr, o));
+      return Status();
+    };
+    status[cr] = run();
+    if (!status[cr].ok()) signal->raise("rank " + std::to_string(cr) + ": " + status[cr].message());
+  });
   for (int32_t cr = 0; cr < Pt; ++cr) {
     if (!status[cr].ok()) {
       const Status s = status[cr].with_context("NCCL communicators of CP rank " + std::to_string(cr));
@@ -268,9 +266,7 @@ Status LocalCpCluster::load_context(const std::vector<Request>& requests, const 
     return Status();
   }
   std::vector<Status> status(static_cast<size_t>(sharding_.Pt));
-  std::vector<std::thread> threads;
-  for (int32_t cr = 0; cr < sharding_.Pt; ++cr) threads.emplace_back([&, cr] { status[cr] = load(cr); });
-  for (auto& t : threads) t.join();
+  workers_->run([&](int32_t cr) { status[cr] = load(cr); });
   for (const Status& st : status) DSACP_RETURN_IF_ERROR(st);
   return Status();
 }
@@ -409,31 +405,27 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
     for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P, timeout, copy));
     for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D, timeout, copy));
   }
-  std::vector<std::thread> threads;
-  for (int32_t cr = 0; cr < Pt; ++cr) {
-    threads.emplace_back([&, cr] {
-      const int32_t r = cr / D, d = cr % D;
-      std::unique_ptr<Communicator> w_comm, p_comm, d_comm;
-      CpComms comms;
-      if (nccl_) {
-        comms = comms_[cr].view();
-      } else {
-        w_comm = world->make_communicator(cr);
-        p_comm = pcp_groups[d]->make_communicator(r);
-        d_comm = dcp_groups[r]->make_communicator(d);
-        comms = CpComms{w_comm.get(), p_comm.get(), d_comm.get()};
-      }
-      auto rank_result = cp_rank_step_host(*backends_[cr], comms, c, requests, layout_, sharding_, table, plans[cr],
-                                           caches_[cr], inputs);
-      if (rank_result.ok()) {
-        results[cr] = std::move(rank_result).value();
-      } else {
-        status[cr] = rank_result.status();
-        for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) comm->abort(status[cr].message());
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  workers_->run([&](int32_t cr) {
+    const int32_t r = cr / D, d = cr % D;
+    std::unique_ptr<Communicator> w_comm, p_comm, d_comm;
+    CpComms comms;
+    if (nccl_) {
+      comms = comms_[cr].view();
+    } else {
+      w_comm = world->make_communicator(cr);
+      p_comm = pcp_groups[d]->make_communicator(r);
+      d_comm = dcp_groups[r]->make_communicator(d);
+      comms = CpComms{w_comm.get(), p_comm.get(), d_comm.get()};
+    }
+    auto rank_result = cp_rank_step_host(*backends_[cr], comms, c, requests, layout_, sharding_, table, plans[cr],
+                                         caches_[cr], inputs);
+    if (rank_result.ok()) {
+      results[cr] = std::move(rank_result).value();
+    } else {
+      status[cr] = rank_result.status();
+      for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) comm->abort(status[cr].message());
+    }
+  });
   comm_stats_.assign(static_cast<size_t>(Pt), CommStats{});
   if (nccl_) {
     for (int32_t cr = 0; cr < Pt; ++cr) comm_stats_[cr] = comms_[cr].world->stats();
@@ -443,10 +435,7 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
       if (nccl_) {
         // The failure aborted the NCCL communicators: release them (each by its own rank's thread) and make new
         // ones at the next step.
-        std::vector<std::thread> release;
-        for (auto& rc : comms_) release.emplace_back([&rc] { rc = OwnedCpComms{}; });
-        for (auto& t : release) t.join();
-        comms_.clear();
+        release_nccl_comms();
       }
       return status[cr].with_context("CP rank " + std::to_string(cr) + " (r=" + std::to_string(cr / D) +
                                      ", d=" + std::to_string(cr % D) + ")");
