@@ -17,14 +17,7 @@
 
 #include "kernels/cuda/comm/peer_sync.cuh"
 
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+#include "micro_check.h"
 
 using dsacp::cuda::peer::ld_acquire_sys;  // the flag loads and stores the step's kernels use
 using dsacp::cuda::peer::st_release_sys;

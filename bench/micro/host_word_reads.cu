@@ -13,14 +13,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+#include "micro_check.h"
 
 __global__ void read_word_kernel(const volatile int32_t* word, int reads, int32_t* sink) {
   __syncthreads();

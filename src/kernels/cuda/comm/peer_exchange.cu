@@ -85,13 +85,6 @@ __device__ void copy_bytes(char* __restrict__ dst, const char* __restrict__ src,
   for (size_t i = head + body + threadIdx.x; i < n; i += kThreads) dst[i] = src[i];
 }
 
-__device__ __forceinline__ PeerWords exchange_words(const ExchangeArgs& a) {
-  PeerWords w;
-  w.abort_word = a.abort_word;
-  w.error_word = a.error_word;
-  w.failed_word = a.failed_word;
-  return w;
-}
 
 // Calls body(i, from, to) for each part i whose block overlaps the message range [lo, hi), with the overlap as
 // byte offsets into the part's block.
@@ -113,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a
   const size_t lo = c * m.chunk, hi = min(m.total, lo + m.chunk);
   stamp(a, 0, false);
   __shared__ int dead;
-  if (threadIdx.x == 0) dead = rank_failed(exchange_words(a));
+  if (threadIdx.x == 0) dead = rank_failed(words_of(a));
   __syncthreads();
   if (dead) return;  // the whole CTA: no stores, no flags
   for (int k = 0; k < a.size; ++k) {
@@ -148,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const ExchangeArgs 
   for (int f = threadIdx.x; f < a.size * ctas && !failed; f += kThreads) {
     const int k = f / ctas, c = f % ctas;
     if (k == a.rank) continue;
-    failed = !wait_flag(flag_at(own, k, c), a.seq, t0, a.timeout_ns, exchange_words(a), k);
+    failed = !wait_flag(flag_at(own, k, c), a.seq, t0, a.timeout_ns, words_of(a), k);
   }
   __syncthreads();
   stamp(a, 1, true);
@@ -175,10 +168,7 @@ __global__ void __launch_bounds__(kThreads) peer_unpack_kernel(const ExchangeArg
 // kernels' writes of the message came before, in stream order), then thread k waits for peer k's flag here,
 // bounded as in peer_wait_kernel. One warp; nothing else waits.
 __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) {
-  PeerWords words;
-  words.abort_word = a.abort_word;
-  words.error_word = a.error_word;
-  words.failed_word = a.failed_word;
+  const PeerWords words = words_of(a);
   if (rank_failed(words)) {
     // A failed rank publishes nothing and waits for nobody; the host must not take this publish for a completed
     // one (the consumers after it would read buffers nobody published), so the error word says so.

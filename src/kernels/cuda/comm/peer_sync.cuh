@@ -98,11 +98,13 @@ __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t seq, ui
   return true;
 }
 
-__device__ __forceinline__ PeerWords row_words(const WindowRowSync& w) {
+// The words of anything that carries them (WindowRowSync, the peer exchange's ExchangeArgs and WindowArgs).
+template <typename Args>
+__device__ __forceinline__ PeerWords words_of(const Args& a) {
   PeerWords p;
-  p.abort_word = w.abort_word;
-  p.error_word = w.error_word;
-  p.failed_word = w.failed_word;
+  p.abort_word = a.abort_word;
+  p.error_word = a.error_word;
+  p.failed_word = a.failed_word;
   return p;
 }
 
@@ -114,7 +116,7 @@ __device__ __forceinline__ PeerWords row_words(const WindowRowSync& w) {
 __device__ __forceinline__ void window_row_signal(const WindowRowSync& w, int64_t t) {
   if (w.seq == 0) return;
   __syncthreads();
-  if (threadIdx.x == 0 && t >= 0 && t < w.num_rows && !rank_failed(row_words(w))) {
+  if (threadIdx.x == 0 && t >= 0 && t < w.num_rows && !rank_failed(words_of(w))) {
     __threadfence_system();
     for (int k = 0; k < w.size; ++k) {
       if (w.signal_to[k] != nullptr) st_release_sys(w.signal_to[k] + t, w.seq);
@@ -131,7 +133,7 @@ __device__ __forceinline__ bool window_row_wait(const WindowRowSync& w, int64_t 
   __syncthreads();
   const int k = static_cast<int>(threadIdx.x);
   if (k < w.size && k != w.rank && t >= 0 && t < w.num_rows) {
-    if (!wait_flag(w.wait_on[k] + t, w.seq, global_timer_ns(), w.timeout_ns, row_words(w), k)) *ok = 0;
+    if (!wait_flag(w.wait_on[k] + t, w.seq, global_timer_ns(), w.timeout_ns, words_of(w), k)) *ok = 0;
   }
   __syncthreads();
   return *ok != 0;

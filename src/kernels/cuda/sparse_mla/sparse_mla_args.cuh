@@ -305,7 +305,7 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
   const int64_t row0 = t * kRows;  // this token's first row in a [T, kRows] slot
   const bool part_bf16 = pm.part_dtype == DType::kBF16;
   if (k != me) {
-    if (tid == 0) s_ok = !peer::rank_failed(peer::row_words(pm.sync));
+    if (tid == 0) s_ok = !peer::rank_failed(peer::words_of(pm.sync));
     __syncthreads();  // the staged rows and s_ok
     if (s_ok) {
       if (part_bf16) {
