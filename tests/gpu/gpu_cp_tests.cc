@@ -89,13 +89,17 @@ std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::sh
   return ranks;
 }
 
+// True when both ranks of a pair were made; else reports `what` as failed, with both ranks' statuses.
+bool pair_made(const std::vector<RankSetup>& ranks, const std::string& what) {
+  if (ranks[0].status.ok() && ranks[1].status.ok()) return true;
+  report(false, what, ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
+  return false;
+}
+
 void test_nccl_collectives(uint64_t seed, bool peer) {
   auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr, peer);
   const std::string via = peer ? " (peer exchange)" : " (NCCL only)";
-  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, "nccl: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
-    return;
-  }
+  if (!pair_made(ranks, "nccl: create 2 ranks")) return;
   const int n = 2;
   const size_t bytes = 3 * 1000 * 1000 + 17;  // not a multiple of anything
   std::vector<std::string> errors(n);
@@ -201,10 +205,7 @@ Status window_round(RankSetup& rank, size_t bytes) {
 void test_nccl_timeout(bool peer, bool window = false) {
   auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr, peer);
   const std::string via = window ? " (window publish)" : peer ? " (peer exchange)" : " (NCCL only)";
-  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, "nccl timeout: create", ranks[0].status.to_string());
-    return;
-  }
+  if (!pair_made(ranks, "nccl timeout: create")) return;
   Status got;
   double waited = 0;
   on_ranks(2, [&](int r) {
@@ -231,10 +232,7 @@ void test_nccl_abort(bool peer, bool window = false) {
   auto signal = std::make_shared<AbortSignal>();
   auto ranks = make_rank_pair(std::chrono::seconds(120), signal, peer);
   const std::string via = window ? " (window publish)" : peer ? " (peer exchange)" : " (NCCL only)";
-  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, "nccl abort: create", ranks[0].status.to_string());
-    return;
-  }
+  if (!pair_made(ranks, "nccl abort: create")) return;
   Status got;
   double waited = 0;
   on_ranks(2, [&](int r) {
@@ -260,10 +258,7 @@ void test_nccl_abort(bool peer, bool window = false) {
 // reports it naming the late rank, and the communicator fails later calls at once.
 void test_window_rows_timeout() {
   auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr, false);
-  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, "window rows timeout: create", ranks[0].status.to_string());
-    return;
-  }
+  if (!pair_made(ranks, "window rows timeout: create")) return;
   Status got;
   double waited = 0;
   on_ranks(2, [&](int r) {
@@ -319,10 +314,7 @@ void test_window_rows_timeout() {
 // DSACP_NCCL_WINDOW=0 -> no window (kUnsupported).
 void test_window(uint64_t seed) {
   auto ranks = make_rank_pair(std::chrono::seconds(20), nullptr, false);
-  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, "window: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
-    return;
-  }
+  if (!pair_made(ranks, "window: create 2 ranks")) return;
   const int n = 2, rounds = 6, dim = 1024;  // a message: rows of 1024 floats (finite: copied bit for bit)
   auto round_rows = [](int i) -> int64_t { return 200 + 37 * i + (i % 2) * 300; };
   std::vector<std::string> errors(n);
@@ -410,10 +402,7 @@ void test_window(uint64_t seed) {
   setenv("DSACP_NCCL_WINDOW", "0", 1);
   auto off = make_rank_pair(std::chrono::seconds(60), nullptr, false);
   unsetenv("DSACP_NCCL_WINDOW");
-  if (!off[0].status.ok() || !off[1].status.ok()) {
-    report(false, "window off: create 2 ranks", off[0].status.to_string());
-    return;
-  }
+  if (!pair_made(off, "window off: create 2 ranks")) return;
   auto none = off[0].comm->window_next(1024);
   report(!none.ok() && none.status().code() == StatusCode::kUnsupported, "window: DSACP_NCCL_WINDOW=0 -> no window",
          none.ok() ? "a window" : none.status().to_string());
@@ -428,10 +417,7 @@ void test_back_to_back(uint64_t seed, bool peer, bool lanes = false) {
   auto ranks = make_rank_pair(std::chrono::seconds(60), nullptr, peer);
   const std::string via = std::string(peer ? " (peer exchange and NCCL mixed)" : " (NCCL only)") +
                           (lanes ? ", producer stream alternating between two lanes" : "");
-  if (!ranks[0].status.ok() || !ranks[1].status.ok()) {
-    report(false, "nccl back to back: create 2 ranks", ranks[0].status.to_string() + " / " + ranks[1].status.to_string());
-    return;
-  }
+  if (!pair_made(ranks, "nccl back to back: create 2 ranks")) return;
   const int n = 2, ops = 9;
   auto op_bytes = [](int i) -> size_t { return i == 4 ? (size_t{12} << 20) + 5 : 300 * 1000 * (i + 1) + 7 * i; };
   std::vector<std::string> errors(n);
