@@ -7,6 +7,7 @@
 #include "kernels/cuda/common/block_scan.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
+#include "kernels/cuda/cp_kernels/shard_map.cuh"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace dsacp::cuda {
@@ -38,7 +39,7 @@ __global__ void gather_rows_kernel(const GatherRowsParams p, bool src_bf, bool d
 }
 
 // One CTA per row: each thread takes a contiguous chunk of entries, a block scan gives where its kept entries
-// go, so the order is kept. 32-bit arithmetic (positions are int32).
+// go, so the order is kept. The position maps are ShardMap's (32-bit arithmetic: positions are int32).
 constexpr int kRemapThreads = 256;
 
 __global__ void __launch_bounds__(kRemapThreads) topk_remap_kernel(const TopkRemapParams p, DeviceErrorWord err) {
@@ -47,22 +48,22 @@ __global__ void __launch_bounds__(kRemapThreads) topk_remap_kernel(const TopkRem
   const int32_t* in = p.topk + r * p.K;
   int32_t* out = p.local + r * p.K;
   const int K = p.K;
-  const uint32_t Pt = static_cast<uint32_t>(p.Pt), I = static_cast<uint32_t>(p.I), cr = static_cast<uint32_t>(p.cr);
+  const ShardMap map(p.Pt, p.I);
+  const int cr = static_cast<int>(p.cr);
   const int chunk = (K + blockDim.x - 1) / blockDim.x;
   const int begin = min(K, static_cast<int>(threadIdx.x) * chunk), end = min(K, begin + chunk);
   int count = 0;
   for (int i = begin; i < end; ++i) {
     const int32_t e = in[i];
     if (e < -1) report_device_error(err, kDevBadEntry, r);
-    if (e >= 0 && (static_cast<uint32_t>(e) / I) % Pt == cr) ++count;
+    if (e >= 0 && map.part(e) == cr) ++count;
   }
   int total = 0;
   int at = block_exclusive_scan(count, warp_sums, &total);
   for (int i = begin; i < end; ++i) {
     const int32_t e = in[i];
     if (e < 0) continue;
-    const uint32_t u = static_cast<uint32_t>(e), q = u / I;
-    if (q % Pt == cr) out[at++] = static_cast<int32_t>((q / Pt) * I + (u - q * I));
+    if (map.part(e) == cr) out[at++] = map.local(e);
   }
   for (int i = total + threadIdx.x; i < K; i += blockDim.x) out[i] = -1;
 }
