@@ -959,7 +959,7 @@ class NcclComm final : public NcclCommunicator {
     DSACP_RETURN_IF_ERROR(window_usable());
     const cudaStream_t on = exchange_stream();
     window_order_.now_on(on);
-    // Nothing to enqueue: the handle's events bracket the point after the consumer, and its wait reads the error
+    // Nothing to enqueue: the handle's end event marks the point after the consumer, and its wait reads the error
     // word the consumers' waits store into.
     return launch("window rows", window_message_bytes_ * (size_ - 1), [] { return ncclSuccess; }, true, on);
   }
