@@ -106,6 +106,32 @@ struct QueryRowsView {
   const int32_t* key_len = nullptr;     // [T] keys [0, key_len) are visible; 0 = none
 };
 
+// Exact merge of top-k rows computed by Pt CP ranks over their own keys (the sharded indexer): part s holds
+// rank s's local positions and their scores; with KV sharded by interleave I, local position l of rank s is
+// global position ((l / I) * Pt + s) * I + l mod I. The result is the canonical global row: the K best
+// candidates by score (NaN lowest), ties to the lower global position, ascending, -1 padded. It equals the
+// top-k over all keys, because every global winner is among its own rank's local top-k.
+struct TopkMergeParams {
+  int32_t num_parts = 0;              // Pt
+  int64_t num_rows = 0;               // T
+  int32_t K = 0;
+  int32_t I = 1;                      // interleave of the sharding
+  const int32_t* part_topk = nullptr;  // [Pt, T, K] local positions, -1 padded
+  const float* part_scores = nullptr;  // [Pt, T, K]
+  int32_t* topk = nullptr;             // [T, K] out
+  // Optional, in the same pass: the merged rows remapped to part `local_part`'s own local positions (exactly
+  // TopkRemapParams with Pt = num_parts, I, cr = local_part): that part's winners in order, then -1.
+  int32_t* local_topk = nullptr;       // [T, K] out
+  int32_t local_part = 0;
+  // Or, with part_topk and part_scores null, one buffer per part (Pt <= kMaxPartBuffers): part s's [T, K] rows
+  // at part_topk_of[s] and part_scores_of[s].
+  const int32_t* part_topk_of[kMaxPartBuffers] = {};
+  const float* part_scores_of[kMaxPartBuffers] = {};
+  // Optional (device backends): the parts are a row-synchronized window exchange's messages; row t of the other
+  // parts is read once their ranks raised its flag (Communicator::window_rows).
+  WindowRowSync wait;
+};
+
 // Lightning indexer score and exact top-k in the contract's canonical form:
 //   s(t, j) = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) over visible j;
 //   the K largest, ties to the lower position, ascending, front-packed, -1 padded.
@@ -128,6 +154,12 @@ struct IndexerTopkParams {
   // Optional (device backends): topk / topk_scores are this rank's message of a row-synchronized window exchange,
   // and row t's flag is raised in every peer once its row is stored (Communicator::window_rows).
   WindowRowSync signal;
+  // Optional (device backends, with signal; merge.num_rows == rows.num_tokens > 0): that exchange's candidate merge
+  // done by the top-k itself, row by row: once row t is stored and signalled, the merge of row t waits for the
+  // peers' flags of it (merge.wait, the same exchange) and writes merged row t (merge.topk, merge.local_topk).
+  // merge's parts are the exchange's messages, this rank's part being topk / topk_scores. Saves the merge kernel's
+  // launch and lets each row merge as soon as its candidates are in; the result is topk_merge's.
+  TopkMergeParams merge;
 };
 
 // Sparse MLA attention over the chosen keys, with natural-log LSE.
@@ -218,32 +250,6 @@ struct TopkRemapParams {
   const int32_t* topk = nullptr;  // [num_rows, K] global positions
   int32_t* local = nullptr;       // [num_rows, K] out
   int32_t Pt = 1, I = 1, cr = 0;
-};
-
-// Exact merge of top-k rows computed by Pt CP ranks over their own keys (the sharded indexer): part s holds
-// rank s's local positions and their scores; with KV sharded by interleave I, local position l of rank s is
-// global position ((l / I) * Pt + s) * I + l mod I. The result is the canonical global row: the K best
-// candidates by score (NaN lowest), ties to the lower global position, ascending, -1 padded. It equals the
-// top-k over all keys, because every global winner is among its own rank's local top-k.
-struct TopkMergeParams {
-  int32_t num_parts = 0;              // Pt
-  int64_t num_rows = 0;               // T
-  int32_t K = 0;
-  int32_t I = 1;                      // interleave of the sharding
-  const int32_t* part_topk = nullptr;  // [Pt, T, K] local positions, -1 padded
-  const float* part_scores = nullptr;  // [Pt, T, K]
-  int32_t* topk = nullptr;             // [T, K] out
-  // Optional, in the same pass: the merged rows remapped to part `local_part`'s own local positions (exactly
-  // TopkRemapParams with Pt = num_parts, I, cr = local_part): that part's winners in order, then -1.
-  int32_t* local_topk = nullptr;       // [T, K] out
-  int32_t local_part = 0;
-  // Or, with part_topk and part_scores null, one buffer per part (Pt <= kMaxPartBuffers): part s's [T, K] rows
-  // at part_topk_of[s] and part_scores_of[s].
-  const int32_t* part_topk_of[kMaxPartBuffers] = {};
-  const float* part_scores_of[kMaxPartBuffers] = {};
-  // Optional (device backends): the parts are a row-synchronized window exchange's messages; row t of the other
-  // parts is read once their ranks raised its flag (Communicator::window_rows).
-  WindowRowSync wait;
 };
 
 // Part s's rows of a merge, whichever way its parts were given (row 0 of the part; rows are contiguous).

@@ -206,10 +206,14 @@ Result<WindowRowSync> try_window_rows(Communicator& comm, int64_t rows, const ch
 // The sharded indexer's merged top-k of `n` rows in flight: the local top-k (with scores) over this rank's own
 // indexer keys is enqueued and its exchange over the world group started (written straight into the world's
 // exchange window and published, where it has one; else an all-gather); finish_merged_topk waits for the
-// candidates and merges them exactly. All ranks must hold the same rows in the same order.
+// candidates and merges them exactly. With the window synchronized row by row, the top-k merges each row itself
+// once the peers' rows came (fused; DSACP_TOPK_FUSED_MERGE=0: the merge kernel after it). All ranks must hold the
+// same rows in the same order.
 struct PendingTopk {
   int64_t n = 0;
   int32_t* topk = nullptr;
+  int32_t* local_topk = nullptr;  // optional: the merged rows remapped to this rank's local positions
+  bool fused = false;             // the top-k merged the rows (no merge kernel)
   std::vector<int32_t> local_len;
   DeviceBuffer d_local_len, part_topk, part_scores, all_topk, all_scores;
   const int32_t* local_len_dev = nullptr;
@@ -219,18 +223,55 @@ struct PendingTopk {
   std::unique_ptr<CollectiveHandle> handle;
 };
 
+// The merge of pt's candidates (the world's parts, in its window or gathered) into pt.topk / pt.local_topk.
+TopkMergeParams candidate_merge_params(const RankStep& s, const PendingTopk& pt) {
+  TopkMergeParams mp;
+  mp.num_parts = s.comms.world->size();
+  mp.num_rows = pt.n;
+  mp.K = s.c.K;
+  mp.I = s.sharding.I;
+  if (pt.window) {
+    // The candidates in place, in every rank's window buffer.
+    const size_t topk_bytes = static_cast<size_t>(pt.n * s.c.K) * sizeof(int32_t);
+    mp.part_topk = nullptr;
+    mp.part_scores = nullptr;
+    for (int32_t k = 0; k < mp.num_parts; ++k) {
+      mp.part_topk_of[k] = static_cast<const int32_t*>(pt.window->all[static_cast<size_t>(k)]);
+      mp.part_scores_of[k] = reinterpret_cast<const float*>(static_cast<const char*>(pt.window->all[static_cast<size_t>(k)]) +
+                                                            topk_bytes);
+    }
+  } else {
+    mp.part_topk = pt.all_topk.as<const int32_t>();
+    mp.part_scores = pt.all_scores.as<const float>();
+  }
+  mp.topk = pt.topk;
+  mp.local_topk = pt.local_topk;
+  mp.local_part = s.plan.cr;
+  mp.wait = pt.rows;
+  return mp;
+}
+
+// The top-k merges the window's rows itself (IndexerTopkParams::merge) unless DSACP_TOPK_FUSED_MERGE=0. On
+// 2 x H200 (session 13) this took the merge kernel's launch and its wait for the whole top-k off the DCP step.
+bool fused_merge_wanted() {
+  const char* knob = std::getenv("DSACP_TOPK_FUSED_MERGE");
+  return !(knob != nullptr && knob[0] == '0');
+}
+
 // The rows' local key lengths are computed and uploaded here, unless the caller has them on the device and the
-// host already (d_local_len, h_local_len).
+// host already (d_local_len, h_local_len). With local_topk, the merge also writes the merged rows remapped to this
+// rank's own local positions (the local decodes' input, in the same kernel).
 Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
                                       const int32_t* host_request, const std::vector<int32_t>& global_key_len,
                                       int32_t* topk, const int32_t* d_local_len = nullptr,
-                                      const int32_t* h_local_len = nullptr) {
+                                      const int32_t* h_local_len = nullptr, int32_t* local_topk = nullptr) {
   Communicator& world = *s.comms.world;
   const int64_t Pt = world.size();
   const int64_t K = s.c.K;
   PendingTopk pt;
   pt.n = n;
   pt.topk = topk;
+  pt.local_topk = local_topk;
   if (d_local_len != nullptr && h_local_len != nullptr) {
     pt.local_len_dev = d_local_len;
     pt.local_len_host = h_local_len;
@@ -277,6 +318,10 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
     // The top-k raises each row's flag in the peers as it stores the row; the merge waits for it.
     DSACP_ASSIGN_OR_RETURN(pt.rows, try_window_rows(producing(s, world), n, "topk"));
     ip.signal = pt.rows;
+    if (pt.rows.active() && fused_merge_wanted()) {
+      ip.merge = candidate_merge_params(s, pt);
+      pt.fused = true;
+    }
   }
   DSACP_RETURN_IF_ERROR(indexer_topk_run(s.backend, ip).with_context("sharded indexer: local top-k"));
   if (pt.window) {
@@ -293,36 +338,14 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   return pt;
 }
 
-// With local_topk, the merge also writes the merged rows remapped to this rank's own local positions (the
-// local decodes' input, in the same kernel).
-Status finish_merged_topk(RankStep& s, PendingTopk& pt, int32_t* local_topk = nullptr) {
+Status finish_merged_topk(RankStep& s, PendingTopk& pt) {
   if (pt.handle) DSACP_RETURN_IF_ERROR(after(s, std::move(pt.handle)));
-  TopkMergeParams mp;
-  mp.num_parts = s.comms.world->size();
-  mp.num_rows = pt.n;
-  mp.K = s.c.K;
-  mp.I = s.sharding.I;
-  if (pt.window) {
-    // The candidates in place, in every rank's window buffer.
-    const size_t topk_bytes = static_cast<size_t>(pt.n * s.c.K) * sizeof(int32_t);
-    mp.part_topk = nullptr;
-    mp.part_scores = nullptr;
-    for (int32_t k = 0; k < mp.num_parts; ++k) {
-      mp.part_topk_of[k] = static_cast<const int32_t*>(pt.window->all[static_cast<size_t>(k)]);
-      mp.part_scores_of[k] = reinterpret_cast<const float*>(static_cast<const char*>(pt.window->all[static_cast<size_t>(k)]) +
-                                                            topk_bytes);
-    }
-  } else {
-    mp.part_topk = pt.all_topk.as<const int32_t>();
-    mp.part_scores = pt.all_scores.as<const float>();
+  if (!pt.fused) {
+    DSACP_RETURN_IF_ERROR(topk_merge_run(s.backend, candidate_merge_params(s, pt))
+                              .with_context("sharded indexer: candidate merge"));
   }
-  mp.topk = pt.topk;
-  mp.local_topk = local_topk;
-  mp.local_part = s.plan.cr;
-  mp.wait = pt.rows;
-  DSACP_RETURN_IF_ERROR(topk_merge_run(s.backend, mp).with_context("sharded indexer: candidate merge"));
   if (pt.rows.active()) {
-    // The step's end reports a merge whose wait gave up (a peer's row never came).
+    // The step's end reports a merge whose wait gave up (a peer's row never came), fused or not.
     DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *s.comms.world).window_rows_done());
     s.in_flight.push_back(std::move(h));
   }
@@ -521,7 +544,9 @@ struct LocalDecodes {
   size_t window_lse_at = 0;  // the lse blocks' offset in a window buffer
 };
 
-Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads) {
+// local_topk: the buffer of the rows' local top-k where the caller has one already (the candidate merge writes it).
+Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional<PendingHeads>& q_heads,
+                                           DeviceBuffer local_topk = {}) {
   const StepConfig& c = s.c;
   const int64_t H = c.H, Hr = s.plan.num_heads, Pt = s.comms.world->size(), D = s.comms.dcp->size();
   Backend& be = s.backend;
@@ -536,7 +561,11 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   const int64_t block = n * Hr;
   d.part_dtype = c.out_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
   const size_t part = dtype_size(d.part_dtype);
-  DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
+  if (local_topk.get() != nullptr) {
+    d.local_topk = std::move(local_topk);
+  } else {
+    DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
+  }
   if (d.direct) {
     // Attention writes its partials straight into the world's exchange window where it has one.
     d.window_lse_at = (static_cast<size_t>(Pt * block * c.Dl) * part + 255) / 256 * 256;
@@ -948,11 +977,17 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       DSACP_ASSIGN_OR_RETURN(idx_pending, start_view(backend, *comms.world, cache.index_keys(), idx_plan));
     }
     std::optional<PendingTopk> pending_topk;
+    // The merged rows are the local decodes' rows: the merge writes their local top-k too (no remap kernel).
+    DeviceBuffer merged_local_topk;
+    if (shared > 0 && local_decodes && T_dec > 0 && shared == T_dec) {
+      DSACP_ASSIGN_OR_RETURN(merged_local_topk, backend.allocate(T_dec * c.K * sizeof(int32_t)));
+    }
     if (shared > 0) {
       // The step's upload has the rows' local lengths already (no global lengths needed).
       DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request,
                                                              plan.row_request.data(), {}, out.topk,
-                                                             s.d_row_local_len, s.row_local_len.data()));
+                                                             s.d_row_local_len, s.row_local_len.data(),
+                                                             merged_local_topk.as<int32_t>()));
       clock.indexer_launched();  // (and the candidates' exchange started)
     }
     DSACP_RETURN_IF_ERROR(start_q_heads());
@@ -980,15 +1015,11 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
       // While the candidates are computed and exchanged, issue what the local decodes need that does not
       // depend on them; then wait for the candidates and merge.
       if (local_decodes && T_dec > 0) {
-        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads));
+        const bool merged_local = merged_local_topk.get() != nullptr;
+        DSACP_ASSIGN_OR_RETURN(decodes, prepare_local_decodes(s, T_dec, q_heads, std::move(merged_local_topk)));
+        decodes->remapped = merged_local;
       }
-      // The merged rows are the local decodes' rows: the merge writes their local top-k too (no remap kernel).
-      int32_t* local_topk = nullptr;
-      if (decodes && shared == T_dec) {
-        local_topk = decodes->local_topk.as<int32_t>();
-        decodes->remapped = true;
-      }
-      DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk, local_topk));
+      DSACP_RETURN_IF_ERROR(finish_merged_topk(s, *pending_topk));
     }
   }
 

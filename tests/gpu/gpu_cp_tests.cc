@@ -548,7 +548,8 @@ struct Layout {
   CpLayout layout;
   bool one_gpu;  // every rank on GPU 0
   // NAME=VALUE set while the layout runs: DSACP_NCCL_WINDOW=0 (NCCL without its exchange window: the collectives
-  // only), DSACP_WINDOW_ROWS=0 (the window synchronized by publish kernels, not row by row by the step's kernels).
+  // only), DSACP_WINDOW_ROWS=0 (the window synchronized by publish kernels, not row by row by the step's kernels),
+  // DSACP_TOPK_FUSED_MERGE=0 (the candidate merge as its own kernel after the top-k, not inside it).
   const char* env = nullptr;
 };
 
@@ -605,6 +606,7 @@ void test_layouts(uint64_t seed, int num_gpus) {
       {"D2 sharded (NCCL, no window)", make_layout(1, 2), false, "DSACP_NCCL_WINDOW=0"},
       {"D2 sharded (NCCL, window publishes)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=0"},
       {"D2 sharded (NCCL, window rows: candidates only)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=topk"},
+      {"D2 sharded (NCCL, window rows, merge kernel)", make_layout(1, 2), false, "DSACP_TOPK_FUSED_MERGE=0"},
       {"D2 replicated (NCCL, no window)", make_layout(1, 2, IndexerMode::kReplicated), false, "DSACP_NCCL_WINDOW=0"},
       {"D2 DSA-CP (NCCL, no window)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false, "DSACP_NCCL_WINDOW=0"},
       {"P2xD2 on one GPU", make_layout(2, 2), true},
@@ -679,22 +681,33 @@ void test_layouts(uint64_t seed, int num_gpus) {
              describe(cc));
     }
   }
-  // A decode batch past one wave of the GPU: 100 rows at H=128, so the merged attention's grid (200 CTAs of one
-  // an SM) and the candidate merge's cannot all be resident at once. The kernels that wait for the peer's rows
-  // (the merge; attention's own head block) then run beside CTAs not yet started on either GPU: the rows must
-  // still arrive (token-major grids: a CTA never waits for a row whose producer comes after it in its own grid).
-  // bf16 out (bf16 partials): the partials of 100 rows fit the 16 MiB window, so both exchanges are row-synced.
-  if (num_gpus >= 2) {
+  // Decode batches past one wave of the GPU, at H=128 with bf16 out (bf16 partials):
+  //   100 rows: the merged attention's grid (200 CTAs of one an SM) cannot all be resident at once; its partials
+  //     fit the 16 MiB window, so both exchanges are row-synced;
+  //   160 rows: the top-k's grid (one CTA of a row an SM, merging its row once the peer's came) cannot all be
+  //     resident; the partials leave the window (the candidates alone go row by row). Every third row's indexer
+  //     weights are 0, so all its scores tie at 0 on both GPUs and the merge must keep the lowest global positions.
+  // The kernels that wait for the peer's rows then run beside CTAs not yet started on either GPU: the rows must
+  // still arrive (token-major grids: a CTA signals its row before it waits, and never waits for a row whose
+  // producer comes after it in its own grid).
+  for (const int rows : {100, 160}) {
+    if (num_gpus < 2) break;
     CaseGenSpec spec;
     spec.dims = CaseDims{128, 512, 64, 64, 128};
     spec.topk = 512;
     spec.scale = 0.0723f;
     spec.dtype = DType::kBF16;
-    spec.seed = seed * 31 + 3;
-    for (int i = 0; i < 100; ++i) {
+    spec.seed = seed * 31 + 3 + static_cast<uint64_t>(rows);
+    for (int i = 0; i < rows; ++i) {
       spec.requests.push_back({1, 600 + static_cast<int32_t>(counter_hash(spec.seed, 5, i) % 5000)});
     }
     auto c = case_generate(spec);
+    if (c.ok() && rows == 160) {
+      const int64_t Hi = c->idx_w.shape()[1];
+      for (int64_t t = 0; t < rows; t += 3) {
+        for (int64_t h = 0; h < Hi; ++h) c->idx_w.set_f32(t * Hi + h, 0.f);
+      }
+    }
     ReplayOptions one;
     one.page_size = 64;
     one.out_dtype = DType::kBF16;
@@ -702,7 +715,9 @@ void test_layouts(uint64_t seed, int num_gpus) {
     ReplayOptions o = one;
     o.layout = make_layout(1, 2);
     const auto t0 = Clock::now();
-    const std::string name = "decode-only H=128, 100 rows (grids past one wave): D2 sharded (NCCL, window rows)";
+    const std::string name = "decode-only H=128, " + std::to_string(rows) + " rows (grids past one wave" +
+                             (rows == 160 ? ", every third row's scores all tied" : "") +
+                             "): D2 sharded (NCCL, window rows)";
     if (!want.ok()) {
       report(false, name, want.status().to_string());
     } else if (auto got = replay_case(std::vector<Backend*>{gpus[0].get(), gpus[1].get()}, *c, o); !got.ok()) {

@@ -1006,6 +1006,32 @@ void test_unsupported(Backend& gpu) {
   q.keys.dtype = DType::kBF16;
   s = gpu.indexer_topk(q);
   report(s.code() == StatusCode::kUnsupported, "indexer_topk Hi=32 -> unsupported", s.to_string());
+  // The fused candidate merge needs the row-synchronized exchange, and its shape must be the top-k's.
+  IndexerTopkParams fm;
+  fm.Hi = 64;
+  fm.Di = 128;
+  fm.K = 2048;
+  fm.q_dtype = DType::kBF16;
+  fm.keys = {nullptr, DType::kBF16, 1, 64, 128};
+  fm.rows.num_tokens = 2;
+  fm.merge.num_rows = 2;
+  fm.merge.num_parts = 2;
+  fm.merge.K = 2048;
+  s = gpu.indexer_topk(fm);
+  report(s.code() == StatusCode::kInvalidArgument && s.message().find("row-synchronized") != std::string::npos,
+         "indexer_topk with a fused merge but no row-synchronized exchange -> invalid argument", s.to_string());
+  fm.signal.seq = fm.merge.wait.seq = 1;
+  fm.signal.size = 2;
+  fm.merge.K = 1024;
+  s = gpu.indexer_topk(fm);
+  report(s.code() == StatusCode::kInvalidArgument && s.message().find("K=1024") != std::string::npos &&
+             s.message().find("K=2048") != std::string::npos,
+         "indexer_topk with a fused merge of another K -> invalid argument naming both", s.to_string());
+  fm.merge.K = 2048;
+  fm.merge.num_parts = fm.signal.size = 4;
+  s = gpu.indexer_topk(fm);
+  report(s.code() == StatusCode::kUnsupported && s.message().find("4 x 2048") != std::string::npos,
+         "indexer_topk with a fused merge of 4 x 2048 candidates -> unsupported", s.to_string());
   SparseMlaParams hb;
   hb.H = 128;
   hb.Dl = 512;

@@ -117,6 +117,10 @@ class CpuBackend final : public Backend {
   }
   Status indexer_topk(const IndexerTopkParams& p) override {
     DSACP_RETURN_IF_ERROR(no_window_rows(p.signal, "indexer_topk"));
+    if (p.merge.num_rows > 0) {
+      return unsupported("indexer_topk: the fused candidate merge (IndexerTopkParams::merge) needs a device backend's "
+                         "row-synchronized exchange; on the CPU, run topk_merge after the top-k");
+    }
     return cpu::indexer_topk(p, num_threads_);
   }
   Status sparse_mla(const SparseMlaParams& p) override {

@@ -419,6 +419,7 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_RETURN_IF_ERROR(cuda::indexer_topk_supported(p));
+    DSACP_RETURN_IF_ERROR(cuda::indexer_topk_merge_supported(p));
     const int64_t T = p.rows.num_tokens;
     std::vector<int32_t> request, key_len;
     const int32_t* h_request = p.host_request;

@@ -42,6 +42,9 @@ Status launch_topk_remap(const TopkRemapParams& p, const LaunchContext& ctx);
 // The device merge takes Pt <= 64 parts with next_pow2(Pt * K) 8-byte keys in 200 KB of shared memory
 // (Pt * K <= 16384); larger merges run on the host.
 bool topk_merge_on_device(const TopkMergeParams& p);
+// The most candidates (parts x K) of a row that the small merge takes: the DCP decode's 2 x 2048, and the limit of
+// the top-k's fused merge (IndexerTopkParams::merge).
+int64_t merge_row_max_candidates();
 Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx);
 
 // ---- sparse MLA ----------------------------------------------------------------------------------------------
@@ -65,6 +68,8 @@ MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests);
 
 // ---- indexer + top-k -----------------------------------------------------------------------------------------
 Status indexer_topk_supported(const IndexerTopkParams& p);
+// OK when p.merge is unset, or a merge the top-k can fuse (see IndexerTopkParams::merge); else why not.
+Status indexer_topk_merge_supported(const IndexerTopkParams& p);
 
 // One CTA of the score kernel: tokens [t0, t0 + nt) of one request against keys [k0, k0 + kScoreKeys).
 struct ScoreItem {

@@ -129,9 +129,41 @@ Status launch_expand_score_items(const ScoreGroup* groups, int64_t num_groups, S
   return Status::ok_status();
 }
 
+Status indexer_topk_merge_supported(const IndexerTopkParams& p) {
+  const TopkMergeParams& m = p.merge;
+  if (m.num_rows == 0) return Status::ok_status();
+  const std::string what = "indexer_topk: the fused candidate merge (IndexerTopkParams::merge) ";
+  if (!p.signal.active() || !m.wait.active()) {
+    return invalid_argument(what + "needs the row-synchronized exchange (signal and merge.wait active)");
+  }
+  if (m.num_rows != p.rows.num_tokens || m.K != p.K || m.num_parts != p.signal.size) {
+    return invalid_argument(what + "has num_rows=" + std::to_string(m.num_rows) + ", K=" + std::to_string(m.K) +
+                            ", num_parts=" + std::to_string(m.num_parts) + "; expected the top-k's T=" +
+                            std::to_string(p.rows.num_tokens) + ", K=" + std::to_string(p.K) +
+                            " and the exchange's size " + std::to_string(p.signal.size));
+  }
+  if (!topk_merge_on_device(m) || int64_t{m.num_parts} * m.K > merge_row_max_candidates()) {
+    return unsupported(what + "supports parts x K <= " + std::to_string(merge_row_max_candidates()) + " (got " +
+                       std::to_string(m.num_parts) + " x " + std::to_string(m.K) + ")");
+  }
+  if (m.part_topk != nullptr || m.part_scores != nullptr || m.topk == nullptr) {
+    return invalid_argument(what + "takes its parts as one buffer each (part_topk_of / part_scores_of) and needs topk");
+  }
+  for (int32_t s = 0; s < m.num_parts; ++s) {
+    if (m.part_topk_of[s] == nullptr || m.part_scores_of[s] == nullptr) {
+      return invalid_argument(what + "has no buffer for part " + std::to_string(s));
+    }
+  }
+  if (m.part_topk_of[p.signal.rank] != p.topk || m.part_scores_of[p.signal.rank] != p.topk_scores) {
+    return invalid_argument(what + "must read this rank's part where the top-k writes it (topk / topk_scores)");
+  }
+  return Status::ok_status();
+}
+
 Status launch_indexer_topk(const IndexerTopkParams& p, const IndexerPlan& plan, const IndexerPlanDevice& dev,
                            const LaunchContext& ctx) {
   DSACP_RETURN_IF_ERROR(indexer_topk_supported(p));
+  DSACP_RETURN_IF_ERROR(indexer_topk_merge_supported(p));
   for (const IndexerPlan::Chunk& ch : plan.chunks) {
     DSACP_RETURN_IF_ERROR(launch_indexer_scores(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin,
                                                 ch.max_group_tokens, dev.score_offset, dev.scores, ctx));

@@ -13,6 +13,8 @@
 // plus the first `need` positions with u == u* in position order (ties go to the lower position). The output
 // pass walks the row in position order (warp-contiguous segments, lane-interleaved, ballot + popc compaction),
 // so the row comes out ascending and front-packed with no sort; rows with key_len <= K are 0..n-1 then -1.
+// With a fused merge (IndexerTopkParams::merge, kMerge), the CTA then merges its row with the peers' rows of the
+// row-synchronized exchange (merge_row::merge_small_row) in the same shared memory, once the peers' flags came.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include "kernels/cuda/common/smem_attribute.h"
 #include "kernels/cuda/comm/peer_sync.cuh"
 #include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/cp_kernels/topk_merge_row.cuh"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 
 namespace dsacp::cuda {
@@ -59,14 +62,45 @@ __device__ __forceinline__ void load4(const float* __restrict__ row, const uint3
   }
 }
 
+// The fused merge's shared memory (in the top-k's dynamic block, after the row's top-k is done with it): the
+// merge's words, then its keys (next_pow2(K) of them) and the winners' positions (parts x K int32).
+using MergeShared = merge_row::MergeRowShared<kThreads>;
+constexpr int kMergePer = merge_row::kSmallMax / kThreads;
+constexpr size_t kMergeWordsBytes = (sizeof(MergeShared) + 15) / 16 * 16;
+
+__host__ __device__ inline int merge_keys_len(int32_t K) {
+  int k2 = 1;
+  while (k2 < K) k2 <<= 1;
+  return k2;
+}
+
+size_t merge_smem_bytes(const TopkMergeParams& m) {
+  return kMergeWordsBytes + static_cast<size_t>(merge_keys_len(m.K)) * sizeof(uint64_t) +
+         static_cast<size_t>(m.num_parts) * m.K * sizeof(int32_t);
+}
+
+// Row t's merge after its top-k was stored and signalled (kMerge; every thread of the CTA calls it).
+template <bool kMerge>
+__device__ __forceinline__ void merge_after_topk(const TopkMergeParams& merge, int64_t t, uint32_t* smem,
+                                                 DeviceErrorWord err) {
+  if constexpr (kMerge) {
+    auto& sm = *reinterpret_cast<MergeShared*>(smem);
+    uint64_t* keys = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(smem) + kMergeWordsBytes);
+    merge_row::merge_small_row<kThreads, kMergePer>(merge, t, sm, keys, merge_keys_len(merge.K), err);
+  }
+}
+
+template <bool kMerge>
 __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float* __restrict__ scores,
                                                                      const int64_t* __restrict__ score_offset,
                                                                      const int32_t* __restrict__ key_len,
                                                                      int64_t t0, int32_t K, int32_t cache_elems,
                                                                      int32_t bin_elems,
-                                                                     int32_t* __restrict__ topk,
-                                                                     float* __restrict__ topk_scores,
-                                                                     const WindowRowSync signal) {
+                                                                     int32_t* topk,  // (the fused merge reads
+                                                                     float* topk_scores,  // them back: no restrict)
+                                                                     const WindowRowSync signal,
+                                                                     const TopkMergeParams merge,
+                                                                     DeviceErrorWord err) {
   // [cache_elems] rank keys of the row, when it fits; else [bin_elems] boundary-bin keys, then their positions
   extern __shared__ __align__(16) uint32_t s_cache[];
   __shared__ uint32_t hist[4096];
@@ -86,6 +120,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
       if (out_scores != nullptr) out_scores[i] = i < n ? row[i] : -INFINITY;
     }
     peer::window_row_signal(signal, t);
+    merge_after_topk<kMerge>(merge, t, s_cache, err);
     return;
   }
   const bool cached = n <= cache_elems;
@@ -263,6 +298,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
     eq_base += __popc(eq_ballot);
   }
   peer::window_row_signal(signal, t);
+  merge_after_topk<kMerge>(merge, t, s_cache, err);
 }
 
 }  // namespace
@@ -276,11 +312,19 @@ Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t 
   const char* knob = std::getenv("DSACP_TOPK_FILTER");
   const bool filter = max_len > kMaxCacheElems && !(knob != nullptr && knob[0] == '0');
   const int32_t bin_elems = filter ? kMaxBinElems : 0;
-  const int bytes = std::max(cache_elems * 4, bin_elems * 8);
-  DSACP_CUDA_RETURN_IF_ERROR(
-      ensure_dynamic_smem_limit(radix_select_topk_kernel, bytes));
-  radix_select_topk_kernel<<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
-      scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores, p.signal);
+  int bytes = std::max(cache_elems * 4, bin_elems * 8);
+  if (p.merge.num_rows > 0) {
+    bytes = std::max(bytes, static_cast<int>(merge_smem_bytes(p.merge)));
+    DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(radix_select_topk_kernel<true>, bytes));
+    radix_select_topk_kernel<true><<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
+        scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores, p.signal,
+        p.merge, ctx.error);
+  } else {
+    DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(radix_select_topk_kernel<false>, bytes));
+    radix_select_topk_kernel<false><<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
+        scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores, p.signal,
+        p.merge, ctx.error);
+  }
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
   return Status::ok_status();
 }
