@@ -66,6 +66,11 @@ class Backend {
   // Waits for all work enqueued so far. With deferred errors on (below), it also returns the first data error
   // a kernel found since the last synchronize(), naming that kernel.
   virtual Status synchronize() = 0;
+  // Optional: enqueues, behind the work so far, what the next synchronize() reads back (a device backend's error
+  // words), so that a synchronize() called after the device is done (e.g. after waiting for collectives) does not
+  // add a round trip of its own. Errors still come back from synchronize(); work enqueued after this call is still
+  // covered (it is read back again). Host backends: nothing to do.
+  virtual Status begin_synchronize() { return Status(); }
 
   // Deferred error checks (device backends). Off (the default), every kernel call waits for its kernel and
   // returns the kernel's data errors (a bad page id, slot or index) itself. On, kernel calls, uploads and

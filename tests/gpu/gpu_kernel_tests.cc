@@ -862,6 +862,27 @@ void test_deferred_errors(Backend& gpu) {
              sync1.message().find("gather_rows: index[2]") != std::string::npos &&
              sync1.message().find("launch 2 of 3") != std::string::npos && sync2.ok(),
          "deferred: a bad index reports at synchronize, naming its launch", sync1.to_string());
+  // begin_synchronize enqueues the read-back early; launches after it are still read back.
+  Status staged, early_sync, late_sync, clean_sync;
+  {
+    DeferredErrors defer(gpu);
+    (void)gather_rows_run(gpu, bad);
+    staged = gpu.begin_synchronize();
+    early_sync = gpu.synchronize();
+    (void)gather_rows_run(gpu, good);
+    (void)gpu.begin_synchronize();
+    (void)gather_rows_run(gpu, bad);
+    late_sync = gpu.synchronize();
+    (void)gather_rows_run(gpu, good);
+    (void)gpu.begin_synchronize();
+    clean_sync = gpu.synchronize();
+  }
+  report(staged.ok() && early_sync.code() == StatusCode::kOutOfRange &&
+             early_sync.message().find("gather_rows: index[2]") != std::string::npos &&
+             late_sync.code() == StatusCode::kOutOfRange && late_sync.message().find("launch 2 of 2") != std::string::npos &&
+             clean_sync.ok(),
+         "deferred: begin_synchronize reads back early; a launch after it is still checked",
+         early_sync.to_string() + " | " + late_sync.to_string() + " | " + clean_sync.to_string());
   {
     DeferredErrors defer(gpu);
     (void)gather_rows_run(gpu, bad);

@@ -395,6 +395,20 @@ class CudaBackend final : public Backend {
     return s;
   }
 
+  Status begin_synchronize() override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    // Not inside a lane session: the side lane's kernels may still run after the main stream's copy.
+    if (deferred_ == 0 || !thread_lane_.empty()) return Status::ok_status();
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    const size_t n = pending_.size();
+    if (n > 0) {
+      DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_ + 2, err_dev_ + 2, 2 * n * sizeof(int32_t),
+                                                 cudaMemcpyDeviceToHost, stream_));
+    }
+    staged_ = n;
+    return Status::ok_status();
+  }
+
   void defer_errors(bool on) override {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     if (on) {
@@ -582,10 +596,12 @@ class CudaBackend final : public Backend {
   Status collect_deferred() {
     if (lanes_[1].stream != nullptr) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lanes_[1].stream));
     const size_t n = pending_.size();
-    if (n > 0) {
+    // (begin_synchronize enqueued the read-back of slots [0, staged_) already: again only if launches came since)
+    if (n > 0 && staged_ != n) {
       DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_ + 2, err_dev_ + 2, 2 * n * sizeof(int32_t),
                                                  cudaMemcpyDeviceToHost, stream_));
     }
+    staged_ = 0;
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     ring_used_ = 0;
     const Status held = std::exchange(held_error_, Status::ok_status());
@@ -670,6 +686,7 @@ class CudaBackend final : public Backend {
   static constexpr size_t kRingBytes = size_t{8} << 20;
   void* ring_ = nullptr;   // pinned upload ring of deferred copies, reset when the stream is synchronized
   size_t ring_used_ = 0;
+  size_t staged_ = 0;  // error slots whose read-back begin_synchronize enqueued (0: none)
   int deferred_ = 0;                  // DeferredErrors scopes open
   std::vector<const char*> pending_;  // kernels (names are literals) launched with an error slot since the last check
   Status held_error_;                 // an error collected early (slots ran out), returned by synchronize()

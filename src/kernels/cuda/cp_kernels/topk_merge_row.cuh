@@ -23,6 +23,15 @@
 #include "kernels/cuda/comm/peer_sync.cuh"
 #include "kernels/cuda/cp_kernels/shard_map.cuh"
 
+// Phase stamps of merge_small_row, for bench/micro/merge_phases.cu only: a TU that defines DSACP_MERGE_STAMPS as a
+// __device__ long long array gets thread 0's clock64() at each phase's end in [row * 16 + phase].
+#ifdef DSACP_MERGE_STAMPS
+#define DSACP_MERGE_STAMP(i) \
+  if (threadIdx.x == 0) DSACP_MERGE_STAMPS[blockIdx.x * 16 + (i)] = clock64()
+#else
+#define DSACP_MERGE_STAMP(i) (void)0
+#endif
+
 namespace dsacp::cuda::merge_row {
 
 constexpr int kMergeMaxParts = 64;
@@ -188,7 +197,8 @@ struct MergeRowShared {
   int part_start[kMergeMaxParts + 1];
   int warp_sums[32];
   int s_digit, s_need, s_done, s_unsorted;
-  unsigned long long s_min, s_max;
+  unsigned long long w_min[kSmallThreads / 32], w_max[kSmallThreads / 32];  // per warp: its smallest, largest key
+  int w_valid[kSmallThreads / 32];                                          // and its valid candidates
 };
 
 // Merges row t (every thread of a block of kSmallThreads calls it; it has barriers). `sm` and `keys` are shared
@@ -207,16 +217,13 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   int* part_start = sm.part_start;
   int* warp_sums = sm.warp_sums;
   int &s_digit = sm.s_digit, &s_need = sm.s_need, &s_done = sm.s_done, &s_unsorted = sm.s_unsorted;
-  unsigned long long &s_min = sm.s_min, &s_max = sm.s_max;
+  DSACP_MERGE_STAMP(0);
   if (!peer::window_row_wait(p.wait, t, &s_done)) return;
+  DSACP_MERGE_STAMP(1);
   const ShardMap map(S, p.I);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
-  if (threadIdx.x == 0) {
-    s_unsorted = 0;
-    s_min = ~0ull;
-    s_max = 0;
-  }
+  if (threadIdx.x == 0) s_unsorted = 0;
   // 1. This thread's candidates [i0, i0 + 8): positions and scores.
   const int i0 = threadIdx.x * kSmallPer;
   int32_t pos[kSmallPer];
@@ -256,7 +263,8 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   }
   // The entry before this thread's first (the ascending-order check across thread boundaries).
   const int32_t before = i0 < n && j0 > 0 ? row0[-1] : -1;
-  __syncthreads();  // valid_len, s_min, s_max initialized
+  __syncthreads();  // valid_len, s_unsorted initialized
+  DSACP_MERGE_STAMP(2);
 #pragma unroll
   for (int e = 0; e < kSmallPer; ++e) {
     const int i = i0 + e;
@@ -289,20 +297,33 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
       if (j > 0 && l <= prev) s_unsorted = 1;  // not ascending: the sort fallback
     }
   }
+  // The block's smallest and largest key and its valid candidates: per warp by shuffles, then every warp reduces
+  // the warps' values itself (one barrier, no atomics).
+  auto reduce = [&](unsigned long long& a, unsigned long long& b, int& c) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    lo = min(lo, shfl_xor_u64(lo, o));
-    hi = max(hi, shfl_xor_u64(hi, o));
+    for (int o = 16; o > 0; o >>= 1) {
+      a = min(a, shfl_xor_u64(a, o));
+      b = max(b, shfl_xor_u64(b, o));
+      c += __shfl_xor_sync(0xffffffffu, c, o);
+    }
+  };
+  reduce(lo, hi, my_valid);
+  if (lane == 0) {
+    sm.w_min[warp] = lo;
+    sm.w_max[warp] = hi;
+    sm.w_valid[warp] = my_valid;
   }
-  if (lane == 0 && hi != 0) {
-    atomicMin(&s_min, lo);
-    atomicMax(&s_max, hi);
-  }
-  int valid = 0;
-  (void)block_exclusive_scan(my_valid, warp_sums, &valid);  // synchronizes: s_min, s_max complete after it
+  __syncthreads();
+  unsigned long long s_min = lane < kSmallWarps ? sm.w_min[lane] : ~0ull;
+  unsigned long long s_max = lane < kSmallWarps ? sm.w_max[lane] : 0ull;
+  int valid = lane < kSmallWarps ? sm.w_valid[lane] : 0;
+  reduce(s_min, s_max, valid);
+  DSACP_MERGE_STAMP(3);
 
   // 2. Radix select: winners are the nonzero keys with (key & mask) >= prefix. The bytes above the highest one
   //    where the smallest and largest keys differ are every candidate's: they are taken as the prefix at once.
+  //    (12-bit digits from the highest differing bit, one 4096-bin histogram, measured no faster on an H200:
+  //    bench/micro/merge_phases.cu, session 13.)
   uint64_t prefix = 0, mask = 0;
   if (valid > K) {
     const uint64_t diff = s_min ^ s_max;  // nonzero: more than K distinct keys
@@ -332,9 +353,11 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
       need = s_need;
       prefix |= static_cast<uint64_t>(s_digit) << shift;
       mask |= uint64_t{0xFF} << shift;
+      DSACP_MERGE_STAMP(8 + (top - byte));
       if (s_done) break;  // (s_done is rewritten only after two more barriers)
     }
   }
+  DSACP_MERGE_STAMP(4);
 
   // 3. Compaction in index order (part by part), then the row out.
   int count = 0;
@@ -350,7 +373,9 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   }
   if (threadIdx.x == 0) part_start[S] = total;
   __syncthreads();
+  DSACP_MERGE_STAMP(5);
   write_merged_row(p, t, sel, part_start, total, s_unsorted, keys, k2, &s_need);
+  DSACP_MERGE_STAMP(6);
 }
 
 
