@@ -265,7 +265,7 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
       [&] {
         for (const auto& ch : plan->chunks) {
           CS(launch_indexer_scores(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin, ch.max_group_tokens,
-                                   dev.score_offset, dev.scores, g_ctx));
+                                   dev.score_offset, dev.scores, dev.inl, g_ctx));
         }
       },
       reps, g_ctx.stream);

@@ -1196,8 +1196,25 @@ int main(int argc, char** argv) {
     // element offsets past 2^31 in the indexer pool: pages from 16.8M rows up (row offset * 128 > 2^31)
     idx.push_back({"decode, key offsets past 2^31", 2048, 64, {5000, 3000}, {1, 2}, (int64_t{1} << 31) / 128 / 64 + 10});
   }
+  // The plan in the kernels' parameters (one chunk of at most 128 tokens) at its edge: 128 rows inline, 129 from
+  // device memory; and a small plan from device memory too (DSACP_INDEXER_INLINE_PLAN=0).
+  for (const int b : {128, 129}) {
+    IdxCase edge{b == 128 ? "decode b=128 (plan inline)" : "decode b=129 (plan in device memory)", 512, 64, {}, {}};
+    for (int i = 0; i < b; ++i) {
+      edge.ctx.push_back(300 + 37 * i);
+      edge.qlen.push_back(1);
+    }
+    idx.push_back(edge);
+  }
   for (const IdxCase& c : idx) {
     if (selected(c.name)) run_indexer_case(*gpu, *cpu, c);
+  }
+  if (selected("decode b=4 ctx 5000 page64 (plan in device memory)")) {
+    setenv("DSACP_INDEXER_INLINE_PLAN", "0", 1);
+    IdxCase device_plan = idx[0];
+    device_plan.name = "decode b=4 ctx 5000 page64 (plan in device memory)";
+    run_indexer_case(*gpu, *cpu, device_plan);
+    unsetenv("DSACP_INDEXER_INLINE_PLAN");
   }
 
   std::printf("\n%d checks, %d failures\n", g_log.checks(), g_log.failures());

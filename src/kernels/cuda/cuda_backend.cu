@@ -86,6 +86,11 @@ struct CallTrace {
   }
 };
 
+bool inline_plan_wanted() {
+  const char* knob = std::getenv("DSACP_INDEXER_INLINE_PLAN");
+  return !(knob != nullptr && knob[0] == '0');
+}
+
 class TraceScope {
  public:
   TraceScope(CallTrace& t, const char* name) : t_(t), name_(name) {
@@ -224,6 +229,7 @@ class CudaBackend final : public Backend {
     (void)sync_lanes();
     if (lanes_[1].stream != nullptr) (void)cudaStreamDestroy(lanes_[1].stream);
     if (lane_event_ != nullptr) (void)cudaEventDestroy(lane_event_);
+    if (fork_event_ != nullptr) (void)cudaEventDestroy(fork_event_);
     (void)cudaFree(err_dev_);
     (void)cudaFreeHost(err_host_);
     if (stage_ != nullptr) (void)cudaFreeHost(stage_);
@@ -257,8 +263,13 @@ class CudaBackend final : public Backend {
       DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, highest));
       lanes_[1].set_stream(side);
       DSACP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&lane_event_, cudaEventDisableTiming));
+      DSACP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
     }
-    DSACP_RETURN_IF_ERROR(order_after(lanes_[1].stream, lanes_[0].stream));
+    // The fork: the side lane starts after the main stream's work so far. Only the event is recorded here; the
+    // side stream waits for it when the side lane is first used (set_lane(1)): a CUDA call less before the
+    // caller's next launch (the CP step forks right before its indexer launch and uses the side lane after it).
+    DSACP_CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_event_, lanes_[0].stream));
+    fork_pending_ = true;
     thread_lane_[me] = 0;
     box_->begin_hold();
     return Status::ok_status();
@@ -267,7 +278,18 @@ class CudaBackend final : public Backend {
   void set_lane(int l) override {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     auto it = thread_lane_.find(std::this_thread::get_id());
-    if (it != thread_lane_.end()) it->second = l == 1 ? 1 : 0;
+    if (it == thread_lane_.end()) return;
+    it->second = l == 1 ? 1 : 0;
+    if (l == 1 && fork_pending_) {
+      // (a failure comes back from the next synchronize(); the side lane then waits for everything)
+      fork_pending_ = false;
+      (void)cudaSetDevice(device_);
+      const cudaError_t e = cudaStreamWaitEvent(lanes_[1].stream, fork_event_, 0);
+      if (e != cudaSuccess && held_error_.ok()) {
+        (void)(held_error_ = internal_error(std::string("CUDA backend: the side lane's fork: ") + cudaGetErrorString(e)));
+        (void)cudaDeviceSynchronize();
+      }
+    }
   }
 
   Status end_lanes() override {
@@ -276,6 +298,7 @@ class CudaBackend final : public Backend {
     if (it == thread_lane_.end()) return Status::ok_status();
     thread_lane_.erase(it);
     (void)cudaSetDevice(device_);
+    if (thread_lane_.empty()) fork_pending_ = false;  // a side lane no session used has nothing to order
     Status s = order_after(lanes_[0].stream, lanes_[1].stream);
     if (!s.ok()) (void)sync_lanes();  // cannot order on the device: wait, so held blocks are free to reuse
     box_->end_hold();
@@ -457,6 +480,18 @@ class CudaBackend final : public Backend {
         TraceScope t2(trace_, "indexer_topk: host plan");
         DSACP_ASSIGN_OR_RETURN(plan, cuda::indexer_plan(p, h_request, h_key_len));
       }
+      DSACP_RETURN_IF_ERROR(ln.scores.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
+      // A small plan (a decode batch) goes in the kernels' parameters: no upload, no expansion launch
+      // (DSACP_INDEXER_INLINE_PLAN=0: always the device plan, an A/B switch).
+      if (cuda::inline_plan_fits(plan, T) && inline_plan_wanted()) {
+        cuda::IndexerPlanDevice dev;
+        dev.scores = static_cast<float*>(ln.scores.ptr);
+        dev.inl = cuda::make_inline_plan(plan);
+        const cuda::timeline::Span span = cuda::timeline::open(device_, ln.stream);
+        DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx("indexer_topk")));
+        cuda::timeline::close(device_, span, ln.stream, "indexer_topk", "kernel");
+        return finish("indexer_topk");
+      }
       TraceScope t3(trace_, "indexer_topk: plan upload");
       DSACP_RETURN_IF_ERROR(ln.plan_items.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
       // The groups and the score offsets go up in one copy (one pinned-ring slot, one DMA): [groups | offsets].
@@ -464,7 +499,6 @@ class CudaBackend final : public Backend {
       const size_t offsets_at = (groups_bytes + 255) / 256 * 256;
       const size_t plan_bytes = offsets_at + plan.score_offset.size() * sizeof(int64_t);
       DSACP_RETURN_IF_ERROR(ln.plan_upload.reserve(std::max<size_t>(1, plan_bytes)));
-      DSACP_RETURN_IF_ERROR(ln.scores.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
       ln.plan_host.resize(plan_bytes);
       if (groups_bytes > 0) std::memcpy(ln.plan_host.data(), plan.groups.data(), groups_bytes);
       if (plan_bytes > offsets_at) {
@@ -689,6 +723,8 @@ class CudaBackend final : public Backend {
   size_t staged_ = 0;  // error slots whose read-back begin_synchronize enqueued (0: none)
   int deferred_ = 0;                  // DeferredErrors scopes open
   std::vector<const char*> pending_;  // kernels (names are literals) launched with an error slot since the last check
+  cudaEvent_t fork_event_ = nullptr;  // begin_lanes' fork point on the main stream
+  bool fork_pending_ = false;         // the side stream has not waited for fork_event_ yet
   Status held_error_;                 // an error collected early (slots ran out), returned by synchronize()
   CallTrace trace_;
 };

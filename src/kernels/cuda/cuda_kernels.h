@@ -115,11 +115,27 @@ std::vector<ScoreItem> indexer_plan_items(const IndexerPlan& plan);
 Status launch_expand_score_items(const ScoreGroup* groups, int64_t num_groups, ScoreItem* items, int64_t num_items,
                                  const LaunchContext& ctx);
 
-// Device copies of the plan plus the score buffer (max_score_floats).
+// A plan small enough to travel in the kernels' parameters: one chunk of at most kInlinePlanRows tokens (hence
+// groups). The indexer then needs neither the plan's upload nor the item expansion's launch (two CUDA calls before
+// the score kernel's launch: 5-30 us of host time on a decode step's critical path).
+inline constexpr int kInlinePlanRows = 128;
+struct InlinePlan {
+  int32_t num_groups = 0;  // 0: the plan is in device memory (IndexerPlanDevice::items, score_offset)
+  int32_t group_t0[kInlinePlanRows];
+  int32_t group_nt[kInlinePlanRows];
+  int32_t group_item_begin[kInlinePlanRows];
+  int32_t score_offset[kInlinePlanRows];  // [T]
+};
+bool inline_plan_fits(const IndexerPlan& plan, int64_t num_tokens);
+InlinePlan make_inline_plan(const IndexerPlan& plan);
+
+// Device copies of the plan plus the score buffer (max_score_floats); or the plan inline (inl.num_groups > 0:
+// items and score_offset unused).
 struct IndexerPlanDevice {
   const ScoreItem* items = nullptr;
   const int64_t* score_offset = nullptr;
   float* scores = nullptr;
+  InlinePlan inl;
 };
 Status launch_indexer_topk(const IndexerTopkParams& p, const IndexerPlan& plan, const IndexerPlanDevice& dev,
                            const LaunchContext& ctx);

@@ -11,13 +11,37 @@ inline constexpr int kScoreKeys = 256;       // keys per score CTA
 inline constexpr int kMaxGroupTokens = 4;    // tokens of one request sharing a score CTA
 
 int64_t indexer_scores_smem_bytes(int max_group_tokens);
+// items / score_offset: the chunk's device plan, unless inl holds the plan (inl.num_groups > 0).
 Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,
-                             const LaunchContext& ctx);
+                             const InlinePlan& inl, const LaunchContext& ctx);
 
 // Exact canonical top-k of tokens [t0, t1): row of token t = scores + score_offset[t] (16-byte aligned),
 // key_len[t] <= max_len long.
 Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
-                                const int64_t* score_offset, const float* scores, const LaunchContext& ctx);
+                                const int64_t* score_offset, const float* scores, const InlinePlan& inl,
+                                const LaunchContext& ctx);
+
+#ifdef __CUDACC__
+// Token t's score row offset, from the inline plan or the device plan.
+__device__ __forceinline__ int64_t plan_score_offset(const InlinePlan& inl, const int64_t* dev, int64_t t) {
+  return inl.num_groups > 0 ? int64_t{inl.score_offset[t]} : dev[t];
+}
+// Score item i: the device plan's, or found in the inline plan's groups (the last group whose first item <= i).
+__device__ __forceinline__ ScoreItem plan_item(const InlinePlan& inl, const ScoreItem* items, int64_t i) {
+  if (inl.num_groups == 0) return items[i];
+  int lo = 0, hi = inl.num_groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (inl.group_item_begin[mid] <= i) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return ScoreItem{inl.group_t0[lo], inl.group_nt[lo], static_cast<int32_t>((i - inl.group_item_begin[lo]) * kScoreKeys),
+                   0};
+}
+#endif
 
 }  // namespace dsacp::cuda

@@ -46,11 +46,12 @@ struct ScoreArgs {
   const int64_t* score_offset;  // [T]
   float* scores;
   DeviceErrorWord err;
+  InlinePlan inl;  // the plan itself (inl.num_groups > 0: items and score_offset unused)
 };
 
-__global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const ScoreArgs a) {
+__global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const __grid_constant__ ScoreArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const ScoreItem item = a.items[blockIdx.x];
+  const ScoreItem item = plan_item(a.inl, a.items, blockIdx.x);
   const int nt = item.nt;
   int32_t* sRowIdx = reinterpret_cast<int32_t*>(smem);  // [256]
   const uint32_t sK = smem_u32(smem + kOffKeys);
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const Scor
   for (int lt = 0; lt < nt; ++lt) {
     const int32_t t = item.t0 + lt;
     const int32_t len = a.key_len[t];
-    float* row = a.scores + a.score_offset[t];
+    float* row = a.scores + plan_score_offset(a.inl, a.score_offset, t);
     for (int j = tid; j < kScoreKeys; j += kThreads) {
       const int key = item.k0 + j;
       if (key < len) row[key] = sPart[lt * kScoreKeys + j] + sPart[(nt + lt) * kScoreKeys + j];
@@ -188,9 +189,11 @@ int64_t indexer_scores_smem_bytes(int max_group_tokens) {
 
 Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,
-                             const LaunchContext& ctx) {
+                             const InlinePlan& inl, const LaunchContext& ctx) {
   if (num_items == 0) return Status::ok_status();
   ScoreArgs a{};
+  a.inl.num_groups = inl.num_groups;
+  if (inl.num_groups > 0) a.inl = inl;
   a.items = items;
   a.request = p.rows.request;
   a.key_len = p.rows.key_len;

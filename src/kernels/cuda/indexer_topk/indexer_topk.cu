@@ -85,6 +85,25 @@ Result<IndexerPlan> indexer_plan(const IndexerTopkParams& p, const int32_t* requ
   return plan;
 }
 
+bool inline_plan_fits(const IndexerPlan& plan, int64_t num_tokens) {
+  return plan.chunks.size() == 1 && plan.chunks[0].item_begin == 0 && !plan.groups.empty() &&
+         num_tokens <= kInlinePlanRows &&
+         plan.groups.size() <= static_cast<size_t>(kInlinePlanRows) && plan.num_items < (int64_t{1} << 31) &&
+         plan.max_score_floats < (int64_t{1} << 31);
+}
+
+InlinePlan make_inline_plan(const IndexerPlan& plan) {
+  InlinePlan inl;
+  inl.num_groups = static_cast<int32_t>(plan.groups.size());
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    inl.group_t0[g] = plan.groups[g].t0;
+    inl.group_nt[g] = plan.groups[g].nt;
+    inl.group_item_begin[g] = static_cast<int32_t>(plan.groups[g].item_begin);
+  }
+  for (size_t t = 0; t < plan.score_offset.size(); ++t) inl.score_offset[t] = static_cast<int32_t>(plan.score_offset[t]);
+  return inl;
+}
+
 std::vector<ScoreItem> indexer_plan_items(const IndexerPlan& plan) {
   std::vector<ScoreItem> items;
   items.reserve(static_cast<size_t>(plan.num_items));
@@ -165,9 +184,11 @@ Status launch_indexer_topk(const IndexerTopkParams& p, const IndexerPlan& plan, 
   DSACP_RETURN_IF_ERROR(indexer_topk_supported(p));
   DSACP_RETURN_IF_ERROR(indexer_topk_merge_supported(p));
   for (const IndexerPlan::Chunk& ch : plan.chunks) {
-    DSACP_RETURN_IF_ERROR(launch_indexer_scores(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin,
-                                                ch.max_group_tokens, dev.score_offset, dev.scores, ctx));
-    DSACP_RETURN_IF_ERROR(launch_radix_select_topk(p, ch.t0, ch.t1, ch.max_len, dev.score_offset, dev.scores, ctx));
+    DSACP_RETURN_IF_ERROR(launch_indexer_scores(p, dev.items == nullptr ? nullptr : dev.items + ch.item_begin,
+                                                ch.item_end - ch.item_begin, ch.max_group_tokens, dev.score_offset,
+                                                dev.scores, dev.inl, ctx));
+    DSACP_RETURN_IF_ERROR(
+        launch_radix_select_topk(p, ch.t0, ch.t1, ch.max_len, dev.score_offset, dev.scores, dev.inl, ctx));
   }
   return Status::ok_status();
 }

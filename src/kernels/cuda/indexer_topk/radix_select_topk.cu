@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
                                                                      float* topk_scores,  // them back: no restrict)
                                                                      const WindowRowSync signal,
                                                                      const TopkMergeParams merge,
-                                                                     DeviceErrorWord err) {
+                                                                     DeviceErrorWord err,
+                                                                     const __grid_constant__ InlinePlan inl) {
   // [cache_elems] rank keys of the row, when it fits; else [bin_elems] boundary-bin keys, then their positions
   extern __shared__ __align__(16) uint32_t s_cache[];
   __shared__ uint32_t hist[4096];
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
   const int32_t n = key_len[t];
   int32_t* out = topk + t * K;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* row = scores + score_offset[t];
+  const float* row = scores + plan_score_offset(inl, score_offset, t);
   float* out_scores = topk_scores == nullptr ? nullptr : topk_scores + t * K;  // optional [T, K]
   if (n <= K) {
     for (int i = tid; i < K; i += kThreads) {
@@ -304,7 +305,8 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
 }  // namespace
 
 Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
-                                const int64_t* score_offset, const float* scores, const LaunchContext& ctx) {
+                                const int64_t* score_offset, const float* scores, const InlinePlan& inl,
+                                const LaunchContext& ctx) {
   if (t1 <= t0) return Status::ok_status();
   // rows up to kMaxCacheElems keys keep their rank keys in shared memory after the first pass; longer rows get
   // room for their boundary bin's keys and positions (DSACP_TOPK_FILTER=0: passes over the row, a diagnostic)
@@ -318,12 +320,12 @@ Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t 
     DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(radix_select_topk_kernel<true>, bytes));
     radix_select_topk_kernel<true><<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
         scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores, p.signal,
-        p.merge, ctx.error);
+        p.merge, ctx.error, inl);
   } else {
     DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(radix_select_topk_kernel<false>, bytes));
     radix_select_topk_kernel<false><<<static_cast<unsigned>(t1 - t0), kThreads, bytes, ctx.stream>>>(
         scores, score_offset, p.rows.key_len, t0, p.K, cache_elems, bin_elems, p.topk, p.topk_scores, p.signal,
-        p.merge, ctx.error);
+        p.merge, ctx.error, inl);
   }
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
   return Status::ok_status();
