@@ -1066,13 +1066,13 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                        c.out_dtype, extra * Hr * c.Dl, 0.f));
     DSACP_RETURN_IF_ERROR(backend.fill(out.lse + rows * Hr, DType::kF32, extra * Hr, -std::numeric_limits<float>::infinity()));
   }
-  // The kernels' error read-back is enqueued before the collectives' waits (which come first: they are bounded),
-  // so the synchronize after them does not add its own device round trip once the GPU is done (the DCP decode's
-  // timeline on 2 x H200, session 13: 7-9 us from the last wait to the step's end, 12-14 before).
   for (Communicator* comm : s.rows_done_at_end) {
     DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *comm).window_rows_done());
     s.in_flight.push_back(std::move(h));
   }
+  // The kernels' error read-back is enqueued before the collectives' waits (which come first: they are bounded),
+  // so the synchronize after them does not add its own device round trip once the GPU is done (the DCP decode's
+  // timeline on 2 x H200, session 13: 7-9 us from the last wait to the step's end, 12-14 before).
   DSACP_RETURN_IF_ERROR(backend.begin_synchronize());
   for (auto& h : s.in_flight) DSACP_RETURN_IF_ERROR(h->wait());
   DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("CP step, rank " + std::to_string(plan.cr)));

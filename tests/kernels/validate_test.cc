@@ -187,6 +187,16 @@ TEST(KernelValidate, CpuBackendRefusesWindowRowSync) {
   SparseMlaParams bad = good_mla();
   bad.Dl = 256;
   EXPECT_EQ(backend->check_sparse_mla(bad).code(), StatusCode::kInvalidArgument);
+  // The top-k's fused merge (IndexerTopkParams::merge) is refused too, even without a signal.
+  IndexerTopkParams fused = good_indexer();
+  fused.merge.num_rows = fused.rows.num_tokens;
+  fused.merge.num_parts = 2;
+  fused.merge.K = fused.K;
+  st = backend->indexer_topk(fused);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("fused candidate merge"), std::string::npos) << st.message();
+  // begin_synchronize has nothing to enqueue on the CPU.
+  EXPECT_TRUE(backend->begin_synchronize().ok());
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ constexpr int kThreads = 1024;
 constexpr int kMaxParts = kMergeMaxParts;
 constexpr size_t kMaxSharedBytes = 200 * 1024;
 
-// keys: max(n, k2) entries, then sel: n int32 (n = parts * K, k2 = next_pow2(K)).
+// keys: max(n, k2) entries, then sel: n int32 (n = parts * K, k2 = merge_keys_len(K)).
 __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const TopkMergeParams p, int keys_len, int k2,
                                                                DeviceErrorWord err) {
   extern __shared__ uint64_t keys[];
@@ -115,16 +115,10 @@ __global__ void __launch_bounds__(kSmallThreads) topk_merge_small_kernel(const T
   merge_small_row<kSmallThreads, kSmallPer>(p, blockIdx.x, sm, keys, k2, err);
 }
 
-int next_pow2(int64_t n) {
-  int p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
-
-// Shared memory of one row: the keys (at least next_pow2(K) of them, for the fallback sort) and the winners.
+// Shared memory of one row: the keys (at least merge_keys_len(K) of them, for the fallback sort) and the winners.
 size_t merge_smem_bytes(const TopkMergeParams& p) {
   const int64_t n = int64_t{p.num_parts} * p.K;
-  return static_cast<size_t>(std::max<int64_t>(n, next_pow2(p.K))) * sizeof(uint64_t) +
+  return static_cast<size_t>(std::max<int64_t>(n, merge_keys_len(p.K))) * sizeof(uint64_t) +
          static_cast<size_t>(n) * sizeof(int32_t);
 }
 
@@ -141,7 +135,7 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   if (p.num_rows == 0) return Status::ok_status();
   if (!topk_merge_on_device(p)) return internal_error("topk_merge: shape not supported on the device");
   const int64_t n = int64_t{p.num_parts} * p.K;
-  const int k2 = next_pow2(p.K);
+  const int k2 = merge_keys_len(p.K);
   const int keys_len = static_cast<int>(std::max<int64_t>(n, k2));
   const char* choice = std::getenv("DSACP_TOPK_MERGE");  // "1": the general kernel for every shape (an A/B switch)
   if (n <= kSmallMax && !(choice != nullptr && choice[0] == '1')) {

@@ -36,6 +36,13 @@ namespace dsacp::cuda::merge_row {
 
 constexpr int kMergeMaxParts = 64;
 
+// The keys a row's unsorted fallback sorts: next_pow2(K).
+__host__ __device__ inline int merge_keys_len(int64_t K) {
+  int k2 = 1;
+  while (k2 < K) k2 <<= 1;
+  return k2;
+}
+
 __device__ __forceinline__ uint64_t merge_rank_key(float score, int32_t position) {
   uint32_t u;
   if (score != score) {

@@ -68,14 +68,8 @@ using MergeShared = merge_row::MergeRowShared<kThreads>;
 constexpr int kMergePer = merge_row::kSmallMax / kThreads;
 constexpr size_t kMergeWordsBytes = (sizeof(MergeShared) + 15) / 16 * 16;
 
-__host__ __device__ inline int merge_keys_len(int32_t K) {
-  int k2 = 1;
-  while (k2 < K) k2 <<= 1;
-  return k2;
-}
-
 size_t merge_smem_bytes(const TopkMergeParams& m) {
-  return kMergeWordsBytes + static_cast<size_t>(merge_keys_len(m.K)) * sizeof(uint64_t) +
+  return kMergeWordsBytes + static_cast<size_t>(merge_row::merge_keys_len(m.K)) * sizeof(uint64_t) +
          static_cast<size_t>(m.num_parts) * m.K * sizeof(int32_t);
 }
 
@@ -86,7 +80,7 @@ __device__ __forceinline__ void merge_after_topk(const TopkMergeParams& merge, i
   if constexpr (kMerge) {
     auto& sm = *reinterpret_cast<MergeShared*>(smem);
     uint64_t* keys = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(smem) + kMergeWordsBytes);
-    merge_row::merge_small_row<kThreads, kMergePer>(merge, t, sm, keys, merge_keys_len(merge.K), err);
+    merge_row::merge_small_row<kThreads, kMergePer>(merge, t, sm, keys, merge_row::merge_keys_len(merge.K), err);
   }
 }
 
