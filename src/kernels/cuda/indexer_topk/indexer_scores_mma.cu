@@ -49,6 +49,8 @@ struct ScoreArgs {
   InlinePlan inl;  // the plan itself (inl.num_groups > 0: items and score_offset unused)
 };
 
+static_assert(sizeof(ScoreArgs) <= 4096, "the score kernel's parameters (the inline plan among them) past 4 KB");
+
 __global__ void __launch_bounds__(kThreads) indexer_scores_mma_kernel(const __grid_constant__ ScoreArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   const ScoreItem item = plan_item(a.inl, a.items, blockIdx.x);

@@ -84,6 +84,12 @@ __device__ __forceinline__ void merge_after_topk(const TopkMergeParams& merge, i
   }
 }
 
+// The kernel's parameters stay within 4 KB: the inline plan, the exchange's row sync and the fused merge's params
+// are the large ones (the 12 pointers and scalars besides them take < 128 bytes).
+static_assert(sizeof(InlinePlan) + sizeof(WindowRowSync) + sizeof(TopkMergeParams) + sizeof(DeviceErrorWord) + 128 <=
+                  4096,
+              "radix_select_topk_kernel's parameters past 4 KB");
+
 template <bool kMerge>
 __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float* __restrict__ scores,
                                                                      const int64_t* __restrict__ score_offset,
