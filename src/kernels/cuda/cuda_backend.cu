@@ -463,7 +463,7 @@ class CudaBackend final : public Backend {
     const int32_t* h_key_len = p.host_key_len;
     cuda::IndexerPlan plan;
     Lane& ln = lane();
-    const int64_t* d_offsets = nullptr;
+    cuda::IndexerPlanDevice dev;
     {
       TraceScope plan_trace(trace_, "indexer_topk: plan + upload");
       if (h_request == nullptr || h_key_len == nullptr) {
@@ -484,37 +484,30 @@ class CudaBackend final : public Backend {
       // A small plan (a decode batch) goes in the kernels' parameters: no upload, no expansion launch
       // (DSACP_INDEXER_INLINE_PLAN=0: always the device plan, an A/B switch).
       if (cuda::inline_plan_fits(plan, T) && inline_plan_wanted()) {
-        cuda::IndexerPlanDevice dev;
-        dev.scores = static_cast<float*>(ln.scores.ptr);
         dev.inl = cuda::make_inline_plan(plan);
-        const cuda::timeline::Span span = cuda::timeline::open(device_, ln.stream);
-        DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx("indexer_topk")));
-        cuda::timeline::close(device_, span, ln.stream, "indexer_topk", "kernel");
-        return finish("indexer_topk");
+      } else {
+        TraceScope t3(trace_, "indexer_topk: plan upload");
+        DSACP_RETURN_IF_ERROR(ln.plan_items.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
+        // The groups and the score offsets go up in one copy (one pinned-ring slot, one DMA): [groups | offsets].
+        const size_t groups_bytes = plan.groups.size() * sizeof(cuda::ScoreGroup);
+        const size_t offsets_at = (groups_bytes + 255) / 256 * 256;
+        const size_t plan_bytes = offsets_at + plan.score_offset.size() * sizeof(int64_t);
+        DSACP_RETURN_IF_ERROR(ln.plan_upload.reserve(std::max<size_t>(1, plan_bytes)));
+        ln.plan_host.resize(plan_bytes);
+        if (groups_bytes > 0) std::memcpy(ln.plan_host.data(), plan.groups.data(), groups_bytes);
+        if (plan_bytes > offsets_at) {
+          std::memcpy(ln.plan_host.data() + offsets_at, plan.score_offset.data(), plan_bytes - offsets_at);
+        }
+        DSACP_RETURN_IF_ERROR(copy_to_device(ln.plan_upload.ptr, ln.plan_host.data(), plan_bytes));
+        const auto* d_groups = static_cast<const cuda::ScoreGroup*>(ln.plan_upload.ptr);
+        dev.score_offset = reinterpret_cast<const int64_t*>(static_cast<const char*>(ln.plan_upload.ptr) + offsets_at);
+        DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(d_groups,
+                                                              static_cast<int64_t>(plan.groups.size()),
+                                                              static_cast<cuda::ScoreItem*>(ln.plan_items.ptr),
+                                                              plan.num_items, ctx(nullptr)));
+        dev.items = static_cast<const cuda::ScoreItem*>(ln.plan_items.ptr);
       }
-      TraceScope t3(trace_, "indexer_topk: plan upload");
-      DSACP_RETURN_IF_ERROR(ln.plan_items.reserve(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
-      // The groups and the score offsets go up in one copy (one pinned-ring slot, one DMA): [groups | offsets].
-      const size_t groups_bytes = plan.groups.size() * sizeof(cuda::ScoreGroup);
-      const size_t offsets_at = (groups_bytes + 255) / 256 * 256;
-      const size_t plan_bytes = offsets_at + plan.score_offset.size() * sizeof(int64_t);
-      DSACP_RETURN_IF_ERROR(ln.plan_upload.reserve(std::max<size_t>(1, plan_bytes)));
-      ln.plan_host.resize(plan_bytes);
-      if (groups_bytes > 0) std::memcpy(ln.plan_host.data(), plan.groups.data(), groups_bytes);
-      if (plan_bytes > offsets_at) {
-        std::memcpy(ln.plan_host.data() + offsets_at, plan.score_offset.data(), plan_bytes - offsets_at);
-      }
-      DSACP_RETURN_IF_ERROR(copy_to_device(ln.plan_upload.ptr, ln.plan_host.data(), plan_bytes));
-      const auto* d_groups = static_cast<const cuda::ScoreGroup*>(ln.plan_upload.ptr);
-      d_offsets = reinterpret_cast<const int64_t*>(static_cast<const char*>(ln.plan_upload.ptr) + offsets_at);
-      DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(d_groups,
-                                                            static_cast<int64_t>(plan.groups.size()),
-                                                            static_cast<cuda::ScoreItem*>(ln.plan_items.ptr),
-                                                            plan.num_items, ctx(nullptr)));
     }
-    cuda::IndexerPlanDevice dev;
-    dev.items = static_cast<const cuda::ScoreItem*>(ln.plan_items.ptr);
-    dev.score_offset = d_offsets;
     dev.scores = static_cast<float*>(ln.scores.ptr);
     const cuda::timeline::Span span = cuda::timeline::open(device_, ln.stream);
     DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, plan, dev, ctx("indexer_topk")));

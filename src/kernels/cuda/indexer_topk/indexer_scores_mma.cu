@@ -193,8 +193,7 @@ Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,
                              const InlinePlan& inl, const LaunchContext& ctx) {
   if (num_items == 0) return Status::ok_status();
-  ScoreArgs a{};
-  a.inl.num_groups = inl.num_groups;
+  ScoreArgs a{};  // (a.inl zeroed: the device plan)
   if (inl.num_groups > 0) a.inl = inl;
   a.items = items;
   a.request = p.rows.request;
