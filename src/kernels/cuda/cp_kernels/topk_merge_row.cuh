@@ -185,9 +185,10 @@ __device__ inline void write_merged_row(const TopkMergeParams& p, int64_t t, con
 }
 
 // The DCP decode's merge (merge_small_row; parts x K <= 4096: 2 parts of K = 2048): 1024 threads, 4 candidates
-// each in registers (contiguous, loaded as vectors where aligned), one load round. The radix select starts below the leading bytes
-// every candidate shares (from the block's min and max key) and counts into per-warp histograms (no atomics
-// contention across warps); then the same compaction and output as the general kernel (topk_merge.cu).
+// each in registers (contiguous, loaded as vectors where aligned), one load round. The radix select starts below
+// the leading bytes every candidate shares (from the block's min and max key) and counts into per-warp
+// histograms (no atomics contention across warps); then the same compaction and output as the general kernel
+// (topk_merge.cu).
 constexpr int kSmallMax = 4096;  // parts x K of the small kernel: kSmallThreads x kSmallPer, both variants
 
 __device__ __forceinline__ unsigned long long shfl_xor_u64(unsigned long long v, int o) {
@@ -231,7 +232,7 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
   if (threadIdx.x == 0) s_unsorted = 0;
-  // 1. This thread's candidates [i0, i0 + 8): positions and scores.
+  // 1. This thread's candidates [i0, i0 + kSmallPer): positions and scores.
   const int i0 = threadIdx.x * kSmallPer;
   int32_t pos[kSmallPer];
   float sc[kSmallPer];
