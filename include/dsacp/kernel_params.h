@@ -69,7 +69,18 @@ struct CacheWriteParams {
     PagedPoolView pool;
   };
   MorePool more[2];
+  // Optional: a small upload made by the same call (a CUDA backend carries the bytes in the launch's parameters:
+  // no copy call of its own). `bytes` bytes from `host` land at `device` before the write reads its slots (which
+  // may lie there) and before any later work in stream order; the host bytes may be reused once the call
+  // returns. At most kCacheWriteMaxUploadBytes; `device` 16-byte aligned. Done even when num_rows is 0.
+  struct Upload {
+    const void* host = nullptr;
+    void* device = nullptr;
+    size_t bytes = 0;
+  };
+  Upload upload;
 };
+inline constexpr size_t kCacheWriteMaxUploadBytes = 3072;
 
 // Pool i of a cache write (0: the main one, 1.. the `more` ones whose pool has data) as a single-pool write; the
 // number of pools is cache_write_pools(p).

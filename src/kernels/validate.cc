@@ -81,6 +81,17 @@ Status validate(const CacheWriteParams& p) {
   for (const CacheWriteParams::MorePool& m : p.more) {
     if (m.pool.data != nullptr) DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool));
   }
+  if (p.upload.bytes > 0) {
+    if (p.upload.bytes > kCacheWriteMaxUploadBytes) {
+      return invalid_argument(std::string(k) + ": upload of " + std::to_string(p.upload.bytes) + " bytes, at most " +
+                              std::to_string(kCacheWriteMaxUploadBytes) + " (larger uploads: Backend::copy_to_device)");
+    }
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "upload.host", p.upload.host));
+    DSACP_RETURN_IF_ERROR(check_pointer(k, "upload.device", p.upload.device));
+    if (reinterpret_cast<uintptr_t>(p.upload.device) % 16 != 0) {
+      return invalid_argument(std::string(k) + ": upload.device must be 16-byte aligned");
+    }
+  }
   if (p.num_rows == 0) return Status::ok_status();
   DSACP_RETURN_IF_ERROR(check_pointer(k, "rows", p.rows));
   for (const CacheWriteParams::MorePool& m : p.more) {
@@ -258,7 +269,10 @@ Status topk_remap_run(Backend& backend, const TopkRemapParams& p) {
 
 Status cache_write_run(Backend& backend, const CacheWriteParams& p) {
   DSACP_RETURN_IF_ERROR(validate(p));
-  if (p.num_rows == 0) return Status::ok_status();
+  if (p.num_rows == 0) {
+    // Nothing to write; the upload is still made.
+    return p.upload.bytes == 0 ? Status::ok_status() : backend.copy_to_device(p.upload.device, p.upload.host, p.upload.bytes);
+  }
   return backend.cache_write(p);
 }
 

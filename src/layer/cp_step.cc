@@ -821,7 +821,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   UploadBatch batch;
   const size_t at_request = batch.add(plan.row_request), at_key_len = batch.add(plan.row_key_len),
                at_local_len = batch.add(s.row_local_len), at_owned = batch.add(owned), at_all = batch.add(all);
-  DSACP_ASSIGN_OR_RETURN(s.step_rows, batch.upload(backend));
+  // (uploaded by the step's cache write below where it is small: one CUDA call less before the indexer launch)
+  CacheWriteParams w;
+  DSACP_ASSIGN_OR_RETURN(s.step_rows, batch.upload_with(backend, w));
   s.d_row_request = UploadBatch::at<int32_t>(s.step_rows, at_request);
   s.d_row_key_len = UploadBatch::at<int32_t>(s.step_rows, at_key_len);
   s.d_row_local_len = UploadBatch::at<int32_t>(s.step_rows, at_local_len);
@@ -872,7 +874,6 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     if (handle) DSACP_RETURN_IF_ERROR(after(s, std::move(handle)));
     // One call writes the owned rows' indexer keys (every row's under the replicated indexer), latent and rope
     // (one launch on a GPU).
-    CacheWriteParams w;
     w.rows = kv[2].gathered;
     w.rows_dtype = c.act_dtype;
     w.num_rows = gathered;

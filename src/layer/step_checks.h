@@ -62,6 +62,14 @@ class UploadBatch {
     DSACP_RETURN_IF_ERROR(backend.copy_to_device(d.get(), bytes_.data(), bytes_.size()));
     return d;
   }
+  // The same, made by the cache write `w` (CacheWriteParams::upload: no copy call of its own on a GPU) when the
+  // batch is small enough; the caller runs `w` next, before anything reads the buffer, while this batch lives.
+  Result<DeviceBuffer> upload_with(Backend& backend, CacheWriteParams& w) const {
+    if (bytes_.size() > kCacheWriteMaxUploadBytes) return upload(backend);
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer d, backend.allocate(std::max<size_t>(bytes_.size(), 1)));
+    w.upload = {bytes_.data(), d.get(), bytes_.size()};
+    return d;
+  }
   template <typename T>
   static const T* at(const DeviceBuffer& d, size_t offset) {
     return reinterpret_cast<const T*>(static_cast<const char*>(d.get()) + offset);

@@ -93,12 +93,13 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   UploadBatch batch;
   const size_t at_slots = batch.add(plan.slots), at_request = batch.add(plan.token_request),
                at_key_len = batch.add(plan.token_key_len);
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows, batch.upload(backend));
+  // (uploaded by the cache write below where it is small: one CUDA call less before the indexer launch)
+  CacheWriteParams w;
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows, batch.upload_with(backend, w));
 
   // 1. The new tokens' KV goes into the caches first: every token sees its own key. One call writes the indexer
   //    keys, latent and rope rows (one launch on a GPU, before the indexer's: nothing of it waits on the path
   //    after the indexer).
-  CacheWriteParams w;
   w.rows_dtype = config.act_dtype;
   w.num_rows = T;
   w.slots = UploadBatch::at<int64_t>(d_rows, at_slots);

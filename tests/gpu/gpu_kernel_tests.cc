@@ -234,6 +234,81 @@ void test_cache_write(Backend& gpu, Backend& cpu) {
   }
 }
 
+// CacheWriteParams::upload (the steps' small vectors carried by the cache write's launch): the write reads its
+// slots from the upload (the device buffer holds stale bytes before it), the bytes land at `device` (also the
+// bytes past the slots, and when there are no rows), pools of mixed dtypes (several launches: the backend copies
+// first) give the same, and a bad slot inside the upload is still reported.
+void test_cache_write_upload(Backend& gpu, Backend& cpu) {
+  const int64_t T = 45;
+  const int dims[2] = {128, 512};
+  Paging pg = make_paging({200}, 40, 3, 17);
+  std::vector<int64_t> slots(T);
+  for (int64_t t = 0; t < T; ++t) slots[t] = t % 6 == 2 ? -1 : pg.row_of(0, 3 * t + 1);
+  std::vector<int32_t> extra(29);
+  for (size_t i = 0; i < extra.size(); ++i) extra[i] = static_cast<int32_t>(mix(70 + i));
+  // [slots | extra], as UploadBatch lays them out (16-byte aligned)
+  std::vector<char> host((T * sizeof(int64_t) + 15) / 16 * 16 + extra.size() * sizeof(int32_t));
+  std::memcpy(host.data(), slots.data(), T * sizeof(int64_t));
+  const size_t extra_at = (T * sizeof(int64_t) + 15) / 16 * 16;
+  std::memcpy(host.data() + extra_at, extra.data(), extra.size() * sizeof(int32_t));
+  for (bool mixed : {false, true}) {
+    std::vector<std::vector<float>> rows(2);
+    std::vector<std::vector<uint16_t>> pools_cpu(2);
+    std::vector<Dev> rows_g, pools_g;
+    for (int i = 0; i < 2; ++i) {
+      rows[i].resize(T * dims[i]);
+      for (size_t j = 0; j < rows[i].size(); ++j) rows[i][j] = uni(80 + i, j) * 4.f;
+      pools_cpu[i].assign(pg.num_pages * pg.page_size * dims[i] * (mixed && i == 1 ? 2 : 1), kBf16NaN);
+      rows_g.push_back(upload(gpu, rows[i]));
+      pools_g.push_back(upload(gpu, pools_cpu[i]));
+    }
+    const std::vector<char> stale(host.size(), 0x55);
+    Dev dev = upload(gpu, stale);
+    const DType pool1 = mixed ? DType::kF32 : DType::kBF16;
+    CacheWriteParams pc, pgp;
+    pc.rows_dtype = pgp.rows_dtype = DType::kF32;
+    pc.num_rows = pgp.num_rows = T;
+    pc.rows = rows[0].data();
+    pc.slots = slots.data();
+    pc.pool = {pools_cpu[0].data(), DType::kBF16, pg.num_pages, pg.page_size, dims[0]};
+    pc.more[0] = {rows[1].data(), slots.data(), {pools_cpu[1].data(), pool1, pg.num_pages, pg.page_size, dims[1]}};
+    pgp.rows = rows_g[0].buf.get();
+    pgp.slots = dev.ptr<int64_t>();
+    pgp.pool = {pools_g[0].buf.get(), DType::kBF16, pg.num_pages, pg.page_size, dims[0]};
+    pgp.more[0] = {rows_g[1].buf.get(), dev.ptr<int64_t>(), {pools_g[1].buf.get(), pool1, pg.num_pages, pg.page_size, dims[1]}};
+    pgp.upload = {host.data(), dev.buf.get(), host.size()};
+    const Status sc = cache_write_run(cpu, pc), sg = cache_write_run(gpu, pgp);
+    bool same = sc.ok() && sg.ok();
+    for (int i = 0; i < 2 && same; ++i) {
+      const std::vector<uint16_t> got = download<uint16_t>(gpu, pools_g[i], pools_cpu[i].size());
+      same = std::memcmp(got.data(), pools_cpu[i].data(), got.size() * 2) == 0;
+    }
+    const std::vector<char> landed = download<char>(gpu, dev, host.size());
+    const bool bytes_ok = landed == host;
+    report(same && bytes_ok,
+           std::string("cache_write carrying its slots' upload (") + (mixed ? "BF16 + F32 pools: copied first" : "one launch") + ")",
+           !sg.ok() ? sg.to_string() : !same ? "pools differ from the CPU" : !bytes_ok ? "uploaded bytes differ" : "bit-exact vs CPU");
+    if (mixed) continue;
+    // no rows: the upload is still made
+    Dev dev0 = upload(gpu, stale);
+    CacheWriteParams none = pgp;
+    none.num_rows = 0;
+    none.upload.device = dev0.buf.get();
+    const Status s0 = cache_write_run(gpu, none);
+    report(s0.ok() && download<char>(gpu, dev0, host.size()) == host, "cache_write with no rows still uploads",
+           s0.to_string());
+    // a bad slot inside the upload
+    std::vector<char> bad = host;
+    const int64_t out = pg.num_pages * pg.page_size;
+    std::memcpy(bad.data() + 7 * sizeof(int64_t), &out, sizeof out);
+    CacheWriteParams b = pgp;
+    b.upload.host = bad.data();
+    const Status sb = cache_write_run(gpu, b);
+    report(!sb.ok() && sb.code() == StatusCode::kOutOfRange, "cache_write bad slot inside its upload -> out_of_range",
+           sb.to_string());
+  }
+}
+
 void test_lse_merge(Backend& gpu, Backend& cpu) {
   const int S = 3, Dl = 512;
   const int64_t rows = 77;
@@ -1090,6 +1165,7 @@ int main(int argc, char** argv) {
   if (only.empty()) {
     test_unsupported(*gpu);
     test_cache_write(*gpu, *cpu);
+    test_cache_write_upload(*gpu, *cpu);
     test_lse_merge(*gpu, *cpu);
     test_cp_kernels(*gpu, *cpu);
     test_deferred_errors(*gpu);

@@ -40,7 +40,7 @@ TEST_P(CacheWriteKernel, ScattersConvertsAndSkips) {
   auto pool = backend->allocate(slots_total * dim * dtype_size(pool_dtype));
   ASSERT_TRUE(pool.ok());
   ASSERT_TRUE(backend->fill(pool->get(), pool_dtype, slots_total * dim, std::nanf("")).ok());
-  CacheWriteParams p{rows.data(), rows_dtype, 3, slots.data(), {pool->get(), pool_dtype, num_pages, page_size, dim}, {}};
+  CacheWriteParams p{rows.data(), rows_dtype, 3, slots.data(), {pool->get(), pool_dtype, num_pages, page_size, dim}, {}, {}};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int64_t s = 0; s < slots_total; ++s) {
     const int64_t row = s == 5 ? 0 : (s == 0 ? 2 : -1);
@@ -73,7 +73,7 @@ TEST(CacheWriteErrors, SlotOutOfRangeNamesRowAndSlot) {
   std::vector<float> rows(4 * 2, 1.f), pool(2 * 2 * 2, 0.f);
   for (int64_t bad : {int64_t{4}, int64_t{-2}, int64_t{1} << 40}) {
     std::vector<int64_t> slots = {0, -1, bad, 1};
-    CacheWriteParams p{rows.data(), DType::kF32, 4, slots.data(), {pool.data(), DType::kF32, 2, 2, 2}, {}};
+    CacheWriteParams p{rows.data(), DType::kF32, 4, slots.data(), {pool.data(), DType::kF32, 2, 2, 2}, {}, {}};
     const Status st = cache_write_run(*backend, p);
     EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
     EXPECT_NE(st.message().find("row 2: slot " + std::to_string(bad)), std::string::npos) << st.message();
@@ -89,7 +89,7 @@ TEST(CacheWriteKernelOrder, DuplicateSlotsLastRowWins) {
     rows[i] = float(i);
     slots[i] = i % 8;
   }
-  CacheWriteParams p{rows.data(), DType::kF32, 1000, slots.data(), {pool.data(), DType::kF32, 2, 4, 1}, {}};
+  CacheWriteParams p{rows.data(), DType::kF32, 1000, slots.data(), {pool.data(), DType::kF32, 2, 4, 1}, {}, {}};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int s = 0; s < 8; ++s) EXPECT_EQ(pool[s], float(992 + s));
 }
@@ -126,13 +126,13 @@ TEST(CacheWriteKernel, MorePoolsWriteWhatSeparateCallsWould) {
     apart[i] = together[i];
   }
   auto pool = [&](std::vector<float>& v, int dim) { return PagedPoolView{v.data(), DType::kF32, 2, 2, dim}; };
-  CacheWriteParams p{rows[0].data(), DType::kF32, 3, slots_a.data(), pool(together[0], dims[0]), {}};
+  CacheWriteParams p{rows[0].data(), DType::kF32, 3, slots_a.data(), pool(together[0], dims[0]), {}, {}};
   p.more[0] = {rows[1].data(), slots_a.data(), pool(together[1], dims[1])};
   p.more[1] = {rows[2].data(), slots_b.data(), pool(together[2], dims[2])};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int i = 0; i < 3; ++i) {
     CacheWriteParams one{rows[i].data(), DType::kF32, 3, i == 2 ? slots_b.data() : slots_a.data(),
-                         pool(apart[i], dims[i]), {}};
+                         pool(apart[i], dims[i]), {}, {}};
     ASSERT_TRUE(cache_write_run(*backend, one).ok());
     EXPECT_EQ(together[i], apart[i]) << "pool " << i;
   }
@@ -147,6 +147,50 @@ TEST(CacheWriteKernel, MorePoolsWriteWhatSeparateCallsWould) {
   s = cache_write_run(*backend, p);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("more[].rows"), std::string::npos) << s.to_string();
+}
+
+// CacheWriteParams::upload: the bytes land at `device` before the write reads its slots (which lie there), also
+// when there is nothing to write; a bad upload is refused, naming the field.
+TEST(CacheWriteKernel, UploadLandsBeforeTheWriteReadsItsSlots) {
+  auto backend = make_cpu_backend(2);
+  std::vector<float> rows = {1.f, 2.f, 3.f, 4.f, 5.f, 6.f}, pool(8, -1.f);
+  // [3 slots | 2 extra int32]: the slots the write uses, then bytes only a later reader would use.
+  std::vector<char> host(3 * sizeof(int64_t) + 2 * sizeof(int32_t));
+  const int64_t slots[3] = {3, -1, 0};
+  const int32_t extra[2] = {41, -42};
+  std::memcpy(host.data(), slots, sizeof slots);
+  std::memcpy(host.data() + sizeof slots, extra, sizeof extra);
+  auto dev = backend->allocate(host.size());
+  ASSERT_TRUE(dev.ok());
+  std::memset(dev->get(), 0x7f, host.size());  // stale contents the write must not read
+  CacheWriteParams p{rows.data(), DType::kF32, 3, dev->as<int64_t>(), {pool.data(), DType::kF32, 2, 2, 2}, {}, {}};
+  p.upload = {host.data(), dev->get(), host.size()};
+  ASSERT_TRUE(cache_write_run(*backend, p).ok());
+  EXPECT_EQ(std::memcmp(dev->get(), host.data(), host.size()), 0);
+  EXPECT_EQ(pool, (std::vector<float>{5.f, 6.f, -1.f, -1.f, -1.f, -1.f, 1.f, 2.f}));
+  // Nothing to write: the upload is still made.
+  std::memset(dev->get(), 0, host.size());
+  p.num_rows = 0;
+  ASSERT_TRUE(cache_write_run(*backend, p).ok());
+  EXPECT_EQ(std::memcmp(dev->get(), host.data(), host.size()), 0);
+  p.num_rows = 3;
+  // Too large, misaligned, or without a pointer: refused, naming what is wrong.
+  std::vector<char> big(kCacheWriteMaxUploadBytes + 16);
+  auto big_dev = backend->allocate(big.size());
+  ASSERT_TRUE(big_dev.ok());
+  CacheWriteParams q = p;
+  q.upload = {big.data(), big_dev->get(), big.size()};
+  Status st = cache_write_run(*backend, q);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("at most " + std::to_string(kCacheWriteMaxUploadBytes)), std::string::npos) << st.to_string();
+  q.upload = {host.data(), static_cast<char*>(dev->get()) + 4, 8};
+  st = cache_write_run(*backend, q);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("16-byte aligned"), std::string::npos) << st.to_string();
+  q.upload = {nullptr, dev->get(), 8};
+  st = cache_write_run(*backend, q);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("upload.host"), std::string::npos) << st.to_string();
 }
 
 }  // namespace

@@ -112,6 +112,7 @@ class CpuBackend final : public Backend {
   Status synchronize() override { return Status::ok_status(); }
 
   Status cache_write(const CacheWriteParams& p) override {
+    if (p.upload.bytes > 0) std::memcpy(p.upload.device, p.upload.host, p.upload.bytes);  // first: the slots may lie there
     for (int i = 0; i < cache_write_pools(p); ++i) DSACP_RETURN_IF_ERROR(cpu::cache_write(cache_write_pool(p, i), num_threads_));
     return Status::ok_status();
   }

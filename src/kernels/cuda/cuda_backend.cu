@@ -448,6 +448,12 @@ class CudaBackend final : public Backend {
   }
 
   Status cache_write(const CacheWriteParams& p) override {
+    if (p.upload.bytes > 0 && !cuda::cache_write_carries_upload(p)) {
+      DSACP_RETURN_IF_ERROR(copy_to_device(p.upload.device, p.upload.host, p.upload.bytes));
+      CacheWriteParams rest = p;
+      rest.upload = {};
+      return cache_write(rest);
+    }
     return run_kernel("cache_write", [&](const LaunchContext& c) { return cuda::launch_cache_write(p, c); });
   }
 

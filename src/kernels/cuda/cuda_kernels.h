@@ -23,6 +23,9 @@ struct LaunchContext {
 // ---- cache write, fill, merge --------------------------------------------------------------------------------
 Status cache_write_supported(const CacheWriteParams& p);
 Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx);
+// Whether launch_cache_write carries p.upload in its parameters (one launch, rows to write); else the caller
+// copies it first and launches without it.
+bool cache_write_carries_upload(const CacheWriteParams& p);
 Status launch_fill(void* dst, DType dtype, int64_t count, float value, const LaunchContext& ctx);
 // Where merged row r = t * H + h goes in out / lse: head blocks of [T, block_heads] (sparse MLA's head_blocks
 // layout); the default (block_heads == H == 1, T = rows) is row r itself.

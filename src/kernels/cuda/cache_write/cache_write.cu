@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/cuda_kernels.h"
@@ -25,18 +27,51 @@ struct WritePools {
   int64_t num_slots[3];
 };
 
-template <typename SrcT, typename DstT>
-__global__ void cache_write_kernel(const WritePools w, int64_t n, DeviceErrorWord err) {
+// CacheWriteParams::upload carried in the launch's parameters: the grid stores the bytes at `device`, and a slot
+// that lies there is read from the parameters (the grid's own stores are not ordered before its loads).
+// (A launch without an upload passes the 16-byte variant: 3 KB of parameters cost the launch time.)
+template <size_t kBytes>
+struct UploadArgs {
+  char* device;
+  uint32_t bytes;
+  alignas(16) char data[kBytes];
+};
+static_assert(sizeof(UploadArgs<kCacheWriteMaxUploadBytes>) + sizeof(WritePools) + 64 <= 4096,
+              "cache write parameters past 4 KB");
+
+template <size_t kBytes>
+__device__ __forceinline__ int64_t load_slot(const int64_t* slots, int64_t t, const UploadArgs<kBytes>& up) {
+  const char* at = reinterpret_cast<const char*>(slots + t);
+  if (at >= up.device && at + sizeof(int64_t) <= up.device + up.bytes) {
+    return *reinterpret_cast<const int64_t*>(up.data + (at - up.device));  // (8-byte aligned: slots are int64)
+  }
+  return slots[t];
+}
+
+template <size_t kBytes>
+__device__ __forceinline__ void store_upload(const UploadArgs<kBytes>& up) {
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * gridDim.y * blockDim.x;
+  const int64_t me = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t vecs = up.bytes / 16;
+  for (int64_t i = me; i < vecs; i += threads) {
+    reinterpret_cast<uint4*>(up.device)[i] = reinterpret_cast<const uint4*>(up.data)[i];
+  }
+  for (int64_t i = vecs * 16 + me; i < up.bytes; i += threads) up.device[i] = up.data[i];
+}
+
+template <typename SrcT, typename DstT, size_t kUploadBytes>
+__global__ void cache_write_kernel(const WritePools w, int64_t n, DeviceErrorWord err,
+                                   const __grid_constant__ UploadArgs<kUploadBytes> up) {
+  if (up.bytes != 0) store_upload(up);
   const int y = blockIdx.y;
   const SrcT* __restrict__ rows = static_cast<const SrcT*>(w.rows[y]);
-  const int64_t* __restrict__ slots = w.slots[y];
   DstT* __restrict__ pool = static_cast<DstT*>(w.pool[y]);
   const int dim = w.dim[y];
   const int64_t num_slots = w.num_slots[y];
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (t >= n) return;
-  const int64_t slot = slots[t];
+  const int64_t slot = load_slot(w.slots[y], t, up);
   if (slot == -1) return;
   if (slot < 0 || slot >= num_slots) {
     if (lane == 0) report_device_error(err, kDevBadSlot, t);
@@ -69,23 +104,41 @@ Status launch_cw_pools(const CacheWriteParams& p, int count, const LaunchContext
   }
   const int64_t threads = p.num_rows * 32;
   const dim3 grid(static_cast<unsigned>((threads + 255) / 256), static_cast<unsigned>(count));
-  cache_write_kernel<SrcT, DstT><<<grid, 256, 0, ctx.stream>>>(w, p.num_rows, ctx.error);
+  if (p.upload.bytes > 0) {
+    UploadArgs<kCacheWriteMaxUploadBytes> up;
+    up.device = static_cast<char*>(p.upload.device);
+    up.bytes = static_cast<uint32_t>(p.upload.bytes);
+    std::memcpy(up.data, p.upload.host, p.upload.bytes);
+    cache_write_kernel<SrcT, DstT><<<grid, 256, 0, ctx.stream>>>(w, p.num_rows, ctx.error, up);
+  } else {
+    const UploadArgs<16> none{};
+    cache_write_kernel<SrcT, DstT><<<grid, 256, 0, ctx.stream>>>(w, p.num_rows, ctx.error, none);
+  }
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_kernel");
   return Status::ok_status();
 }
 
+// The pools share a dtype (a step's caches do): one launch for all of them.
+bool cache_write_one_launch(const CacheWriteParams& p) {
+  const int pools = cache_write_pools(p);
+  for (int i = 1; i < pools; ++i) {
+    if (cache_write_pool(p, i).pool.dtype != p.pool.dtype) return false;
+  }
+  return true;
+}
+
 template <typename SrcT, typename DstT>
 Status launch_cw(const CacheWriteParams& p, const LaunchContext& ctx) {
-  // The pools in one launch when they share a dtype (a step's caches do), else one launch each.
-  const int pools = cache_write_pools(p);
-  bool same = true;
-  for (int i = 1; i < pools; ++i) same = same && cache_write_pool(p, i).pool.dtype == p.pool.dtype;
-  if (same) return launch_cw_pools<SrcT, DstT>(p, pools, ctx);
-  for (int i = 0; i < pools; ++i) DSACP_RETURN_IF_ERROR(launch_cache_write(cache_write_pool(p, i), ctx));
+  if (cache_write_one_launch(p)) return launch_cw_pools<SrcT, DstT>(p, cache_write_pools(p), ctx);
+  for (int i = 0; i < cache_write_pools(p); ++i) DSACP_RETURN_IF_ERROR(launch_cache_write(cache_write_pool(p, i), ctx));
   return Status::ok_status();
 }
 
 }  // namespace
+
+bool cache_write_carries_upload(const CacheWriteParams& p) {
+  return p.upload.bytes <= kCacheWriteMaxUploadBytes && p.num_rows > 0 && cache_write_one_launch(p);
+}
 
 Status cache_write_supported(const CacheWriteParams& p) {
   auto ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
@@ -102,6 +155,9 @@ Status cache_write_supported(const CacheWriteParams& p) {
 
 Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx) {
   DSACP_RETURN_IF_ERROR(cache_write_supported(p));
+  if (p.upload.bytes > 0 && !cache_write_carries_upload(p)) {
+    return internal_error("cache_write: an upload this launch cannot carry (the caller copies it first)");
+  }
   if (p.num_rows == 0) return Status::ok_status();
   const bool sb = p.rows_dtype == DType::kBF16, db = p.pool.dtype == DType::kBF16;
   if (sb && db) return launch_cw<__nv_bfloat16, __nv_bfloat16>(p, ctx);
