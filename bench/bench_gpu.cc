@@ -134,8 +134,10 @@ LaunchContext g_ctx;
 
 // ---- sparse MLA --------------------------------------------------------------------------------------------
 // gather_ctas > 0: time the gather ceiling (bench/gather_ceiling.cu) on the same pages and entries instead.
+// used < 2048: only each row's first `used` entries are keys, the rest -1 (a DCP rank's rows: its own keys of
+// the merged top-k, then -1).
 void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_per_token, int64_t num_requests,
-                      int reps, int gather_ctas = 0) {
+                      int reps, int gather_ctas = 0, int used = 2048) {
   const int K = 2048, page = 64, Dl = 512, Dr = 64;
   // request b owns keys_per_token keys; tokens are spread over requests evenly (decode: one token each)
   const int64_t pages_per_req = (keys_per_token + page - 1) / page;
@@ -155,6 +157,7 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
       pos = (pos + stride) % keys_per_token;
     }
     std::sort(&topk[t * K], &topk[t * K] + K);
+    for (int i = used; i < K; ++i) topk[t * K + i] = -1;
   }
   SparseMlaParams p;
   p.rows.num_tokens = T;
@@ -176,7 +179,7 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
   p.out_dtype = DType::kBF16;
   CK(cudaMalloc(&p.lse, T * H * 4));
   // gathered KV rows (distinct per request)
-  const double kv_rows = std::min<double>(static_cast<double>(T) * K, static_cast<double>(num_requests) * keys_per_token);
+  const double kv_rows = std::min<double>(static_cast<double>(T) * used, static_cast<double>(num_requests) * keys_per_token);
   float* ws = nullptr;
   if (gather_ctas > 0) {  // the rows alone, no attention
     uint32_t* sink = nullptr;
@@ -193,7 +196,7 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
     const int64_t wsf = sparse_mla_workspace_floats(p, splits);
     if (wsf > 0) CK(cudaMalloc(&ws, wsf * 4));
     const double ms = time_ms([&] { CS(launch_sparse_mla(p, splits, ws, g_ctx)); }, reps, g_ctx.stream);
-    const double flops = 2.0 * T * H * K * (576 + 512);
+    const double flops = 2.0 * T * H * used * (576 + 512);
     // unique bytes: the KV rows, q, out (bf16), lse, top-k
     const double bytes = kv_rows * 576 * 2 + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
     const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H));
@@ -383,6 +386,9 @@ int main(int argc, char** argv) {
       bench_sparse_mla(std::string("splits sparse_decode h=64 splits=") + sp, 64, 64, 32768, 64, reps);
       bench_sparse_mla(std::string("splits sparse_decode h=16 splits=") + sp, 64, 16, 32768, 64, reps);
       bench_sparse_mla(std::string("splits sparse_decode h=128 splits=") + sp, 64, 128, 32768, 64, reps);
+      // a DCP rank's share at b=64 (1024 of the 2048 entries its own)
+      bench_sparse_mla(std::string("splits sparse_decode h=128 used=1024 splits=") + sp, 64, 128, 32768, 64, reps, 0,
+                       1024);
     }
     unsetenv("DSACP_MLA_SPLITS");
   }

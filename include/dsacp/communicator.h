@@ -122,11 +122,15 @@ class Communicator {
   //   WindowRowSync sync = window_rows(num_rows);  // the producer kernel signals with it, the consumer waits
   //   ... enqueue the producer, then the consumer, on the producer stream ...
   //   auto h = window_rows_done();                // a handle whose wait() reports a consumer's failed wait
+  // or, where the caller synchronizes the consumers' stream anyway (a step's end), no handle: after that
+  // synchronize, window_rows_check() reports the same (no event on the stream, no wait of its own; the kernels'
+  // row waits are bounded by the communicator's timeout and its abort, so the synchronize is too).
   // Producers may also store into the peers' buffers (w.all[k]) instead of their own: a peer's buffer of this
   // exchange is free once window_next returned it (the same parity argument). The consumer must wait for every
   // peer's flag of each row it reads. Unsupported past the row flags (4096 rows) and where window_next is.
   virtual Result<WindowRowSync> window_rows(int64_t num_rows);
   virtual Result<std::unique_ptr<CollectiveHandle>> window_rows_done();
+  virtual Status window_rows_check();
 
   // Blocking forms.
   Status all_gather(const void* send, void* recv, size_t bytes);

@@ -41,6 +41,8 @@ Result<std::unique_ptr<CollectiveHandle>> Communicator::window_rows_done() {
   return unsupported("this communicator has no exchange window");
 }
 
+Status Communicator::window_rows_check() { return unsupported("this communicator has no exchange window"); }
+
 Result<std::unique_ptr<CollectiveHandle>> Communicator::all_gather_group_async(const std::vector<Part>& parts) {
   std::vector<std::unique_ptr<CollectiveHandle>> handles;
   for (const Part& p : parts) {

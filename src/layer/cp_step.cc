@@ -144,15 +144,23 @@ struct RankStep {
   const int32_t* d_row_local_len = nullptr;
   // Collectives the backend's stream waits for on the device; the host waits for them (bounded) at the end.
   std::vector<std::unique_ptr<CollectiveHandle>> in_flight;
-  // Communicators whose row-synchronized window exchange's end (window_rows_done) is recorded at the step's end,
-  // not right after its consumer: an event between the consumer and the next kernel costs the stream a few
-  // microseconds, and the end recorded later still comes after the consumer (one stream).
-  std::vector<Communicator*> rows_done_at_end;
+  // Communicators with a row-synchronized window exchange in this step (window_rows): after the step's
+  // synchronize, window_rows_check reports a consumer's wait that gave up. No end event on the stream (one between
+  // the consumer and the next kernel costs the stream a few microseconds; one at the end, and the host's wait for
+  // it, cost the step's tail), no handle: the kernels' row waits are bounded by themselves.
+  std::vector<Communicator*> rows_checked_at_end;
   std::vector<DeviceBuffer> kv_rows;  // the step's gathered KV rows (the cache write reads them on the device)
 
   int32_t B() const { return cache.config().page_size; }
   size_t act() const { return dtype_size(c.act_dtype); }
 };
+
+// The step's end checks comm's row-synchronized exchanges (Communicator::window_rows_check), once a communicator.
+void check_rows_at_end(RankStep& s, Communicator* comm) {
+  if (std::find(s.rows_checked_at_end.begin(), s.rows_checked_at_end.end(), comm) == s.rows_checked_at_end.end()) {
+    s.rows_checked_at_end.push_back(comm);
+  }
+}
 
 // Orders the backend's later work after the collective: on the device when the transport can (the host then
 // waits for it at the step's end, bounded), else by waiting now.
@@ -351,7 +359,7 @@ Status finish_merged_topk(RankStep& s, PendingTopk& pt) {
   }
   if (pt.rows.active()) {
     // The step's end reports a merge whose wait gave up (a peer's row never came), fused or not.
-    s.rows_done_at_end.push_back(s.comms.world);
+    check_rows_at_end(s, s.comms.world);
   }
   return Status();
 }
@@ -650,10 +658,7 @@ Result<bool> attention_merged_in_window(RankStep& s, LocalDecodes& d) {
   DSACP_ASSIGN_OR_RETURN(pm.sync, try_window_rows(producing(s, world), n, "mla"));
   if (!pm.sync.active()) return false;
   DSACP_RETURN_IF_ERROR(sparse_mla_run(s.backend, ap).with_context("local sparse MLA, merged across ranks"));
-  DSACP_ASSIGN_OR_RETURN(auto h, producing(s, world).window_rows_done());
-  s.in_flight.push_back(std::move(h));
-  // This end comes after the candidate exchange's consumer too (one stream, one communicator): it covers both.
-  std::erase(s.rows_done_at_end, &world);
+  check_rows_at_end(s, &world);
   return true;
 }
 
@@ -1067,16 +1072,15 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                                        c.out_dtype, extra * Hr * c.Dl, 0.f));
     DSACP_RETURN_IF_ERROR(backend.fill(out.lse + rows * Hr, DType::kF32, extra * Hr, -std::numeric_limits<float>::infinity()));
   }
-  for (Communicator* comm : s.rows_done_at_end) {
-    DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *comm).window_rows_done());
-    s.in_flight.push_back(std::move(h));
-  }
   // The kernels' error read-back is enqueued before the collectives' waits (which come first: they are bounded),
   // so the synchronize after them does not add its own device round trip once the GPU is done (the DCP decode's
   // timeline on 2 x H200, session 13: 7-9 us from the last wait to the step's end, 12-14 before).
   DSACP_RETURN_IF_ERROR(backend.begin_synchronize());
   for (auto& h : s.in_flight) DSACP_RETURN_IF_ERROR(h->wait());
   DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("CP step, rank " + std::to_string(plan.cr)));
+  for (Communicator* comm : s.rows_checked_at_end) {
+    DSACP_RETURN_IF_ERROR(comm->window_rows_check().with_context("CP step, rank " + std::to_string(plan.cr)));
+  }
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();
   return Status();

@@ -134,6 +134,7 @@ TEST(LocalCommunicator, HasNoWindows) {
   EXPECT_EQ(c->window_publish().status().code(), StatusCode::kUnsupported);
   EXPECT_EQ(c->window_rows(4).status().code(), StatusCode::kUnsupported);
   EXPECT_EQ(c->window_rows_done().status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(c->window_rows_check().code(), StatusCode::kUnsupported);
 }
 
 TEST(LocalCommunicator, MissingRankTimesOutInsteadOfHanging) {

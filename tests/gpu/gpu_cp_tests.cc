@@ -255,8 +255,9 @@ void test_nccl_abort(bool peer, bool window = false) {
 
 // A row-synchronized window exchange (Communicator::window_rows) whose peer never raises its rows: rank 0's
 // consumer (a candidate merge waiting on the rows' flags) gives up after the 2 s timeout, the exchange's handle
-// reports it naming the late rank, and the communicator fails later calls at once.
-void test_window_rows_timeout() {
+// (or, via_check, window_rows_check after the consumer finished: the CP step's end) reports it naming the late
+// rank, and the communicator fails later calls at once.
+void test_window_rows_timeout(bool via_check) {
   auto ranks = make_rank_pair(std::chrono::milliseconds(2000), nullptr, false);
   if (!pair_made(ranks, "window rows timeout: create")) return;
   Status got;
@@ -289,19 +290,22 @@ void test_window_rows_timeout() {
     mp.topk = out->as<int32_t>();
     mp.wait = *sync;
     const auto t0 = Clock::now();
-    got = be.topk_merge(mp);
-    if (got.ok()) {
+    got = be.topk_merge(mp);  // (checked: returns once the merge kernel ended)
+    if (got.ok() && via_check) {
+      got = c.window_rows_check();
+    } else if (got.ok()) {
       auto h = c.window_rows_done();
       got = h.ok() ? (*h)->wait() : h.status();
     }
     waited = seconds_since(t0);
   });
+  const std::string via = via_check ? " (window_rows_check)" : " (window_rows_done)";
   report(got.code() == StatusCode::kTimeout && got.message().find("rank 1 did not deliver") != std::string::npos &&
              waited >= 1.9 && waited < 15,
-         "window rows: a peer that never raises its rows -> kTimeout naming it, bounded",
+         "window rows: a peer that never raises its rows -> kTimeout naming it, bounded" + via,
          got.to_string() + ", after " + std::to_string(waited) + " s");
   Status later = ranks[0].comm->barrier();
-  report(!later.ok(), "window rows: the timed-out communicator fails later calls at once", later.to_string());
+  report(!later.ok(), "window rows: the timed-out communicator fails later calls at once" + via, later.to_string());
   ranks[1].comm->abort("test: the peer is gone");
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
 }
@@ -811,7 +815,8 @@ int main(int argc, char** argv) {
     test_window(seed);
     test_nccl_timeout(false, true);
     test_nccl_abort(false, true);
-    test_window_rows_timeout();
+    test_window_rows_timeout(false);
+    test_window_rows_timeout(true);
   } else {
     std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
   }

@@ -152,6 +152,7 @@ class NcclComm final : public NcclCommunicator {
   Result<std::unique_ptr<CollectiveHandle>> window_publish() override;
   Result<WindowRowSync> window_rows(int64_t num_rows) override;
   Result<std::unique_ptr<CollectiveHandle>> window_rows_done() override;
+  Status window_rows_check() override;
 
   void give_back_events(cudaEvent_t a, cudaEvent_t b) {
     for (cudaEvent_t e : {a, b}) {
@@ -171,6 +172,9 @@ class NcclComm final : public NcclCommunicator {
   }
 
   void fail(const std::string& reason);  // nccl_communicator.cc
+  // The error a kernel-side wait (peer exchange, window, window rows) left in the error word, if any, for `what`
+  // (nccl_communicator.cc; wait_for and window_rows_check).
+  Status peer_wait_error(const std::string& what) const;
 
   // ---- The peer exchange (kernels/cuda/comm/peer_exchange.h) ----
   // (defined in nccl_peer_exchange.cc, but for the short ones here)

@@ -230,15 +230,7 @@ Status NcclComm::wait_for(cudaEvent_t start, cudaEvent_t end, const std::string&
     }
     backoff();
   }
-  if (result.ok() && peer_words_ != nullptr && peer_words_[1] != 0) {
-    result = options_.abort_signal && options_.abort_signal->raised()
-                 ? Status(StatusCode::kBackendError, "communicator aborted: " + options_.abort_signal->reason())
-             : peer_words_[1] < 0 || !failure_.empty()
-                 ? failure_status()
-                 : Status(StatusCode::kTimeout, "rank " + std::to_string(rank_) + ": " + what + ": rank " +
-                                              std::to_string(peer_words_[1] - 1) + " did not deliver within " +
-                                              std::to_string(options_.timeout.count()) + " ms (peer exchange or window)");
-  }
+  if (result.ok()) result = peer_wait_error(what);
   stats_.wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   cuda::timeline::host_span(options_.device, tl0, label, "wait");
   if (!result.ok()) {
@@ -248,6 +240,17 @@ Status NcclComm::wait_for(cudaEvent_t start, cudaEvent_t end, const std::string&
   float ms = 0;
   if (start != nullptr && cudaEventElapsedTime(&ms, start, end) == cudaSuccess) stats_.busy_ms += ms;
   return Status();
+}
+
+Status NcclComm::peer_wait_error(const std::string& what) const {
+  if (peer_words_ == nullptr || peer_words_[1] == 0) return Status();
+  if (options_.abort_signal && options_.abort_signal->raised()) {
+    return Status(StatusCode::kBackendError, "communicator aborted: " + options_.abort_signal->reason());
+  }
+  if (peer_words_[1] < 0 || !failure_.empty()) return failure_status();
+  return Status(StatusCode::kTimeout, "rank " + std::to_string(rank_) + ": " + what + ": rank " +
+                                          std::to_string(peer_words_[1] - 1) + " did not deliver within " +
+                                          std::to_string(options_.timeout.count()) + " ms (peer exchange or window)");
 }
 
 void NcclComm::fail(const std::string& reason) {

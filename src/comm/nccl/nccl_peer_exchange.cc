@@ -2,7 +2,7 @@
 // members of nccl_comm.h defined here: the exchange areas registered with every peer at creation and split
 // (setup_peer_exchange) and released before NCCL goes (quiesce_peer_exchange, release_peer_exchange); an
 // all-gather or all-to-all whose message fits a slot run by dsacp's own kernels instead of NCCL (peer_fits,
-// peer_collective); the window (window_next, window_publish, window_rows, window_rows_done); the diagnostic
+// peer_collective); the window (window_next, window_publish, window_rows, window_rows_done, window_rows_check); the diagnostic
 // stamps (DSACP_PEER_STAMPS=1).
 #include "comm/nccl/nccl_comm.h"
 
@@ -388,6 +388,15 @@ Result<std::unique_ptr<CollectiveHandle>> NcclComm::window_rows_done() {
   // Nothing to enqueue: the handle's end event marks the point after the consumer, and its wait reads the error
   // word the consumers' waits store into.
   return launch("window rows", window_message_bytes_ * (size_ - 1), [] { return ncclSuccess; }, true, on);
+}
+
+// After the caller synchronized the consumers' stream: their waits are over, and a failed one left its error in
+// the error word (read as window_rows_done's handle does, without its event).
+Status NcclComm::window_rows_check() {
+  DSACP_RETURN_IF_ERROR(window_usable());
+  const Status s = peer_wait_error("window rows");
+  if (!s.ok()) fail(s.message());
+  return s;
 }
 
 }  // namespace nccl_detail
