@@ -88,8 +88,9 @@ struct NcclOptions {
   // registered with every peer at creation (GPUs of one host, ranks as threads or processes; used only when
   // every rank has it and reaches every other). The DCP decode step exchanges its candidates and its partial
   // outputs through it. DSACP_NCCL_WINDOW=0 turns it off, DSACP_NCCL_WINDOW_MB=N sets the size. Inherited by
-  // split communicators.
-  size_t window_bytes = size_t{16} << 20;
+  // split communicators. 32 MiB: the partials of a 2-rank decode batch of up to 255 rows at H = 128 (bf16) fit,
+  // so b = 128 merges them inside attention too (16 MiB, session 13's default, fit b <= 127).
+  size_t window_bytes = size_t{32} << 20;
 };
 
 class NcclCommunicator : public Communicator {
