@@ -1077,10 +1077,14 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // timeline on 2 x H200, session 13: 7-9 us from the last wait to the step's end, 12-14 before).
   DSACP_RETURN_IF_ERROR(backend.begin_synchronize());
   for (auto& h : s.in_flight) DSACP_RETURN_IF_ERROR(h->wait());
-  DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("CP step, rank " + std::to_string(plan.cr)));
+  Status end = backend.synchronize();
+  // (checked even after a failed synchronize: a row wait that gave up fails its communicator here, not at its
+  // next use; the synchronize's error is the one reported)
   for (Communicator* comm : s.rows_checked_at_end) {
-    DSACP_RETURN_IF_ERROR(comm->window_rows_check().with_context("CP step, rank " + std::to_string(plan.cr)));
+    const Status rows_status = comm->window_rows_check();
+    if (end.ok()) end = rows_status;
   }
+  DSACP_RETURN_IF_ERROR(end.with_context("CP step, rank " + std::to_string(plan.cr)));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();
   return Status();
