@@ -423,12 +423,8 @@ class CudaBackend final : public Backend {
     // Not inside a lane session: the side lane's kernels may still run after the main stream's copy.
     if (deferred_ == 0 || !thread_lane_.empty()) return Status::ok_status();
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    const size_t n = pending_.size();
-    if (n > 0) {
-      DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_ + 2, err_dev_ + 2, 2 * n * sizeof(int32_t),
-                                                 cudaMemcpyDeviceToHost, stream_));
-    }
-    staged_ = n;
+    DSACP_CUDA_RETURN_IF_ERROR(enqueue_error_readback());
+    staged_ = pending_.size();
     return Status::ok_status();
   }
 
@@ -624,16 +620,20 @@ class CudaBackend final : public Backend {
     return check_device_error(kernel);
   }
 
+  // The copy of the pending launches' error slots (slots 1..) to the host words, behind the main stream's work.
+  cudaError_t enqueue_error_readback() {
+    const size_t n = pending_.size();
+    if (n == 0) return cudaSuccess;
+    return cudaMemcpyAsync(err_host_ + 2, err_dev_ + 2, 2 * n * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_);
+  }
+
   // Waits for the stream, then turns the first error recorded by a deferred launch into a Status and clears
   // the slots (one read-back for the whole scope).
   Status collect_deferred() {
     if (lanes_[1].stream != nullptr) DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lanes_[1].stream));
     const size_t n = pending_.size();
     // (begin_synchronize enqueued the read-back of slots [0, staged_) already: again only if launches came since)
-    if (n > 0 && staged_ != n) {
-      DSACP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(err_host_ + 2, err_dev_ + 2, 2 * n * sizeof(int32_t),
-                                                 cudaMemcpyDeviceToHost, stream_));
-    }
+    if (staged_ != n) DSACP_CUDA_RETURN_IF_ERROR(enqueue_error_readback());
     staged_ = 0;
     DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     ring_used_ = 0;
