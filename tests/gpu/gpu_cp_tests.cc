@@ -664,8 +664,10 @@ void test_layouts(uint64_t seed, int num_gpus) {
              describe(cc) + " (" + std::to_string(seconds_since(t0)) + " s)");
     }
   }
-  // A bf16 output: the local decodes' partials travel in bf16 (the direct head-block path at H=128 over D=2).
-  {
+  // A bf16 output: the local decodes' partials travel in bf16 (the direct head-block path at H=128 over D=2). With
+  // the default decode kernel (ws32) the receiving CTA stages the peer's rows in shared memory; the wgmma kernel has
+  // no stage and sums them from global memory.
+  for (const char* kernel : {"", "wgmma"}) {
     const CaseFile c = make_case(seed * 31 + 2, 128, true);
     ReplayOptions one;
     one.page_size = 64;
@@ -674,15 +676,17 @@ void test_layouts(uint64_t seed, int num_gpus) {
     ReplayOptions o = one;
     o.layout = make_layout(1, 2);
     const bool two = num_gpus >= 2;
+    if (kernel[0] != 0) setenv("DSACP_MLA_KERNEL", kernel, 1);
     auto got = replay_case(std::vector<Backend*>{gpus[0].get(), gpus[two ? 1 : 0].get()}, c, o);
+    if (kernel[0] != 0) unsetenv("DSACP_MLA_KERNEL");
+    const std::string name = std::string("decode-only H=128 bf16 out (bf16 partials") +
+                             (kernel[0] != 0 ? ", MLA kernel " + std::string(kernel) : std::string()) + "): D2 sharded" +
+                             (two ? " (NCCL)" : " on one GPU");
     if (!want.ok() || !got.ok()) {
-      report(false, "decode-only H=128 bf16 out: D2 sharded", (want.ok() ? got : want).status().to_string());
+      report(false, name, (want.ok() ? got : want).status().to_string());
     } else {
       const Compare cc = compare(*got, *want);
-      report(cc.topk_same && cc.out_rel < 1e-2 && cc.lse_abs < 2e-2,
-             std::string("decode-only H=128 bf16 out (bf16 partials): D2 sharded") + (two ? " (NCCL)" : " on one GPU") +
-                 " vs one GPU",
-             describe(cc));
+      report(cc.topk_same && cc.out_rel < 1e-2 && cc.lse_abs < 2e-2, name + " vs one GPU", describe(cc));
     }
   }
   // Decode batches past one wave of the GPU, at H=128 with bf16 out (bf16 partials):

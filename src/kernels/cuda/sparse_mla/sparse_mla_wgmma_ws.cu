@@ -91,6 +91,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   int32_t* sMisc = reinterpret_cast<int32_t*>(smem + kOffMisc);
   const uint32_t bars = smem_u32(smem + kOffBar);
   float* smem_part = reinterpret_cast<float*>(smem);  // the cluster merge's partial rows, over Q and the tiles
+  unsigned char* peer_stage = smem + mla_peer_stage_offset(64);  // the peer merge's, past them (over the tiles)
+  static_assert(mla_peer_stage_offset(64) + kMlaPeerStageBytes <= kOffP0, "the peer merge's stage fits below kOffP0");
   static_assert(mla_cluster_merge_bytes(64) <= kOffP0, "the cluster merge's rows fit over Q and the tiles");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -162,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
     }
     cp_async_wait<0>();
     mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
-    mla_peer_merge<64, kThreads>(a, t, h0, smem_part);
+    mla_peer_merge<64, kThreads, 0>(a, t, h0, smem_part, peer_stage);  // (the consumers sum unstaged rows)
     return;
   }
 
@@ -317,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1, smem_part);
   mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
-  mla_peer_merge<64, kThreads>(a, t, h0, smem_part);
+  mla_peer_merge<64, kThreads, 256>(a, t, h0, smem_part, peer_stage);
 }
 
 }  // namespace
