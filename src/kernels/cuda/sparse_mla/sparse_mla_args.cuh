@@ -282,18 +282,17 @@ __device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, i
   cluster_sync();  // the peers are done reading this CTA's rows
 }
 
-// mla_peer_merge's sum over the parts (rank order) of rows [row0, row0 + kRows) into a.out, by threads
-// [0, kWorkers) of the CTA: 8 columns a chunk, kBatch chunks a thread at a time, every load of a part's batch
-// issued before any of them is used. (One
-// dependent 8-byte load at a time took the merge 13 us of the 2-GPU DCP decode step: session 15.) A part whose
-// weight is 0 is not read. The sums are the same, in the same order, as one column at a time.
-template <int kRows, int kWorkers>
+// mla_peer_merge's sum over the parts (rank order) of rows [row0, row0 + kRows) into a.out, from global memory,
+// by threads [0, kThreads) of the CTA: 8 columns a chunk, kBatch chunks a thread at a time, every load of a
+// part's batch issued before any of them is used (one dependent 8-byte load at a time took the merge 13 us of the
+// 2-GPU DCP decode step: session 15). A part whose weight is 0 is not read. The sums are the same, in the same
+// order, as one column at a time.
+template <int kRows, int kThreads>
 __device__ __forceinline__ void mla_peer_merge_rows(const MlaArgs& a, const SparseMlaParams::PeerMerge& pm,
                                                     const float* rows, const float* weights, int64_t row0, int n,
                                                     int me, int tid) {
-  constexpr int kChunks = kRows * 64;  // [kRows, 512] in 8-column chunks; thread tid takes tid + j * kWorkers
+  constexpr int kChunks = kRows * 64;  // [kRows, 512] in 8-column chunks; thread tid takes tid + j * kThreads
   constexpr int kBatch = 8;
-  constexpr int kThreads = kWorkers;
   const bool part_bf16 = pm.part_dtype == DType::kBF16;
   const bool out16 = (reinterpret_cast<uintptr_t>(a.out) & 15) == 0;
   for (int base = 0; base < kChunks; base += kBatch * kThreads) {
@@ -414,7 +413,7 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t 
 //     sum over the parts with a finite LSE; none: out = 0, lse = -inf) into out / lse rows t * kRows + r (this
 //     rank's head slice). A failed wait leaves them unwritten (the communicator reports the error).
 // With `stage` (64 KiB of free shared memory, mla_peer_stage_offset; every call site of a kernel passes the same),
-// 2 ranks and bf16 parts at 16-byte aligned addresses, the receiver copies the peer's rows into `stage` (cp.async,
+// 2 ranks, bf16 parts and a bf16 out at 16-byte aligned addresses, the receiver copies the peer's rows into `stage` (cp.async,
 // while the weights are computed), merges in shared memory and stores the merged rows with one bulk copy. (On
 // 2 x H200, session 15, the merge of a 64-row block took 13 us with per-thread global loads one at a time, 11.7
 // with 8 loads in flight a thread, ~6 staged.) Otherwise the rows are summed from global memory by threads
@@ -431,7 +430,7 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
   // (no __shared__ variable: static shared memory would move the kernels' 1024-byte-aligned dynamic block)
   int& s_ok = *reinterpret_cast<int*>(smem_part + kRows * 512 + kRows + kRows * 8);
   const int tid = threadIdx.x, k = h0 / a.block_heads, me = pm.sync.rank;
-  float* rows = smem_part;
+  const float* rows = smem_part;
   const float* lse = smem_part + kRows * 512;
   const int64_t row0 = t * kRows;  // this token's first row in a [T, kRows] slot
   const bool part_bf16 = pm.part_dtype == DType::kBF16;
@@ -464,9 +463,8 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
   if (!peer::window_row_wait(pm.sync, t, &s_ok)) return;  // (its barriers order the staged rows too)
   const int n = pm.sync.size;
   const int other = 1 - me;  // (the staged path's one peer)
-  const void* out_block = a.out_bf16 ? static_cast<const void*>(static_cast<__nv_bfloat16*>(a.out) + row0 * 512)
-                                     : static_cast<const void*>(static_cast<float*>(a.out) + row0 * 512);
-  const bool staged = stage != nullptr && part_bf16 && n == 2 &&
+  __nv_bfloat16* out_block = static_cast<__nv_bfloat16*>(a.out) + row0 * 512;  // (the staged path's: a bf16 out)
+  const bool staged = stage != nullptr && part_bf16 && a.out_bf16 && n == 2 &&
                       aligned16(static_cast<const __nv_bfloat16*>(pm.part_out_from[other]) + row0 * 512) &&
                       aligned16(out_block);
   if (staged) {  // the peer's rows into the stage while the weights are computed
@@ -490,8 +488,8 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
   }
   cp_async_wait<0>();
   __syncthreads();  // the weights and the staged peer rows
-  // In shared memory, parts in rank order; each chunk is read and written back in place by one thread: the bf16
-  // result over the staged peer rows, the f32 result over this CTA's own rows.
+  // In shared memory, parts in rank order; each chunk is read and written back, as bf16, over the staged peer rows
+  // by one thread.
   for (int idx = tid; idx < kRows * 64; idx += kThreads) {
     const int r = idx >> 6;
     const float w_me = weights[r * 8 + me], w_other = weights[r * 8 + other];
@@ -500,7 +498,7 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
     const float2 p0 = bf16x2_to_float2(raw.x), p1 = bf16x2_to_float2(raw.y);
     const float2 p2 = bf16x2_to_float2(raw.z), p3 = bf16x2_to_float2(raw.w);
     const float theirs[8] = {p0.x, p0.y, p1.x, p1.y, p2.x, p2.y, p3.x, p3.y};
-    float4* own = reinterpret_cast<float4*>(rows + idx * 8);
+    const float4* own = reinterpret_cast<const float4*>(rows + idx * 8);
     const float4 o0 = own[0], o1 = own[1];
     const float mine[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
 #pragma unroll
@@ -510,19 +508,13 @@ __device__ __forceinline__ void mla_peer_merge(const MlaArgs& a, int64_t t, int 
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] += w * (s == me ? mine[j] : theirs[j]);
     }
-    if (a.out_bf16) {
-      *reinterpret_cast<uint4*>(stage_bf16 + idx * 8) = make_uint4(
-          pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]));
-    } else {
-      own[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      own[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-    }
+    *reinterpret_cast<uint4*>(stage_bf16 + idx * 8) = make_uint4(
+        pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]), pack_bf16x2(acc[6], acc[7]));
   }
   fence_proxy_async_smem();
   __syncthreads();
   if (tid == 0) {
-    bulk_store(const_cast<void*>(out_block), a.out_bf16 ? static_cast<const void*>(stage) : rows,
-                        kRows * 512 * (a.out_bf16 ? 2 : 4));
+    bulk_store(out_block, stage, kRows * 512 * 2);
   }
 }
 
