@@ -413,10 +413,10 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t 
 //     sum over the parts with a finite LSE; none: out = 0, lse = -inf) into out / lse rows t * kRows + r (this
 //     rank's head slice). A failed wait leaves them unwritten (the communicator reports the error).
 // With `stage` (64 KiB of free shared memory, mla_peer_stage_offset; every call site of a kernel passes the same),
-// 2 ranks, bf16 parts and a bf16 out at 16-byte aligned addresses, the receiver copies the peer's rows into `stage` (cp.async,
-// while the weights are computed), merges in shared memory and stores the merged rows with one bulk copy. (On
-// 2 x H200, session 15, the merge of a 64-row block took 13 us with per-thread global loads one at a time, 11.7
-// with 8 loads in flight a thread, ~6 staged.) Otherwise the rows are summed from global memory by threads
+// 2 ranks, bf16 parts and a bf16 out at 16-byte aligned addresses, the receiver copies the peer's rows into
+// `stage` (cp.async, while the weights are computed), merges in shared memory and stores the merged rows with one
+// bulk copy. (On 2 x H200, session 15, the merge of a 64-row block took 13 us with per-thread global loads one
+// at a time, 11.7 with 8 loads in flight a thread, ~6 staged.) Otherwise the rows are summed from global memory by threads
 // [0, kMergeThreads) of the call site (the warp-specialized kernels: their consumer warpgroups, 256 threads; their
 // producer's call site passes 0: it has 56 registers after setmaxnreg).
 // Every thread of the CTA calls it (it has barriers); without a.peer it returns at once.
