@@ -1,4 +1,5 @@
-// Element types dsacp stores: f32, bf16 (round-to-nearest-even from f32) and i32.
+// Element types dsacp stores: f32, bf16 (round-to-nearest-even from f32), i32, and FP8 e4m3 (dsacp/fp8.h: the
+// indexer keys and queries, the fp8_ds_mla latent record; always with f32 scales beside it).
 #pragma once
 
 #include <cstdint>
@@ -9,10 +10,10 @@
 
 namespace dsacp {
 
-enum class DType : uint8_t { kF32, kBF16, kI32 };
+enum class DType : uint8_t { kF32, kBF16, kI32, kF8E4M3 };
 
-inline size_t dtype_size(DType t) { return t == DType::kBF16 ? 2 : 4; }
-// safetensors spelling: "F32", "BF16", "I32".
+inline size_t dtype_size(DType t) { return t == DType::kBF16 ? 2 : t == DType::kF8E4M3 ? 1 : 4; }
+// safetensors spelling: "F32", "BF16", "I32", "F8_E4M3".
 const char* dtype_name(DType t);
 Result<DType> dtype_from_name(std::string_view name);
 

@@ -7,12 +7,15 @@
 #include <cstdint>
 
 #include "dsacp/dtype.h"
+#include "dsacp/fp8.h"
 
 namespace dsacp {
 
-// One paged pool of one layer: [num_pages, page_size, dim], row-major.
+// One paged pool of one layer: [num_pages, page_size, dim], row-major. With dtype kF8E4M3 (the FP8 indexer keys)
+// each page is two planes: [page_size, dim] e4m3 values, then [page_size] f32 scales (dsacp/fp8.h,
+// fp8_index_page_bytes; 132 bytes a token for dim = 128).
 struct PagedPoolView {
-  void* data = nullptr;  // [num_pages, page_size, dim], f32 or bf16
+  void* data = nullptr;  // [num_pages, page_size, dim], f32 or bf16; or FP8 two-plane pages
   DType dtype = DType::kBF16;
   int64_t num_pages = 0;
   int32_t page_size = 0;
@@ -55,8 +58,12 @@ struct BlockTableView {
 // Scatter rows into flat slots of a pool: pool[slot / page_size, slot % page_size, :] = rows[t, :].
 // A slot of -1 skips the row; any other slot outside [0, num_pages * page_size) is an error.
 struct CacheWriteParams {
-  const void* rows = nullptr;  // [T, dim], f32 or bf16
+  const void* rows = nullptr;  // [T, dim], f32 or bf16 (or e4m3, already quantized: row_scales below)
   DType rows_dtype = DType::kBF16;
+  // A pool of dtype kF8E4M3 stores quantized rows: f32/bf16 rows are quantized per row (dsacp/fp8.h) with this
+  // scale rule; e4m3 rows are stored as they are, with their scales row_scales[T] (positive and finite).
+  Fp8ScaleMode fp8_scale_mode = Fp8ScaleMode::kFp32;
+  const float* row_scales = nullptr;  // [T], f32, only with rows_dtype kF8E4M3
   int64_t num_rows = 0;        // T
   const int64_t* slots = nullptr;  // [T]
   PagedPoolView pool;
@@ -146,13 +153,17 @@ struct TopkMergeParams {
 // Lightning indexer score and exact top-k in the contract's canonical form:
 //   s(t, j) = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) over visible j;
 //   the K largest, ties to the lower position, ascending, front-packed, -1 padded.
+// FP8 (q_dtype and keys.dtype kF8E4M3, contract section 6):
+//   s(t, j) = sum_h w[t, h] * relu(q_scale[t, h] * sk[j] * (q8[t, h, :] . k8[j, :])), the dot product in f32,
+// with sk[j] the key's scale from the pool's scale plane.
 struct IndexerTopkParams {
   QueryRowsView rows;
   int32_t Hi = 0, Di = 0, K = 0;
-  const void* q = nullptr;  // [T, Hi, Di], f32 or bf16
+  const void* q = nullptr;  // [T, Hi, Di], f32, bf16 or e4m3
   DType q_dtype = DType::kBF16;
+  const float* q_scale = nullptr;  // [T, Hi], f32: with e4m3 q (may be all 1 with the scale folded into w)
   const float* w = nullptr;  // [T, Hi], f32
-  PagedPoolView keys;        // [num_pages, page_size, Di]
+  PagedPoolView keys;        // [num_pages, page_size, Di]: f32/bf16 rows, or FP8 two-plane pages (with e4m3 q)
   BlockTableView block_table;
   int32_t* topk = nullptr;   // [T, K] out
   // Optional: the score of each chosen entry ([T, K], -inf after the last one), for an exact merge of
