@@ -1,0 +1,320 @@
+// The Python module dsacp._dsacp: the step's kernels as functions over DLPack tensors (numpy, torch, jax, cupy:
+// zero-copy, nothing is converted or copied on the way in), the case files and replay. Argument errors become
+// ValueError with the library's one-line message; device and communication failures RuntimeError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/case_file.h"
+#include "dsacp/replay.h"
+#include "tensor_args.h"
+
+namespace nb = nanobind;
+using namespace dsacp;
+using namespace dsacp::py;
+
+namespace {
+
+// One CPU backend per thread count, made on first use and kept for the process (its threads are reused).
+Backend& cpu_backend(int threads) {
+  static std::mutex mu;
+  static std::vector<std::pair<int, std::unique_ptr<Backend>>> backends;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& [n, b] : backends) {
+    if (n == threads) return *b;
+  }
+  backends.emplace_back(threads, make_cpu_backend(threads));
+  return *backends.back().second;
+}
+
+// Runs a kernel with the GIL released; a failed status becomes the matching Python exception.
+template <typename F>
+void run_kernel(F&& f) {
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = f();
+  }
+  raise_if_error(s);
+}
+
+nb::object indexer_topk(const Arr& q, const Arr& w, const nb::object& keys, const Arr& block_table, const Arr& request,
+                       const Arr& key_len, int32_t K, std::optional<Arr> q_scale, std::optional<nb::object> out,
+                       bool return_scores, int threads, int32_t keys_page_size) {
+  const char* op = "indexer_topk";
+  TensorArg tq = tensor_arg(op, "q", q, {Elem::kF32, Elem::kBF16, Elem::kF8E4M3}, 3);
+  const int64_t T = tq.shape[0], Hi = tq.shape[1], Di = tq.shape[2];
+  TensorArg tw = tensor_arg(op, "w", w, {Elem::kF32}, {{"T", T}, {"Hi", Hi}});
+  PagedPoolView pool = paged_pool_arg(op, "keys", keys, Di, false, keys_page_size);
+  BlockTableView table = block_table_arg(op, block_table);
+  TensorArg treq = tensor_arg(op, "request", request, {Elem::kI32}, {{"T", T}});
+  TensorArg tlen = tensor_arg(op, "key_len", key_len, {Elem::kI32}, {{"T", T}});
+  if (K < 1) throw nb::value_error((std::string(op) + ": K=" + std::to_string(K) + ", expected K >= 1").c_str());
+  IndexerTopkParams p;
+  p.rows = {T, static_cast<const int32_t*>(treq.data), static_cast<const int32_t*>(tlen.data)};
+  p.Hi = static_cast<int32_t>(Hi);
+  p.Di = static_cast<int32_t>(Di);
+  p.K = K;
+  p.q = tq.data;
+  p.q_dtype = tq.dtype;
+  p.w = static_cast<const float*>(tw.data);
+  p.keys = pool;
+  p.block_table = table;
+  if (q_scale) p.q_scale = static_cast<const float*>(tensor_arg(op, "q_scale", *q_scale, {Elem::kF32}, {{"T", T}, {"Hi", Hi}}).data);
+  OutArray topk = out_array(op, "out", out, Elem::kI32, {T, K});
+  p.topk = static_cast<int32_t*>(topk.data);
+  OutArray scores;
+  if (return_scores) {
+    scores = out_array(op, "scores", std::nullopt, Elem::kF32, {T, K});
+    p.topk_scores = static_cast<float*>(scores.data);
+  }
+  Backend& be = cpu_backend(threads);
+  run_kernel([&] { return indexer_topk_run(be, p); });
+  if (return_scores) return nb::make_tuple(topk.object(), scores.object());
+  return topk.object();
+}
+
+nb::tuple sparse_mla(const Arr& q_nope, const Arr& q_rope, const nb::object& latent, const nb::object& rope, const Arr& block_table,
+                     const Arr& request, const Arr& key_len, const Arr& topk, float scale, std::optional<nb::object> out,
+                     std::optional<nb::object> lse, int threads) {
+  const char* op = "sparse_mla";
+  TensorArg qn = tensor_arg(op, "q_nope", q_nope, {Elem::kF32, Elem::kBF16}, 3);
+  const int64_t T = qn.shape[0], H = qn.shape[1], Dl = qn.shape[2];
+  TensorArg qr = tensor_arg(op, "q_rope", q_rope, {qn.elem}, 3);
+  check_dims(op, "q_rope", qr, {{"T", T}, {"H", H}, {"Dr", qr.shape[2]}});
+  const int64_t Dr = qr.shape[2];
+  PagedPoolView lat = paged_pool_arg(op, "latent", latent, Dl);
+  PagedPoolView rp = paged_pool_arg(op, "rope", rope, Dr);
+  if (lat.num_pages != rp.num_pages || lat.page_size != rp.page_size) {
+    throw nb::value_error((std::string(op) + ": latent has " + std::to_string(lat.num_pages) + " pages of " +
+                           std::to_string(lat.page_size) + ", rope " + std::to_string(rp.num_pages) + " of " +
+                           std::to_string(rp.page_size) + "; expected the same paging")
+                              .c_str());
+  }
+  BlockTableView table = block_table_arg(op, block_table);
+  TensorArg treq = tensor_arg(op, "request", request, {Elem::kI32}, {{"T", T}});
+  TensorArg tlen = tensor_arg(op, "key_len", key_len, {Elem::kI32}, {{"T", T}});
+  TensorArg tk = tensor_arg(op, "topk", topk, {Elem::kI32}, 2);
+  check_dims(op, "topk", tk, {{"T", T}, {"K", tk.shape[1]}});
+  SparseMlaParams p;
+  p.rows = {T, static_cast<const int32_t*>(treq.data), static_cast<const int32_t*>(tlen.data)};
+  p.H = static_cast<int32_t>(H);
+  p.Dl = static_cast<int32_t>(Dl);
+  p.Dr = static_cast<int32_t>(Dr);
+  p.K = static_cast<int32_t>(tk.shape[1]);
+  p.scale = scale;
+  p.q_nope = qn.data;
+  p.q_rope = qr.data;
+  p.q_dtype = qn.dtype;
+  p.latent = lat;
+  p.rope = rp;
+  p.block_table = table;
+  p.topk = static_cast<const int32_t*>(tk.data);
+  OutArray o = out_array(op, "out", out, Elem::kF32, {T, H, Dl}, {Elem::kF32, Elem::kBF16});
+  OutArray l = out_array(op, "lse", lse, Elem::kF32, {T, H});
+  p.out = o.data;
+  p.out_dtype = o.dtype;
+  p.lse = static_cast<float*>(l.data);
+  Backend& be = cpu_backend(threads);
+  run_kernel([&] { return sparse_mla_run(be, p); });
+  return nb::make_tuple(o.object(), l.object());
+}
+
+nb::tuple lse_merge(const Arr& part_out, const Arr& part_lse, std::optional<nb::object> out, std::optional<nb::object> lse,
+                    int threads) {
+  const char* op = "lse_merge";
+  TensorArg po = tensor_arg(op, "part_out", part_out, {Elem::kF32, Elem::kBF16}, 3);
+  const int64_t S = po.shape[0], R = po.shape[1], Dl = po.shape[2];
+  TensorArg pl = tensor_arg(op, "part_lse", part_lse, {Elem::kF32}, {{"S", S}, {"rows", R}});
+  LseMergeParams p;
+  p.num_parts = static_cast<int32_t>(S);
+  p.num_rows = R;
+  p.Dl = static_cast<int32_t>(Dl);
+  p.part_out = po.data;
+  p.part_lse = static_cast<const float*>(pl.data);
+  p.part_dtype = po.dtype;
+  OutArray o = out_array(op, "out", out, Elem::kF32, {R, Dl}, {Elem::kF32, Elem::kBF16});
+  OutArray l = out_array(op, "lse", lse, Elem::kF32, {R});
+  p.out = o.data;
+  p.out_dtype = o.dtype;
+  p.lse = static_cast<float*>(l.data);
+  Backend& be = cpu_backend(threads);
+  run_kernel([&] { return lse_merge_run(be, p); });
+  return nb::make_tuple(o.object(), l.object());
+}
+
+void cache_write(const Arr& rows, const Arr& slots, const nb::object& pool, std::optional<Arr> row_scales,
+                 const std::string& scale_mode, int threads) {
+  const char* op = "cache_write";
+  TensorArg tr = tensor_arg(op, "rows", rows, {Elem::kF32, Elem::kBF16, Elem::kF8E4M3}, 2);
+  const int64_t T = tr.shape[0], dim = tr.shape[1];
+  TensorArg ts = tensor_arg(op, "slots", slots, {Elem::kI64}, {{"T", T}});
+  CacheWriteParams p;
+  p.rows = tr.data;
+  p.rows_dtype = tr.dtype;
+  p.num_rows = T;
+  p.slots = static_cast<const int64_t*>(ts.data);
+  p.pool = paged_pool_arg(op, "pool", pool, dim, /*writable=*/true);
+  if (row_scales) p.row_scales = static_cast<const float*>(tensor_arg(op, "row_scales", *row_scales, {Elem::kF32}, {{"T", T}}).data);
+  if (scale_mode == "fp32") {
+    p.fp8_scale_mode = Fp8ScaleMode::kFp32;
+  } else if (scale_mode == "ue8m0") {
+    p.fp8_scale_mode = Fp8ScaleMode::kUe8m0;
+  } else {
+    throw nb::value_error((std::string(op) + ": scale_mode=\"" + scale_mode + "\", expected \"fp32\" or \"ue8m0\"").c_str());
+  }
+  Backend& be = cpu_backend(threads);
+  run_kernel([&] { return cache_write_run(be, p); });
+}
+
+// The result of a step as numpy arrays (f32 `out` whatever the stored dtype: every bf16 value is exact in f32).
+nb::dict result_dict(StepResult r) {
+  nb::dict d;
+  d["topk_indices"] = tensor_to_numpy(std::move(r.topk_indices));
+  if (r.out.dtype() == DType::kBF16) {
+    Result<Tensor> f = r.out.to_dtype(DType::kF32);
+    raise_if_error(f.status());
+    r.out = std::move(f).value();
+  }
+  d["out"] = tensor_to_numpy(std::move(r.out));
+  d["lse"] = tensor_to_numpy(std::move(r.lse));
+  return d;
+}
+
+nb::dict replay(const std::string& case_path, std::optional<std::string> out_path, int32_t page_size,
+                const std::string& out_dtype, int32_t pcp, int32_t dcp, int32_t interleave, const std::string& indexer,
+                bool dsa_cp, int threads) {
+  const char* op = "replay";
+  ReplayOptions o;
+  if (page_size < 1) throw nb::value_error(("replay: page_size=" + std::to_string(page_size) + ", expected >= 1").c_str());
+  o.page_size = page_size;
+  if (out_dtype == "f32") {
+    o.out_dtype = DType::kF32;
+  } else if (out_dtype == "bf16") {
+    o.out_dtype = DType::kBF16;
+  } else {
+    throw nb::value_error(("replay: out_dtype=\"" + out_dtype + "\", expected \"f32\" or \"bf16\"").c_str());
+  }
+  if (pcp < 1 || dcp < 1 || int64_t{pcp} * dcp > 1024) {
+    throw nb::value_error(("replay: pcp=" + std::to_string(pcp) + ", dcp=" + std::to_string(dcp) +
+                           ", expected pcp >= 1, dcp >= 1 and pcp * dcp <= 1024")
+                              .c_str());
+  }
+  if (interleave < 0) throw nb::value_error(("replay: interleave=" + std::to_string(interleave) + ", expected >= 0 (0 = the page size)").c_str());
+  o.layout.P = pcp;
+  o.layout.D = dcp;
+  o.layout.interleave = interleave;
+  if (indexer == "sharded") {
+    o.layout.indexer = IndexerMode::kSharded;
+  } else if (indexer == "replicated") {
+    o.layout.indexer = IndexerMode::kReplicated;
+  } else {
+    throw nb::value_error(("replay: indexer=\"" + indexer + "\", expected \"sharded\" or \"replicated\"").c_str());
+  }
+  o.layout.dsa_cp = dsa_cp;
+  (void)op;
+  Result<StepResult> r = [&]() -> Result<StepResult> {
+    nb::gil_scoped_release release;
+    DSACP_ASSIGN_OR_RETURN(CaseFile c, case_read(case_path));
+    DSACP_ASSIGN_OR_RETURN(StepResult res, replay_case(cpu_backend(threads), c, o));
+    if (out_path) DSACP_RETURN_IF_ERROR(result_write(*out_path, res));
+    return res;
+  }();
+  raise_if_error(r.status());
+  return result_dict(std::move(r).value());
+}
+
+void make_case(const std::string& path, const std::vector<int32_t>& query_lens, const std::vector<int32_t>& context_lens,
+               int32_t heads, int32_t latent_dim, int32_t rope_dim, int32_t index_heads, int32_t index_dim,
+               int32_t topk, float scale, const std::string& dtype, uint64_t seed) {
+  if (query_lens.size() != context_lens.size()) {
+    throw nb::value_error(("make_case: " + std::to_string(query_lens.size()) + " query_lens but " +
+                           std::to_string(context_lens.size()) + " context_lens; expected one of each per request")
+                              .c_str());
+  }
+  CaseGenSpec spec;
+  for (size_t i = 0; i < query_lens.size(); ++i) spec.requests.push_back({query_lens[i], context_lens[i]});
+  spec.dims = {heads, latent_dim, rope_dim, index_heads, index_dim};
+  spec.topk = topk;
+  spec.scale = scale;
+  if (dtype == "f32") {
+    spec.dtype = DType::kF32;
+  } else if (dtype == "bf16") {
+    spec.dtype = DType::kBF16;
+  } else {
+    throw nb::value_error(("make_case: dtype=\"" + dtype + "\", expected \"f32\" or \"bf16\"").c_str());
+  }
+  spec.seed = seed;
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    Result<CaseFile> c = case_generate(spec);
+    s = c.ok() ? case_write(path, c.value()) : c.status();
+  }
+  raise_if_error(s);
+}
+
+}  // namespace
+
+NB_MODULE(_dsacp, m) {
+  m.doc() = "dsacp: DeepSeek Sparse Attention with context parallelism (the C++ library's kernels and replay)";
+  m.def("indexer_topk", &indexer_topk, nb::arg("q"), nb::arg("w"), nb::arg("keys"), nb::arg("block_table"),
+        nb::arg("request"), nb::arg("key_len"), nb::arg("K"), nb::kw_only(), nb::arg("q_scale") = nb::none(),
+        nb::arg("out") = nb::none(), nb::arg("return_scores") = false, nb::arg("threads") = 0,
+        nb::arg("keys_page_size") = 0,
+        R"(Lightning indexer scores and the exact canonical top-k.
+
+s(t, j) = sum_h w[t, h] * relu(q[t, h, :] . k[j, :]) over the keys j < key_len[t] of request request[t]; the K
+highest, ties to the lower position, ascending, -1 padded (NaN lowest). FP8: q float8_e4m3fn with q_scale [T, Hi],
+keys as uint8 two-plane pages.
+
+q [T, Hi, Di] f32/bf16/float8_e4m3fn; w [T, Hi] f32; keys [num_pages, page_size, Di] f32/bf16, or uint8
+[num_pages, page_size, Di + 4] / [num_pages, page_size * (Di + 4)] (FP8 pages; keys_page_size names the page size
+of the 2-D form when it is ambiguous); block_table [R, max_pages] int32; request, key_len [T] int32.
+Returns topk [T, K] int32 (into out= when given), and the chosen scores [T, K] f32 with return_scores=True.)");
+  m.def("sparse_mla", &sparse_mla, nb::arg("q_nope"), nb::arg("q_rope"), nb::arg("latent"), nb::arg("rope"),
+        nb::arg("block_table"), nb::arg("request"), nb::arg("key_len"), nb::arg("topk"), nb::arg("scale"),
+        nb::kw_only(), nb::arg("out") = nb::none(), nb::arg("lse") = nb::none(), nb::arg("threads") = 0,
+        R"(Sparse MLA attention over the chosen keys, with natural-log LSE.
+
+l(h, j) = scale * (q_nope[t, h] . latent[j] + q_rope[t, h] . rope[j]) for the entries j of topk[t] that are in
+[0, key_len[t]) (front-packed, -1 padded); out = softmax(l) @ latent, lse = ln sum exp l; a row with no key
+gives out = 0, lse = -inf. q_nope [T, H, Dl], q_rope [T, H, Dr] (f32 or bf16, one dtype); latent [num_pages,
+page_size, Dl], rope [num_pages, page_size, Dr]; block_table, request, key_len as indexer_topk; topk [T, K]
+int32. Returns (out [T, H, Dl], lse [T, H]); out= may be f32 or bf16.)");
+  m.def("lse_merge", &lse_merge, nb::arg("part_out"), nb::arg("part_lse"), nb::kw_only(), nb::arg("out") = nb::none(),
+        nb::arg("lse") = nb::none(), nb::arg("threads") = 0,
+        R"(Exact merge of S partial attention results over disjoint key sets by their LSE.
+
+part_out [S, rows, Dl] f32/bf16, part_lse [S, rows] f32 -> (out [rows, Dl], lse [rows]); a part whose lse is
+not finite counts as empty; all empty -> out 0, lse -inf.)");
+  m.def("cache_write", &cache_write, nb::arg("rows"), nb::arg("slots"), nb::arg("pool"), nb::kw_only(),
+        nb::arg("row_scales") = nb::none(), nb::arg("scale_mode") = "fp32", nb::arg("threads") = 0,
+        R"(Scatters rows into flat slots of a paged pool, in place: pool[slot // page_size, slot % page_size] = rows[t].
+
+rows [T, dim] f32/bf16 (or float8_e4m3fn with row_scales [T]); slots [T] int64 (-1 skips a row); pool
+[num_pages, page_size, dim] f32/bf16, or uint8 FP8 pages (rows are quantized with scale_mode "fp32" or
+"ue8m0").)");
+  m.def("replay", &replay, nb::arg("case_path"), nb::arg("out_path") = nb::none(), nb::kw_only(),
+        nb::arg("page_size") = 64, nb::arg("out_dtype") = "f32", nb::arg("pcp") = 1, nb::arg("dcp") = 1,
+        nb::arg("interleave") = 0, nb::arg("indexer") = "sharded", nb::arg("dsa_cp") = false, nb::arg("threads") = 0,
+        R"(Runs the batch step stored in a case file (the contract's section 4) in a context-parallel layout on the CPU
+backend; writes the result file when out_path is given. Returns {"topk_indices", "out" (f32), "lse"} as numpy
+arrays, the same whatever the layout.)");
+  m.def("make_case", &make_case, nb::arg("path"), nb::arg("query_lens"), nb::arg("context_lens"), nb::kw_only(),
+        nb::arg("heads") = 4, nb::arg("latent_dim") = 32, nb::arg("rope_dim") = 16, nb::arg("index_heads") = 4,
+        nb::arg("index_dim") = 32, nb::arg("topk") = 64, nb::arg("scale") = 0.125f, nb::arg("dtype") = "f32",
+        nb::arg("seed") = 1,
+        R"(Writes a random case file (counter-based values: the same seed gives the same file).)");
+}

@@ -1,0 +1,241 @@
+#include "tensor_args.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "dsacp/fp8.h"
+
+namespace dsacp::py {
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+[[noreturn]] void value_error(const std::string& msg) { throw nb::value_error(msg.c_str()); }
+
+// DLPack dtype -> element type; nullopt when the library has no such element type.
+std::optional<Elem> elem_of(nb::dlpack::dtype t) {
+  if (t.lanes != 1) return std::nullopt;
+  const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
+  if (code == nb::dlpack::dtype_code::Float && t.bits == 32) return Elem::kF32;
+  if (code == nb::dlpack::dtype_code::Bfloat && t.bits == 16) return Elem::kBF16;
+  if (code == nb::dlpack::dtype_code::Int && t.bits == 32) return Elem::kI32;
+  if (code == nb::dlpack::dtype_code::Int && t.bits == 64) return Elem::kI64;
+  if (code == nb::dlpack::dtype_code::UInt && t.bits == 8) return Elem::kU8;
+  if (t.code == 10 && t.bits == 8) return Elem::kF8E4M3;  // DLPack kDLFloat8_e4m3fn (torch.float8_e4m3fn)
+  return std::nullopt;
+}
+
+std::string dtype_str(nb::dlpack::dtype t) {
+  if (auto e = elem_of(t)) return elem_name(*e);
+  return "dlpack(code " + std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits, " +
+         std::to_string(t.lanes) + " lanes)";
+}
+
+std::string allowed_str(std::initializer_list<Elem> elems) {
+  std::string s;
+  for (Elem e : elems) s += (s.empty() ? "" : " or ") + std::string(elem_name(e));
+  return s;
+}
+
+DType to_dtype(Elem e) {
+  switch (e) {
+    case Elem::kBF16: return DType::kBF16;
+    case Elem::kF8E4M3: return DType::kF8E4M3;
+    case Elem::kI32: return DType::kI32;
+    default: return DType::kF32;
+  }
+}
+
+nb::dlpack::dtype dlpack_of(Elem e) {
+  switch (e) {
+    case Elem::kI32: return nb::dtype<int32_t>();
+    case Elem::kI64: return nb::dtype<int64_t>();
+    case Elem::kU8: return nb::dtype<uint8_t>();
+    default: return nb::dtype<float>();
+  }
+}
+
+// Checks a generic ndarray's device, contiguity and dtype; returns its data, element type and shape.
+template <typename A>
+TensorArg checked(const char* op, const char* name, const A& a, std::initializer_list<Elem> elems) {
+  const std::string what = std::string(op) + ": tensor '" + name + "'";
+  if (a.device_type() != nb::device::cpu::value) {
+    value_error(what + " is on a device (DLPack device type " + std::to_string(a.device_type()) +
+                "); the Python ops of this build run on the CPU backend: pass CPU tensors");
+  }
+  TensorArg t;
+  for (size_t i = 0; i < a.ndim(); ++i) t.shape.push_back(static_cast<int64_t>(a.shape(i)));
+  const std::optional<Elem> e = elem_of(a.dtype());
+  bool ok = false;
+  for (Elem x : elems) ok = ok || (e && *e == x);
+  if (!ok) value_error(what + " has dtype " + dtype_str(a.dtype()) + ", expected " + allowed_str(elems));
+  int64_t expect = 1;
+  for (size_t k = a.ndim(); k-- > 0;) {
+    if (a.shape(k) != 1 && a.stride(k) != expect) {
+      std::vector<int64_t> strides, want(a.ndim());
+      int64_t w = 1;
+      for (size_t i = a.ndim(); i-- > 0;) want[i] = w, w *= static_cast<int64_t>(a.shape(i));
+      for (size_t i = 0; i < a.ndim(); ++i) strides.push_back(a.stride(i));
+      value_error(what + " is not contiguous (strides " + shape_str(strides) + " elements, expected " +
+                  shape_str(want) + "): pass a contiguous tensor");
+    }
+    expect *= static_cast<int64_t>(a.shape(k));
+  }
+  t.data = a.data();
+  t.elem = *e;
+  t.dtype = to_dtype(*e);
+  return t;
+}
+
+}  // namespace
+
+const char* elem_name(Elem e) {
+  switch (e) {
+    case Elem::kF32: return "float32";
+    case Elem::kBF16: return "bfloat16";
+    case Elem::kF8E4M3: return "float8_e4m3fn";
+    case Elem::kI32: return "int32";
+    case Elem::kI64: return "int64";
+    case Elem::kU8: return "uint8";
+  }
+  return "?";
+}
+
+void check_dims(const char* op, const char* name, const TensorArg& t, std::initializer_list<Dim> dims) {
+  bool ok = t.shape.size() == dims.size();
+  std::string want = "[";
+  size_t i = 0;
+  for (const Dim& d : dims) {
+    want += (i ? ", " : "") + std::string(d.first) + (d.second >= 0 ? "=" + std::to_string(d.second) : "");
+    if (ok && d.second >= 0 && t.shape[i] != d.second) ok = false;
+    ++i;
+  }
+  want += "]";
+  if (!ok) value_error(std::string(op) + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", expected " + want);
+}
+
+TensorArg tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems, size_t ndim) {
+  TensorArg t = checked(op, name, a, elems);
+  if (t.shape.size() != ndim) {
+    value_error(std::string(op) + ": tensor '" + name + "' has " + std::to_string(t.shape.size()) + " dims " +
+                shape_str(t.shape) + ", expected " + std::to_string(ndim));
+  }
+  return t;
+}
+
+TensorArg tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems,
+                     std::initializer_list<Dim> dims) {
+  TensorArg t = checked(op, name, a, elems);
+  check_dims(op, name, t, dims);
+  return t;
+}
+
+PagedPoolView paged_pool_arg(const char* op, const char* name, const nb::handle& obj, int64_t dim, bool writable,
+                             int64_t fp8_page_size) {
+  TensorArg t;
+  if (writable) {
+    WArr a;
+    if (!nb::try_cast(obj, a)) {
+      value_error(std::string(op) + ": '" + name + "' is not a writable tensor (DLPack / buffer protocol)");
+    }
+    t = checked(op, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
+  } else {
+    Arr a;
+    if (!nb::try_cast(obj, a)) value_error(std::string(op) + ": '" + name + "' is not a tensor (DLPack / buffer protocol)");
+    t = checked(op, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
+  }
+  PagedPoolView v;
+  v.data = const_cast<void*>(t.data);
+  v.dim = static_cast<int32_t>(dim);
+  if (t.elem == Elem::kU8) {
+    // FP8 two-plane pages: [num_pages, page_size, dim + 4] or [num_pages, page_size * (dim + 4)].
+    int64_t ps = 0;
+    if (t.shape.size() == 3 && t.shape[2] == dim + 4) ps = t.shape[1];
+    if (t.shape.size() == 2 && t.shape[1] % (dim + 4) == 0) ps = t.shape[1] / (dim + 4);
+    if (fp8_page_size > 0 && t.shape.size() == 2) ps = t.shape[1] == fp8_page_size * (dim + 4) ? fp8_page_size : 0;
+    if (ps <= 0) {
+      value_error(std::string(op) + ": uint8 pool '" + name + "' has shape " + shape_str(t.shape) +
+                  ", expected FP8 pages [num_pages, page_size, " + std::to_string(dim + 4) + "] or [num_pages, page_size * " +
+                  std::to_string(dim + 4) + "]");
+    }
+    v.dtype = DType::kF8E4M3;
+    v.num_pages = t.shape[0];
+    v.page_size = static_cast<int32_t>(ps);
+    return v;
+  }
+  check_dims(op, name, t, {{"num_pages", -1}, {"page_size", -1}, {"dim", dim}});
+  v.dtype = t.dtype;
+  v.num_pages = t.shape[0];
+  v.page_size = static_cast<int32_t>(t.shape[1]);
+  return v;
+}
+
+BlockTableView block_table_arg(const char* op, const Arr& a) {
+  TensorArg t = tensor_arg(op, "block_table", a, {Elem::kI32}, 2);
+  return {static_cast<const int32_t*>(t.data), static_cast<int32_t>(t.shape[0]), static_cast<int32_t>(t.shape[1])};
+}
+
+OutArray out_array(const char* op, const char* name, const std::optional<nb::object>& given, Elem default_elem,
+                   std::vector<int64_t> shape, std::initializer_list<Elem> allowed) {
+  OutArray o;
+  if (given && !given->is_none()) {
+    WArr a;
+    if (!nb::try_cast(*given, a)) {
+      value_error(std::string(op) + ": '" + name + "' is not a writable tensor (DLPack / buffer protocol)");
+    }
+    std::initializer_list<Elem> one = {default_elem};
+    TensorArg t = checked(op, name, a, allowed.size() > 0 ? allowed : one);
+    if (t.shape != shape) {
+      value_error(std::string(op) + ": output '" + name + "' has shape " + shape_str(t.shape) + ", expected " +
+                  shape_str(shape));
+    }
+    o.data = const_cast<void*>(t.data);
+    o.dtype = t.dtype;
+    o.obj = *given;
+    return o;
+  }
+  size_t n = 1;
+  std::vector<size_t> dims;
+  for (int64_t d : shape) n *= static_cast<size_t>(d), dims.push_back(static_cast<size_t>(d));
+  const size_t elem_bytes = default_elem == Elem::kI64 ? 8 : default_elem == Elem::kU8 ? 1 : 4;
+  void* p = std::calloc(n == 0 ? 1 : n, elem_bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  nb::capsule owner(p, [](void* q) noexcept { std::free(q); });
+  o.data = p;
+  o.dtype = to_dtype(default_elem);
+  o.obj = nb::cast(nb::ndarray<nb::numpy>(p, dims.size(), dims.data(), owner, nullptr, dlpack_of(default_elem)));
+  return o;
+}
+
+nb::object tensor_to_numpy(Tensor t) {
+  std::vector<size_t> dims;
+  for (int64_t d : t.shape()) dims.push_back(static_cast<size_t>(d));
+  const Elem e = t.dtype() == DType::kI32 ? Elem::kI32 : Elem::kF32;
+  auto* owned = new Tensor(std::move(t));
+  nb::capsule owner(owned, [](void* q) noexcept { delete static_cast<Tensor*>(q); });
+  return nb::cast(nb::ndarray<nb::numpy>(owned->data(), dims.size(), dims.data(), owner, nullptr, dlpack_of(e)));
+}
+
+void raise_if_error(const Status& s) {
+  if (s.ok()) return;
+  const std::string msg = s.to_string();
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kUnsupported:
+    case StatusCode::kDataLoss:
+      throw nb::value_error(msg.c_str());
+    case StatusCode::kIoError:
+      PyErr_SetString(PyExc_OSError, msg.c_str());
+      throw nb::python_error();
+    default:
+      throw std::runtime_error(msg);
+  }
+}
+
+}  // namespace dsacp::py
