@@ -28,6 +28,9 @@ namespace {
 
 // One CPU backend per thread count, made on first use and kept for the process (its threads are reused).
 Backend& cpu_backend(int threads) {
+  if (threads < 0 || threads > 1024) {
+    throw nb::value_error(("threads=" + std::to_string(threads) + ", expected 0 (all cores) .. 1024").c_str());
+  }
   static std::mutex mu;
   static std::vector<std::pair<int, std::unique_ptr<Backend>>> backends;
   std::lock_guard<std::mutex> lock(mu);
@@ -224,10 +227,11 @@ nb::dict replay(const std::string& case_path, std::optional<std::string> out_pat
   }
   o.layout.dsa_cp = dsa_cp;
   (void)op;
+  Backend& be = cpu_backend(threads);
   Result<StepResult> r = [&]() -> Result<StepResult> {
     nb::gil_scoped_release release;
     DSACP_ASSIGN_OR_RETURN(CaseFile c, case_read(case_path));
-    DSACP_ASSIGN_OR_RETURN(StepResult res, replay_case(cpu_backend(threads), c, o));
+    DSACP_ASSIGN_OR_RETURN(StepResult res, replay_case(be, c, o));
     if (out_path) DSACP_RETURN_IF_ERROR(result_write(*out_path, res));
     return res;
   }();

@@ -200,3 +200,8 @@ def test_readme_example_runs():
     env = {}
     exec(code, env)
     assert env["topk"].shape == (2, 8) and env["out"].shape == (2, 4, 64) and np.isfinite(env["lse"]).all()
+
+
+def test_thread_count_is_checked():
+    with pytest.raises(ValueError, match="threads=-1"):
+        dsacp.lse_merge(np.zeros((1, 1, 1), np.float32), np.zeros((1, 1), np.float32), threads=-1)
