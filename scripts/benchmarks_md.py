@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Writes BENCHMARKS.md, the current table of each benchmark family, from the JSON in bench/results/.
+
+Each results file is one benchmark run wrapped with where it came from (scripts/record_bench.py writes it):
+  {"family": "kernels" | "cp" | "peers", "date": "...", "gpu": "...", "commit": "...", "command": "...",
+   "data": <the benchmark's own JSON: bench/compare.py's output, dsacp_bench_cp --json, or the peers' table>}
+Usage: scripts/benchmarks_md.py [--results DIR] [--out FILE] [--check]
+  --check: exit 1 (naming the first differing line) if FILE is not what the results generate.
+"""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fmt(x, digits=4):
+    if x is None:
+        return "—"
+    if isinstance(x, str):
+        return x
+    if abs(x) >= 100:
+        return f"{x:.1f}"
+    if abs(x) >= 10:
+        return f"{x:.2f}"
+    return f"{x:.{digits}f}"
+
+
+def provenance(r):
+    return [f"- date: {r['date']}; GPU: {r['gpu']}; commit: `{r['commit']}`",
+            f"- command: `{r['command']}`"] + ([f"- {r['note']}"] if r.get("note") else [])
+
+
+def kernels_section(r):
+    d = r["data"]
+    c = d.get("ceilings", {})
+    out = ["## Kernels on one GPU (`dsacp_bench_gpu`, plain PyTorch in the same run)", ""] + provenance(r) + [
+        f"- ceilings measured in the same run: device copy {fmt(c.get('copy_gbs'))} GB/s (read + write), "
+        f"bf16 matmul {fmt(c.get('bf16_tflops'))} TFLOP/s; floor = max(FLOPs / matmul, bytes / copy)",
+        "- method: CUDA events around the kernels, 3 warm-ups, L2 flushed before every timed run, median of 20 "
+        "(5 for prefills); b = 64, ctx 32K, top-k 2048, Dl 512, Dr 64, Hi 64, Di 128, page 64 unless the case "
+        "says otherwise (docs/benchmarking.md)", "",
+        "| case | ms | TFLOP/s | GB/s | % matmul | % copy | floor ms | × floor | PyTorch ms | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
+    for k in d["cases"]:
+        xf = k["ms"] / k["floor_ms"] if k.get("floor_ms") else None
+        out.append(f"| {k['name']} | {fmt(k['ms'])} | {fmt(k['tflops'], 1)} | {fmt(k['gbs'], 1)} | "
+                   f"{fmt(k.get('pct_peak_tflops'), 1)} | {fmt(k.get('pct_peak_bw'), 1)} | {fmt(k.get('floor_ms'))} | "
+                   f"{fmt(xf, 2)} | {fmt(k.get('torch_ms'))} | {fmt(k.get('speedup_vs_torch'), 2)} |")
+    return out
+
+
+def cp_section(r):
+    d = r["data"]
+    out = [f"## Context parallelism on {d.get('gpus', '?')} GPUs (`dsacp_bench_cp`)", ""] + provenance(r) + [
+        f"- {d.get('nccl', 'NCCL')}; median of {d.get('reps', '?')} whole steps per layout (host planning, "
+        "uploads, kernels and collectives); a CP step's time is its slowest rank's; H 128, Dl 512, Dr 64, Hi 64, "
+        "Di 128, K 2048, page 64, bf16", "",
+        "| case | layout | one GPU ms | CP ms | CP / one GPU | speedup | top-k phase ms (one / CP) | "
+        "KV GiB per GPU (one / CP) | bytes moved a step |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    gib = float(1 << 30)
+    for k in d["cases"]:
+        one, cp = k["one_gpu"], k["cp"]
+        out.append(f"| {k['case']} | {k['layout']} | {fmt(one['step_ms'])} | {fmt(cp['step_ms'])} | "
+                   f"{fmt(cp['step_ms'] / one['step_ms'], 3)} | {fmt(k['speedup'], 2)}× | "
+                   f"{fmt(one['topk_ms'])} / {fmt(cp['topk_ms'])} | "
+                   f"{one['kv_bytes_per_gpu'] / gib:.2f} / {cp['kv_bytes_per_gpu'] / gib:.2f} | {cp['comm_bytes']} |")
+    bus = d.get("busbw", [])
+    if bus:
+        out += ["", "NCCL collectives through dsacp's communicator (nccl-tests style: size = bytes gathered or "
+                "exchanged per rank; back to back, and one by one as a step pays them):", "",
+                "| op | ranks | size | µs | algbw GB/s | busbw GB/s | one by one µs |", "|---|---|---|---|---|---|---|"]
+        for b in bus:
+            if "algbw" not in b:  # a zero-byte operation (a window publish): latency only
+                out.append(f"| {b['op']} | {b['ranks']} | 0 | {fmt(b['us'], 1)} | — | — | {fmt(b.get('single_us'), 1)} |")
+                continue
+            size = b["bytes"]
+            label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB"
+            out.append(f"| {b['op']} | {b['ranks']} | {label} | {fmt(b['us'], 1)} | {fmt(b['algbw'], 1)} | "
+                       f"{fmt(b['busbw'], 1)} | {fmt(b.get('single_us'), 1)} |")
+    return out
+
+
+def peers_section(r):
+    d = r["data"]
+    out = ["## Side by side with the peers (one GPU)", ""] + provenance(r) + [
+        "", "| case | dsacp ms | best peer ms | best peer | dsacp / peer |", "|---|---|---|---|---|"]
+    for k in d["cases"]:
+        out.append(f"| {k['case']} | {k['dsacp_ms']} | {k['peer_ms']} | {k['peer']} | {k['ratio']} |")
+    return out
+
+
+SECTIONS = {"peers": peers_section, "kernels": kernels_section, "cp": cp_section}
+ORDER = ["kernels", "peers", "cp"]
+
+
+def generate(results_dir):
+    runs = []
+    for name in sorted(os.listdir(results_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(results_dir, name)) as f:
+                r = json.load(f)
+            if r.get("family") not in SECTIONS:
+                raise SystemExit(f"{name}: family {r.get('family')!r} is not one of {sorted(SECTIONS)}")
+            runs.append((ORDER.index(r["family"]), name, r))
+    lines = ["# Benchmarks", "",
+             "The current numbers, one table per benchmark family, generated by `scripts/benchmarks_md.py` from the "
+             "runs recorded in `bench/results/` (each with its date, GPU, commit and command). Do not edit this file "
+             "by hand: record a run with `scripts/record_bench.py` and regenerate. Methods and formulas: "
+             "[docs/benchmarking.md](docs/benchmarking.md). Earlier measurements: the git history of this file and "
+             "[docs/history/](docs/history/README.md).", ""]
+    for _, _, r in sorted(runs, key=lambda x: (x[0], x[1])):
+        lines += SECTIONS[r["family"]](r) + [""]
+    return "\n".join(lines)
+
+
+def main(argv):
+    results = os.path.join(ROOT, "bench", "results")
+    out = os.path.join(ROOT, "BENCHMARKS.md")
+    check = False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--results" and i + 1 < len(argv):
+            results = argv[i + 1]
+            i += 1
+        elif a == "--out" and i + 1 < len(argv):
+            out = argv[i + 1]
+            i += 1
+        elif a == "--check":
+            check = True
+        else:
+            raise SystemExit(f"benchmarks_md.py: unknown argument {a!r} (see the usage at the top of the file)")
+        i += 1
+    text = generate(results)
+    if check:
+        have = open(out).read() if os.path.exists(out) else ""
+        if have != text:
+            a, b = have.splitlines(), text.splitlines()
+            n = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+            print(f"{out} is not what bench/results generates (first difference at line {n + 1}); "
+                  "run scripts/benchmarks_md.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(out, "w") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
