@@ -2,7 +2,7 @@
 """Records one benchmark run for BENCHMARKS.md: wraps the benchmark's JSON with its date, GPU, commit and command
 into bench/results/<name>.json (see scripts/benchmarks_md.py), replacing that family's earlier run.
 Usage: scripts/record_bench.py --family kernels|cp|peers --in RUN.json --name NAME --command "..."
-                               [--commit HASH] [--date "YYYY-MM-DD HH:MM UTC"] [--gpu "..."] [--note "..."]
+                               [--commit HASH] [--date "YYYY-MM-DD HH:MM UTC"] [--gpu "..."] [--note "..."] [--title "..."]
 The commit defaults to `git rev-parse --short HEAD`, the date to now, the GPU to the JSON's "device"."""
 import datetime
 import json
@@ -31,8 +31,9 @@ def main(argv):
     date = opts.get("date") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rec = {"family": opts["family"], "date": date, "gpu": opts.get("gpu") or data.get("device", "?"),
            "commit": commit, "command": opts["command"], "data": data}
-    if "note" in opts:
-        rec["note"] = opts["note"]
+    for extra in ("note", "title"):
+        if extra in opts:
+            rec[extra] = opts[extra]
     path = os.path.join(ROOT, "bench", "results", opts["name"] + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
