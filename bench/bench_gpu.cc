@@ -226,8 +226,46 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
 }
 
 // ---- indexer + top-k ---------------------------------------------------------------------------------------
-void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, int64_t qlen, int reps) {
-  const int K = 2048, page = 64, Hi = 64, Di = 128;
+// Random valid e4m3 values (no NaN) tiled over `bytes`, and, for an FP8 key pool, positive f32 scales in each page's
+// scale plane.
+void* dev_random_e4m3(size_t bytes, int32_t page_size = 0, int32_t Di = 0) {
+  static std::vector<uint8_t> block;
+  if (block.empty()) {
+    block.resize(32u << 20);
+    for (size_t i = 0; i < block.size(); ++i) {
+      block[i] = f32_to_e4m3(static_cast<float>((mix(700 + i) >> 40) * (12.0 / 16777216.0) - 6.0));
+    }
+  }
+  void* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+  if (page_size == 0) {
+    for (size_t at = 0; at < bytes; at += block.size()) {
+      CK(cudaMemcpy(static_cast<char*>(p) + at, block.data(), std::min(block.size(), bytes - at), cudaMemcpyHostToDevice));
+    }
+    return p;
+  }
+  // whole pages at a time: values from the block, then the scales
+  const size_t page_bytes = static_cast<size_t>(fp8_index_page_bytes(page_size, Di));
+  const size_t pages_per_tile = std::max<size_t>(1, block.size() / page_bytes);
+  std::vector<uint8_t> tile(pages_per_tile * page_bytes);
+  for (size_t pg = 0; pg < pages_per_tile; ++pg) {
+    std::memcpy(&tile[pg * page_bytes], &block[pg * page_bytes], static_cast<size_t>(page_size) * Di);
+    for (int32_t i = 0; i < page_size; ++i) {
+      const float sc = 0.01f * (1.f + static_cast<float>((mix(900 + pg * page_size + i) >> 40) / 16777216.0));
+      std::memcpy(&tile[pg * page_bytes + static_cast<size_t>(page_size) * Di + i * 4], &sc, 4);
+    }
+  }
+  for (size_t at = 0; at < bytes; at += tile.size()) {
+    CK(cudaMemcpy(static_cast<char*>(p) + at, tile.data(), std::min(tile.size(), bytes - at), cudaMemcpyHostToDevice));
+  }
+  return p;
+}
+
+// Indexer + top-k (bf16, or fp8: e4m3 q + q_scale and FP8 two-plane key pages), Hi = 32 or 64; also the scores
+// alone and the top-k alone on the scores (the rest of the launch sequence).
+void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, int64_t qlen, int reps, int Hi = 64,
+                   bool fp8 = false) {
+  const int K = 2048, page = 64, Di = 128;
   const int64_t total = ctx + qlen;
   const int64_t pages_per_req = (total + page - 1) / page;
   const int64_t num_pages = pages_per_req * num_requests;
@@ -251,10 +289,22 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   p.Hi = Hi;
   p.Di = Di;
   p.K = K;
-  p.q = dev_random_bf16(T * Hi * Di);
-  p.q_dtype = DType::kBF16;
   p.w = dev_copy(w);
-  p.keys = {dev_random_bf16(num_pages * page * Di), DType::kBF16, num_pages, page, Di};
+  float* q_scale = nullptr;
+  if (fp8) {
+    std::vector<float> qs(T * Hi);
+    for (size_t i = 0; i < qs.size(); ++i) qs[i] = 0.5f + static_cast<float>((mix(500 + i) >> 40) / 16777216.0);
+    q_scale = dev_copy(qs);
+    p.q = dev_random_e4m3(T * Hi * Di);
+    p.q_dtype = DType::kF8E4M3;
+    p.q_scale = q_scale;
+    p.keys = {dev_random_e4m3(num_pages * fp8_index_page_bytes(page, Di), page, Di), DType::kF8E4M3, num_pages, page,
+              Di};
+  } else {
+    p.q = dev_random_bf16(T * Hi * Di);
+    p.q_dtype = DType::kBF16;
+    p.keys = {dev_random_bf16(num_pages * page * Di), DType::kBF16, num_pages, page, Di};
+  }
   p.block_table = {dev_copy(bt), static_cast<int32_t>(num_requests), static_cast<int32_t>(pages_per_req)};
   CK(cudaMalloc(&p.topk, T * K * 4));
   auto plan = indexer_plan(p, request.data(), key_len.data());
@@ -272,14 +322,22 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
         }
       },
       reps, g_ctx.stream);
+  // the top-k alone on the scores of the last chunk (all of them for one chunk; the scores stay as computed)
+  const auto& last = plan->chunks.back();
+  const double ms_topk = time_ms(
+      [&] { CS(launch_radix_select_topk(p, last.t0, last.t1, last.max_len, dev.score_offset, dev.scores, dev.inl,
+                                        g_ctx)); },
+      reps, g_ctx.stream);
   const double flops = 2.0 * Hi * Di * visible;
   // unique bytes: visible keys once per request (decode) or the request's keys (prefill), q, w, topk out
-  const double key_bytes = static_cast<double>(num_requests) * total * Di * 2;
-  const double bytes = key_bytes + T * Hi * Di * 2.0 + T * Hi * 4.0 + T * K * 4.0;
-  char extra[160];
-  std::snprintf(extra, sizeof extra, "scores only %.4f ms, top-k %.4f ms, chunks=%zu", ms_scores, ms - ms_scores,
-                plan->chunks.size());
+  const double key_row = fp8 ? Di + 4.0 : Di * 2.0;
+  const double key_bytes = static_cast<double>(num_requests) * total * key_row;
+  const double bytes = key_bytes + T * Hi * Di * (fp8 ? 1.0 : 2.0) + T * Hi * (fp8 ? 8.0 : 4.0) + T * K * 4.0;
+  char extra[200];
+  std::snprintf(extra, sizeof extra, "scores only %.4f ms, top-k alone %.4f ms (last chunk), chunks=%zu", ms_scores,
+                ms_topk, plan->chunks.size());
   record(name, ms, flops, bytes, extra);
+  if (q_scale != nullptr) CK(cudaFree(q_scale));
   for (void* q : {const_cast<void*>(p.q), p.keys.data, static_cast<void*>(p.topk), static_cast<void*>(dev.scores),
                   static_cast<void*>(const_cast<float*>(p.w)),
                   static_cast<void*>(const_cast<ScoreItem*>(dev.items)),
@@ -418,6 +476,25 @@ int main(int argc, char** argv) {
     bench_indexer("indexer_decode b=64 ctx32K", 64, 32768 - 1, 1, reps);
     bench_indexer("indexer_decode b=64 ctx64K (a DCP rank's half of 128K)", 64, 65536 - 1, 1, reps);
     bench_indexer("indexer_decode b=64 ctx128K", 64, 131072 - 1, 1, reps);
+  }
+  if (want("indexer_fp8")) {  // the FP8 indexer (e4m3 q + q_scale, FP8 two-plane key pages), Hi = 64 and 32
+    for (const int hi : {64, 32}) {
+      const std::string h = " Hi=" + std::to_string(hi);
+      for (const int64_t ctx : {32768, 65536, 131072}) {
+        for (const int nn : {1, 2, 4}) {
+          if (hi == 32 && nn > 1) continue;
+          bench_indexer("indexer_fp8 decode b=64 ctx" + std::to_string(ctx / 1024) + "K next_n=" + std::to_string(nn) +
+                            h,
+                        64, ctx - nn, nn, reps, hi, true);
+        }
+      }
+      bench_indexer("indexer_fp8 prefill T=8192 causal" + h, 1, 0, 8192, std::max(3, reps / 4), hi, true);
+    }
+  }
+  if (want("indexer_bf16_hi32")) {
+    bench_indexer("indexer_bf16_hi32 decode b=64 ctx32K Hi=32", 64, 32768 - 1, 1, reps, 32);
+    bench_indexer("indexer_bf16_hi32 decode b=64 ctx128K Hi=32", 64, 131072 - 1, 1, reps, 32);
+    bench_indexer("indexer_bf16_hi32 prefill T=8192 causal Hi=32", 1, 0, 8192, std::max(3, reps / 4), 32);
   }
   if (want("topk_merge")) {  // the DCP decode's candidate merge (2 ranks: 2 x 2048 candidates a row)
     bench_topk_merge("topk_merge 2 parts b=64 K=2048", 2, 64, 2048, reps, false);

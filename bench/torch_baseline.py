@@ -108,14 +108,49 @@ if want("sparse_prefill"):
 
 
 # ---- indexer + top-k: logits, relu, weighted head sum, causal mask, torch.topk ----
-def indexer(name, R, ctx, qlen, reps, chunk=None):
-    K, Hi, Di = 2048, 64, 128
+# fp8: e4m3 keys with a f32 scale a key and e4m3 queries with a f32 scale a (token, head), as the FP8 indexer takes
+# them; plain PyTorch upcasts them to bf16 for the matmul and applies both scales to the logits.
+def indexer(name, R, ctx, qlen, reps, chunk=None, Hi=64, fp8=False):
+    K, Di = 2048, 128
     total = ctx + qlen
     keys = rnd(R, total, Di)
     T = R * qlen
     q = rnd(T, Hi, Di)
     w = ((torch.rand(T, Hi, device=dev, generator=g) * 2 - 1) * 0.125)
     chunk = chunk or qlen
+    if fp8:
+        keys8 = (keys.float() * 400).to(torch.float8_e4m3fn)
+        sk = torch.rand(R, total, device=dev, generator=g) * 0.01 + 0.01
+        q8 = (q.float() * 400).to(torch.float8_e4m3fn)
+        sq = torch.rand(T, Hi, device=dev, generator=g) + 0.5
+        del keys, q
+
+        def run_batched():
+            logits = torch.einsum("bhd,bsd->bhs", q8.view(R, qlen * Hi, Di).to(torch.bfloat16),
+                                  keys8.to(torch.bfloat16)).float().view(R, qlen, Hi, total)
+            logits = logits * sq.view(R, qlen, Hi, 1) * sk.view(R, 1, 1, total)
+            s = (logits.relu() * w.view(R, qlen, Hi, 1)).sum(2)  # [R, qlen, total]
+            pos = torch.arange(total, device=dev)
+            vis = ctx + torch.arange(qlen, device=dev)[:, None]
+            s = s.masked_fill(pos[None, None, :] > vis[None], float("-inf"))
+            return torch.topk(s, min(K, total), dim=-1).indices.sort(-1).values
+
+        def run_prefill():
+            res = []
+            for t0 in range(0, qlen, chunk):
+                c = min(qlen, t0 + chunk) - t0
+                logits = torch.matmul(q8[t0:t0 + c].to(torch.bfloat16), keys8[0].to(torch.bfloat16).T).float()
+                s = ((logits * sq[t0:t0 + c, :, None] * sk[0][None, None, :]).relu() * w[t0:t0 + c, :, None]).sum(1)
+                pos = torch.arange(total, device=dev)
+                vis = ctx + t0 + torch.arange(c, device=dev)[:, None]
+                s = s.masked_fill(pos[None, :] > vis, float("-inf"))
+                res.append(torch.topk(s, min(K, total), dim=-1).indices.sort(-1).values)
+            return res
+
+        ms = timed(run_prefill if R == 1 else run_batched, reps)
+        visible = sum(ctx + i + 1 for i in range(qlen)) * R
+        record(name, ms, 2 * Hi * Di * visible, R * total * (Di + 4) + T * Hi * (Di + 8) + T * K * 4)
+        return
 
     def run():
         res = []
@@ -149,6 +184,15 @@ if want("indexer_prefill"):
 if want("indexer_decode"):
     indexer("indexer_decode b=64 ctx32K", 64, 32768 - 1, 1, args.reps)
     indexer("indexer_decode b=64 ctx128K", 64, 131072 - 1, 1, args.reps)
+
+if want("indexer_fp8"):
+    for hi in (64, 32):
+        for ctx in (32768, 131072):
+            for nn in ((1, 2, 4) if hi == 64 else (1,)):
+                indexer(f"indexer_fp8 decode b=64 ctx{ctx // 1024}K next_n={nn} Hi={hi}", 64, ctx - nn, nn, args.reps,
+                        Hi=hi, fp8=True)
+        indexer(f"indexer_fp8 prefill T=8192 causal Hi={hi}", 1, 0, 8192, max(3, args.reps // 3), chunk=512, Hi=hi,
+                fp8=True)
 
 if args.json:
     with open(args.json, "w") as f:

@@ -571,10 +571,11 @@ struct IdxCase {
   std::vector<int> qlen;
   int64_t first_page = 0;  // pages from this id up (to push key element offsets past 2^31)
   int distinct_keys = 0;   // > 0: every request's keys repeat this many distinct rows (scores tie in bulk)
+  int Hi = 64;
 };
 
 void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
-  const int Hi = 64, Di = 128;
+  const int Hi = c.Hi, Di = 128;
   std::vector<int64_t> lens;
   std::vector<int32_t> request, key_len;
   for (size_t b = 0; b < c.ctx.size(); ++b) {
@@ -728,6 +729,252 @@ void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
   std::snprintf(sbuf, sizeof sbuf, ", topk_scores max abs err %.1e of %.1e%s", score_err, score_max,
                 score_pad_ok ? "" : " (padding differs)");
   report(bad_rows == 0 && rerun_same && scores_ok, "indexer_topk " + c.name, std::string(buf) + sbuf + first_bad);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// FP8 indexer (e4m3 q + q_scale, two-plane FP8 key pages) against direct host math: the pool is written by the GPU
+// cache write from f32/bf16 rows (bytes compared with dsacp/fp8.h run on the host), then scores + top-k are
+// checked against fp64 scores of the dequantized values (canonical form, the set up to near-ties, exact duplicates
+// tie to the lower position, NaN keys lowest) and rerun bit-identical.
+struct Fp8Case {
+  std::string name;
+  int Hi = 64;
+  int K = 2048;
+  int page_size = 64;
+  std::vector<int64_t> ctx;
+  std::vector<int> qlen;
+  Fp8ScaleMode mode = Fp8ScaleMode::kFp32;
+  DType rows_dtype = DType::kF32;
+  bool hostile = false;  // NaN / Inf / zero / tiny / large keys
+};
+
+void run_fp8_indexer_case(Backend& gpu, const Fp8Case& c) {
+  const int Hi = c.Hi, Di = 128;
+  const std::string name = "indexer_topk fp8 " + c.name;
+  std::vector<int64_t> lens;
+  std::vector<int32_t> request, key_len;
+  for (size_t b = 0; b < c.ctx.size(); ++b) {
+    lens.push_back(c.ctx[b] + c.qlen[b]);
+    for (int i = 0; i < c.qlen[b]; ++i) {
+      request.push_back(static_cast<int32_t>(b));
+      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
+    }
+  }
+  const int64_t T = static_cast<int64_t>(request.size());
+  const uint64_t seed = 900 + static_cast<uint64_t>(std::hash<std::string>{}(c.name) % 1000);
+  Paging pg = make_paging(lens, c.page_size, 3, seed);
+  // Key rows (f32, rounded to bf16 for bf16 rows), their slots, and the host's expected pool bytes.
+  int64_t nrows = 0;
+  for (int64_t l : lens) nrows += l;
+  std::vector<float> rows(static_cast<size_t>(nrows * Di));
+  std::vector<int64_t> slots(static_cast<size_t>(nrows));
+  std::vector<int64_t> row_base(lens.size());
+  for (int32_t b = 0, r = 0; b < pg.num_requests; ++b) {
+    row_base[b] = r;
+    for (int64_t j = 0; j < lens[b]; ++j, ++r) {
+      // duplicates: key j + 100 repeats key j (j = 7 mod 997), an exact tie
+      const int64_t src = (j % 997 == 107) ? j - 100 : j;
+      float amp = 1.f;
+      if (c.hostile) {
+        if (src % 97 == 5) amp = 0.f;        // zero key: scale 2^-126, every value 0
+        if (src % 79 == 11) amp = 1e-37f;    // tiny key: the smallest scale, subnormal e4m3 values
+        if (src % 73 == 13) amp = 30.f;      // large key
+      }
+      for (int d = 0; d < Di; ++d) {
+        float v = amp * uni(seed + 1 + b, static_cast<uint64_t>(src) * Di + d);
+        if (c.hostile && src % 89 == 3 && d == 17) v = std::numeric_limits<float>::quiet_NaN();
+        if (c.hostile && src % 83 == 7 && d == 5) v = -std::numeric_limits<float>::infinity();  // saturates
+        if (c.rows_dtype == DType::kBF16) v = round_to_bf16(v);
+        rows[r * Di + d] = v;
+      }
+      slots[r] = pg.row_of(b, j);
+    }
+  }
+  const int64_t pool_bytes = pg.num_pages * fp8_index_page_bytes(pg.page_size, Di);
+  std::vector<uint8_t> pool_h(static_cast<size_t>(pool_bytes), 0xff);
+  for (int64_t r = 0; r < nrows; ++r) {
+    float amax = 0.f;
+    for (int d = 0; d < Di; ++d) amax = std::max(amax, fp8_amax_term(rows[r * Di + d]));
+    const float sc = fp8_scale_from_amax(amax, c.mode);
+    const int64_t page = slots[r] / pg.page_size;
+    const int32_t off = static_cast<int32_t>(slots[r] % pg.page_size);
+    for (int d = 0; d < Di; ++d) {
+      pool_h[fp8_index_value_offset(page, off, pg.page_size, Di) + d] = fp8_quantize(rows[r * Di + d], sc);
+    }
+    std::memcpy(&pool_h[fp8_index_scale_offset(page, off, pg.page_size, Di)], &sc, 4);
+  }
+  // GPU cache write into a pool filled like the host's
+  Dev d_pool = upload(gpu, pool_h);  // (overwritten below except the unused slots)
+  {
+    std::vector<uint8_t> fill(static_cast<size_t>(pool_bytes), 0xff);
+    Status s0 = gpu.copy_to_device(d_pool.buf.get(), fill.data(), fill.size());
+    Dev d_rows = c.rows_dtype == DType::kBF16 ? [&] {
+      std::vector<uint16_t> rb(rows.size());
+      for (size_t i = 0; i < rows.size(); ++i) rb[i] = f32_to_bf16(rows[i]).bits;
+      return upload(gpu, rb);
+    }() : upload(gpu, rows);
+    Dev d_slots = upload(gpu, slots);
+    CacheWriteParams cw;
+    cw.rows = d_rows.buf.get();
+    cw.rows_dtype = c.rows_dtype;
+    cw.fp8_scale_mode = c.mode;
+    cw.num_rows = nrows;
+    cw.slots = d_slots.ptr<int64_t>();
+    cw.pool = {d_pool.buf.get(), DType::kF8E4M3, pg.num_pages, pg.page_size, Di};
+    Status s = s0.ok() ? gpu.cache_write(cw) : s0;
+    if (s.ok()) s = gpu.synchronize();
+    const std::vector<uint8_t> got = download<uint8_t>(gpu, d_pool, pool_h.size());
+    int64_t diff = 0;
+    for (size_t i = 0; i < got.size(); ++i) diff += got[i] != pool_h[i];
+    report(s.ok() && diff == 0, "cache_write fp8 " + c.name + " bit-exact vs dsacp/fp8.h on the host",
+           s.ok() ? std::to_string(diff) + " bytes differ of " + std::to_string(got.size()) : s.to_string());
+  }
+  // queries: e4m3 values, positive scales over a wide range, signed head weights
+  std::vector<uint8_t> q(static_cast<size_t>(T * Hi * Di));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = f32_to_e4m3(6.f * uni(seed + 2, i));
+  std::vector<float> qs(static_cast<size_t>(T * Hi)), w(static_cast<size_t>(T * Hi));
+  for (size_t i = 0; i < qs.size(); ++i) {
+    qs[i] = std::ldexp(1.f + 0.5f * uni(seed + 3, i), static_cast<int>(mix(seed + 4 + i) % 9) - 6);
+    w[i] = 0.125f * uni(seed + 5, i);
+  }
+  Dev d_req = upload(gpu, request), d_len = upload(gpu, key_len), d_q = upload(gpu, q), d_qs = upload(gpu, qs);
+  Dev d_w = upload(gpu, w), d_bt = upload(gpu, pg.bt);
+  Dev d_topk = upload(gpu, std::vector<int32_t>(T * c.K, 0x7eadbeef));
+  Dev d_scores = upload(gpu, std::vector<float>(T * c.K, 12345.f));
+  IndexerTopkParams p;
+  p.rows = {T, d_req.ptr<int32_t>(), d_len.ptr<int32_t>()};
+  p.Hi = Hi;
+  p.Di = Di;
+  p.K = c.K;
+  p.q = d_q.buf.get();
+  p.q_dtype = DType::kF8E4M3;
+  p.q_scale = d_qs.ptr<float>();
+  p.w = d_w.ptr<float>();
+  p.keys = {d_pool.buf.get(), DType::kF8E4M3, pg.num_pages, pg.page_size, Di};
+  p.block_table = {d_bt.ptr<int32_t>(), pg.num_requests, pg.max_pages};
+  p.topk = d_topk.ptr<int32_t>();
+  p.topk_scores = d_scores.ptr<float>();
+  p.host_request = request.data();
+  p.host_key_len = key_len.data();
+  Status sg = gpu.indexer_topk(p);
+  if (sg.ok()) sg = gpu.synchronize();
+  if (!sg.ok()) {
+    report(false, name, sg.to_string());
+    return;
+  }
+  const std::vector<int32_t> topk_g = download<int32_t>(gpu, d_topk, T * c.K);
+  const std::vector<float> scores_g = download<float>(gpu, d_scores, T * c.K);
+  Status sg2 = gpu.indexer_topk(p);
+  if (sg2.ok()) sg2 = gpu.synchronize();
+  const std::vector<float> scores_g2 = download<float>(gpu, d_scores, T * c.K);  // (bits: NaN scores of NaN keys)
+  const bool rerun_same = sg2.ok() && download<int32_t>(gpu, d_topk, T * c.K) == topk_g &&
+                          std::memcmp(scores_g2.data(), scores_g.data(), scores_g.size() * sizeof(float)) == 0;
+  // fp64 reference from the host's bytes
+  int64_t bad_rows = 0, nan_keys = 0;
+  double score_err = 0, score_max = 0;
+  std::string first_bad;
+  std::vector<double> ref, kdq;
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t b = request[t];
+    const int64_t n = key_len[t];
+    ref.assign(static_cast<size_t>(n), 0.0);
+    double max_abs = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = pg.row_of(b, j), page = slot / pg.page_size;
+      const int32_t off = static_cast<int32_t>(slot % pg.page_size);
+      const uint8_t* kv = &pool_h[fp8_index_value_offset(page, off, pg.page_size, Di)];
+      float sk;
+      std::memcpy(&sk, &pool_h[fp8_index_scale_offset(page, off, pg.page_size, Di)], 4);
+      double s = 0;
+      for (int h = 0; h < Hi; ++h) {
+        double dot = 0;
+        const uint8_t* qr = &q[(t * Hi + h) * Di];
+        for (int d = 0; d < Di; ++d) dot += static_cast<double>(e4m3_to_f32(qr[d])) * e4m3_to_f32(kv[d]);
+        const double x = static_cast<double>(qs[t * Hi + h]) * sk * dot;
+        s += static_cast<double>(w[t * Hi + h]) * (x < 0 ? 0.0 : x);
+      }
+      ref[j] = s;
+      if (std::isnan(s)) {
+        nan_keys += t == 0;
+      } else {
+        max_abs = std::max(max_abs, std::abs(s));
+      }
+    }
+    const double tol = 2e-5 * max_abs + 1e-6;
+    auto rk = [&](int64_t j) { return std::isnan(ref[j]) ? -std::numeric_limits<double>::infinity() : ref[j]; };
+    const int32_t* g = &topk_g[t * c.K];
+    const int64_t want = std::min<int64_t>(c.K, n);
+    bool ok = true;
+    for (int64_t i = 0; i < c.K; ++i) {
+      if (i < want && (g[i] < 0 || g[i] >= n || (i > 0 && g[i] <= g[i - 1]))) ok = false;
+      if (i >= want && g[i] != -1) ok = false;
+    }
+    if (ok) {
+      std::vector<uint8_t> chosen(static_cast<size_t>(n), 0);
+      double min_chosen = std::numeric_limits<double>::infinity();
+      for (int64_t i = 0; i < want; ++i) {
+        chosen[g[i]] = 1;
+        min_chosen = std::min(min_chosen, rk(g[i]));
+        const float sgv = scores_g[t * c.K + i];
+        if (std::isnan(ref[g[i]]) != std::isnan(sgv)) ok = false;
+        if (!std::isnan(sgv)) {
+          score_err = std::max(score_err, std::abs(sgv - ref[g[i]]) / (max_abs + 1e-30));
+          score_max = std::max(score_max, std::abs(ref[g[i]]));
+        }
+      }
+      for (int64_t i = want; i < c.K; ++i) ok = ok && scores_g[t * c.K + i] == -std::numeric_limits<float>::infinity();
+      double max_unchosen = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        if (!chosen[j]) max_unchosen = std::max(max_unchosen, rk(j));
+        // an exact duplicate (same bytes, same score) ties to the lower position
+        if (j % 997 == 107 && chosen[j] && !chosen[j - 100]) ok = false;
+      }
+      if (max_unchosen > min_chosen + tol) ok = false;
+    }
+    if (!ok) {
+      ++bad_rows;
+      if (first_bad.empty()) first_bad = " first bad row t=" + std::to_string(t);
+    }
+  }
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "T=%lld bad rows %lld, rerun %s, topk_scores max rel err %.1e (of the row's max), "
+                "NaN keys in row 0: %lld", static_cast<long long>(T), static_cast<long long>(bad_rows),
+                rerun_same ? "bit-identical" : "DIFFERS", score_err, static_cast<long long>(nan_keys));
+  report(bad_rows == 0 && rerun_same && score_err <= 2e-5, name, std::string(buf) + first_bad);
+}
+
+// Already-quantized rows (e4m3 + row_scales) are stored as they are.
+void test_cache_write_fp8_rows(Backend& gpu) {
+  const int Di = 128, ps = 61, pages = 3, T = 50;
+  std::vector<uint8_t> rows(T * Di);
+  std::vector<float> sc(T);
+  std::vector<int64_t> slots(T);
+  for (int t = 0; t < T; ++t) {
+    for (int d = 0; d < Di; ++d) rows[t * Di + d] = static_cast<uint8_t>(mix(31 + t * Di + d));
+    sc[t] = std::ldexp(1.f, t - 25);
+    slots[t] = t == 7 ? -1 : (t * 3) % (ps * pages);
+  }
+  std::vector<uint8_t> want(static_cast<size_t>(pages * fp8_index_page_bytes(ps, Di)), 0);
+  for (int t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    const int64_t page = slots[t] / ps;
+    const int32_t off = static_cast<int32_t>(slots[t] % ps);
+    std::memcpy(&want[fp8_index_value_offset(page, off, ps, Di)], &rows[t * Di], Di);
+    std::memcpy(&want[fp8_index_scale_offset(page, off, ps, Di)], &sc[t], 4);
+  }
+  Dev d_pool = upload(gpu, std::vector<uint8_t>(want.size(), 0));
+  Dev d_rows = upload(gpu, rows), d_sc = upload(gpu, sc), d_slots = upload(gpu, slots);
+  CacheWriteParams cw;
+  cw.rows = d_rows.buf.get();
+  cw.rows_dtype = DType::kF8E4M3;
+  cw.row_scales = d_sc.ptr<float>();
+  cw.num_rows = T;
+  cw.slots = d_slots.ptr<int64_t>();
+  cw.pool = {d_pool.buf.get(), DType::kF8E4M3, pages, ps, Di};
+  Status s = gpu.cache_write(cw);
+  if (s.ok()) s = gpu.synchronize();
+  const bool same = download<uint8_t>(gpu, d_pool, want.size()) == want;
+  report(s.ok() && same, "cache_write fp8: e4m3 rows + row_scales stored as they are (page61)", s.to_string());
 }
 
 void test_cp_kernels(Backend& gpu, Backend& cpu) {
@@ -1096,12 +1343,13 @@ void test_unsupported(Backend& gpu) {
   report(s.code() == StatusCode::kUnsupported && s.message().find("16, 32, 64, 128") != std::string::npos,
          "sparse_mla H=8 -> unsupported naming the supported set", s.to_string());
   IndexerTopkParams q;
-  q.Hi = 32;
+  q.Hi = 48;
   q.Di = 128;
   q.q_dtype = DType::kBF16;
   q.keys.dtype = DType::kBF16;
   s = gpu.indexer_topk(q);
-  report(s.code() == StatusCode::kUnsupported, "indexer_topk Hi=32 -> unsupported", s.to_string());
+  report(s.code() == StatusCode::kUnsupported && s.message().find("Hi = 32 or 64") != std::string::npos,
+         "indexer_topk Hi=48 -> unsupported naming the supported set", s.to_string());
   // The fused candidate merge needs the row-synchronized exchange, and its shape must be the top-k's.
   IndexerTopkParams fm;
   fm.Hi = 64;
@@ -1282,9 +1530,39 @@ int main(int argc, char** argv) {
     }
     idx.push_back(edge);
   }
+  {
+    // bf16 with 32 indexer heads (GLM-5.x's indexer) against the CPU backend
+    IdxCase h32{"Hi=32 decode b=3 page64 K=2048", 2048, 64, {5000, 2100, 300}, {1, 2, 1}};
+    h32.Hi = 32;
+    idx.push_back(h32);
+    h32 = {"Hi=32 prefill 400 causal page61 K=128", 128, 61, {0}, {400}};
+    h32.Hi = 32;
+    idx.push_back(h32);
+  }
   for (const IdxCase& c : idx) {
     if (selected(c.name)) run_indexer_case(*gpu, *cpu, c);
   }
+  std::vector<Fp8Case> fp8;
+  fp8.push_back({"Hi=64 decode b=3 page64 K=2048 hostile keys", 64, 2048, 64, {5000, 2100, 900}, {1, 1, 1},
+                 Fp8ScaleMode::kFp32, DType::kF32, true});
+  fp8.push_back({"Hi=32 MTP 16+3 page61 K=512 ue8m0 bf16 rows", 32, 512, 61, {3000, 1200}, {16, 3},
+                 Fp8ScaleMode::kUe8m0, DType::kBF16, false});
+  fp8.push_back({"Hi=64 prefill 300 causal page1 K=1 hostile keys", 64, 1, 1, {0}, {300}, Fp8ScaleMode::kUe8m0,
+                 DType::kF32, true});
+  fp8.push_back({"Hi=32 chunked 1000 + 333 page64 K=2048 hostile keys", 32, 2048, 64, {1000}, {333},
+                 Fp8ScaleMode::kFp32, DType::kBF16, true});
+  fp8.push_back({"Hi=64 MTP 4+2+1 page64 K=1000", 64, 1000, 64, {4000, 2500, 1700}, {4, 2, 1}, Fp8ScaleMode::kFp32,
+                 DType::kF32, false});
+  if (!quick) {
+    fp8.push_back({"Hi=64 decode ctx 140000 page64 K=2048 hostile keys", 64, 2048, 64, {140000}, {1},
+                   Fp8ScaleMode::kFp32, DType::kBF16, true});
+    fp8.push_back({"Hi=32 decode ctx 70000 x2 page61 K=2048", 32, 2048, 61, {70000}, {2}, Fp8ScaleMode::kUe8m0,
+                   DType::kF32, false});
+  }
+  for (const Fp8Case& c : fp8) {
+    if (selected("fp8 " + c.name)) run_fp8_indexer_case(*gpu, c);
+  }
+  if (only.empty()) test_cache_write_fp8_rows(*gpu);
   if (selected("decode b=4 ctx 5000 page64 (plan in device memory)")) {
     setenv("DSACP_INDEXER_INLINE_PLAN", "0", 1);
     IdxCase device_plan = idx[0];

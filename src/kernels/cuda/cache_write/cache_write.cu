@@ -1,11 +1,14 @@
 // Cache write (scatter rows into flat pool slots, f32 <-> bf16 conversion with round-to-nearest-even) and fill.
-// One warp per row. A slot of -1 skips the row; any other slot outside the pool is reported and skipped.
+// Into an FP8 pool (the indexer keys' two-plane pages, dsacp/fp8.h): f32/bf16 rows are quantized per row with the
+// header's functions (amax over the row's finite |x|, the scale rule, x / scale -> e4m3), so the bytes equal the
+// CPU oracle's; e4m3 rows are stored as they are with their row_scales. One warp per row. A slot of -1 skips the row; any other slot outside the pool is reported and skipped.
 // Two rows aimed at one slot race here (the CPU oracle lets the last row win); the step never produces them.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstring>
 
+#include "dsacp/fp8.h"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/cuda_kernels.h"
@@ -82,6 +85,50 @@ __global__ void cache_write_kernel(const WritePools w, int64_t n, DeviceErrorWor
   for (int d = lane; d < dim; d += 32) store_f(dst, d, load_f(src, d));
 }
 
+// One row into an FP8 pool: warp-wide amax (max is exact in any order), then each value quantized alone.
+template <typename SrcT>
+__global__ void cache_write_fp8_kernel(const SrcT* __restrict__ rows, const float* __restrict__ row_scales,
+                                       const int64_t* __restrict__ slots, unsigned char* __restrict__ pool,
+                                       int32_t page_size, int32_t dim, int64_t num_slots, int64_t n,
+                                       Fp8ScaleMode mode, DeviceErrorWord err) {
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (t >= n) return;
+  const int64_t slot = slots[t];
+  if (slot == -1) return;
+  if (slot < 0 || slot >= num_slots) {
+    if (lane == 0) report_device_error(err, kDevBadSlot, t);
+    return;
+  }
+  const int64_t page = slot / page_size;
+  const int32_t in_page = static_cast<int32_t>(slot % page_size);
+  unsigned char* dst = pool + fp8_index_value_offset(page, in_page, page_size, dim);
+  float* dst_scale = reinterpret_cast<float*>(pool + fp8_index_scale_offset(page, in_page, page_size, dim));
+  const SrcT* src = rows + t * dim;
+  if constexpr (sizeof(SrcT) == 1) {
+    for (int d = lane; d < dim; d += 32) dst[d] = src[d];
+    if (lane == 0) *dst_scale = row_scales[t];
+  } else {
+    float amax = 0.f;
+    for (int d = lane; d < dim; d += 32) amax = fmaxf(amax, fp8_amax_term(load_f(src, d)));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float scale = fp8_scale_from_amax(amax, mode);
+    for (int d = lane; d < dim; d += 32) dst[d] = fp8_quantize(load_f(src, d), scale);
+    if (lane == 0) *dst_scale = scale;
+  }
+}
+
+template <typename SrcT>
+Status launch_cw_fp8(const CacheWriteParams& p, const LaunchContext& ctx) {
+  const int64_t threads = p.num_rows * 32;
+  cache_write_fp8_kernel<SrcT><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, ctx.stream>>>(
+      static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, static_cast<unsigned char*>(p.pool.data),
+      p.pool.page_size, p.pool.dim, p.pool.num_pages * p.pool.page_size, p.num_rows, p.fp8_scale_mode, ctx.error);
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_fp8_kernel");
+  return Status::ok_status();
+}
+
 template <typename T>
 __global__ void fill_kernel(T* __restrict__ dst, int64_t count, float value) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
@@ -118,9 +165,18 @@ Status launch_cw_pools(const CacheWriteParams& p, int count, const LaunchContext
   return Status::ok_status();
 }
 
+// Pool i as a single-pool write, with the FP8 fields (cache_write_pool copies the pool, rows and slots).
+CacheWriteParams one_pool(const CacheWriteParams& p, int i) {
+  CacheWriteParams one = cache_write_pool(p, i);
+  one.fp8_scale_mode = p.fp8_scale_mode;
+  one.row_scales = p.row_scales;
+  return one;
+}
+
 // The pools share a dtype (a step's caches do): one launch for all of them.
 bool cache_write_one_launch(const CacheWriteParams& p) {
   const int pools = cache_write_pools(p);
+  if (p.pool.dtype == DType::kF8E4M3) return false;  // the FP8 pool has a launch of its own
   for (int i = 1; i < pools; ++i) {
     if (cache_write_pool(p, i).pool.dtype != p.pool.dtype) return false;
   }
@@ -130,7 +186,7 @@ bool cache_write_one_launch(const CacheWriteParams& p) {
 template <typename SrcT, typename DstT>
 Status launch_cw(const CacheWriteParams& p, const LaunchContext& ctx) {
   if (cache_write_one_launch(p)) return launch_cw_pools<SrcT, DstT>(p, cache_write_pools(p), ctx);
-  for (int i = 0; i < cache_write_pools(p); ++i) DSACP_RETURN_IF_ERROR(launch_cache_write(cache_write_pool(p, i), ctx));
+  for (int i = 0; i < cache_write_pools(p); ++i) DSACP_RETURN_IF_ERROR(launch_cache_write(one_pool(p, i), ctx));
   return Status::ok_status();
 }
 
@@ -144,10 +200,15 @@ Status cache_write_supported(const CacheWriteParams& p) {
   auto ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
   for (int i = 0; i < cache_write_pools(p); ++i) {
     const DType pool = cache_write_pool(p, i).pool.dtype;
-    if (!ok(p.rows_dtype) || !ok(pool)) {
+    const bool fp8_ok = pool == DType::kF8E4M3 && (ok(p.rows_dtype) || p.rows_dtype == DType::kF8E4M3);
+    if (!fp8_ok && (!ok(p.rows_dtype) || !ok(pool))) {
       return unsupported(std::string("cache_write: rows ") + dtype_name(p.rows_dtype) + ", pool " + dtype_name(pool) +
-                         " (CUDA cache_write supports F32 and BF16)");
+                         " (CUDA cache_write supports F32 and BF16, and F32, BF16 or F8_E4M3 rows into an F8_E4M3 "
+                         "pool)");
     }
+  }
+  if (p.rows_dtype == DType::kF8E4M3 && p.row_scales == nullptr) {
+    return invalid_argument("cache_write: row_scales is null; F8_E4M3 rows need their [T] f32 scales");
   }
   if (p.num_rows >= (int64_t{1} << 26)) return unsupported("cache_write: more than 2^26 rows in one call");
   return Status::ok_status();
@@ -159,6 +220,12 @@ Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx) {
     return internal_error("cache_write: an upload this launch cannot carry (the caller copies it first)");
   }
   if (p.num_rows == 0) return Status::ok_status();
+  if (cache_write_pools(p) > 1 && !cache_write_one_launch(p)) return launch_cw<float, float>(p, ctx);  // per pool
+  if (p.pool.dtype == DType::kF8E4M3) {
+    if (p.rows_dtype == DType::kF8E4M3) return launch_cw_fp8<unsigned char>(p, ctx);
+    if (p.rows_dtype == DType::kBF16) return launch_cw_fp8<__nv_bfloat16>(p, ctx);
+    return launch_cw_fp8<float>(p, ctx);
+  }
   const bool sb = p.rows_dtype == DType::kBF16, db = p.pool.dtype == DType::kBF16;
   if (sb && db) return launch_cw<__nv_bfloat16, __nv_bfloat16>(p, ctx);
   if (sb) return launch_cw<__nv_bfloat16, float>(p, ctx);

@@ -10,7 +10,8 @@ namespace dsacp::cuda {
 inline constexpr int kScoreKeys = 256;       // keys per score CTA
 inline constexpr int kMaxGroupTokens = 4;    // tokens of one request sharing a score CTA
 
-int64_t indexer_scores_smem_bytes(int max_group_tokens);
+// Shared memory of one score CTA: Hi = 32 or 64, bf16 or fp8 (e4m3 q and two-plane keys).
+int64_t indexer_scores_smem_bytes(int Hi, bool fp8, int max_group_tokens);
 // items / score_offset: the chunk's device plan, unless inl holds the plan (inl.num_groups > 0).
 Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,

@@ -11,14 +11,19 @@ namespace dsacp::cuda {
 
 Status indexer_topk_supported(const IndexerTopkParams& p) {
   const std::string supported =
-      " (CUDA indexer_topk supports Hi = 64, Di = 128, bf16 q and keys, page_size 1..1024, "
-      "num_pages * page_size < 2^31)";
-  if (p.Hi != 64 || p.Di != 128) {
+      " (CUDA indexer_topk supports Hi = 32 or 64, Di = 128, bf16 q and keys or e4m3 q with q_scale and FP8 "
+      "two-plane keys, page_size 1..1024, num_pages * page_size < 2^31)";
+  if ((p.Hi != 32 && p.Hi != 64) || p.Di != 128) {
     return unsupported("indexer_topk: Hi=" + std::to_string(p.Hi) + ", Di=" + std::to_string(p.Di) + supported);
   }
-  if (p.q_dtype != DType::kBF16 || p.keys.dtype != DType::kBF16) {
+  const bool bf16 = p.q_dtype == DType::kBF16 && p.keys.dtype == DType::kBF16;
+  const bool fp8 = p.q_dtype == DType::kF8E4M3 && p.keys.dtype == DType::kF8E4M3;
+  if (!bf16 && !fp8) {
     return unsupported(std::string("indexer_topk: q ") + dtype_name(p.q_dtype) + ", keys " +
                        dtype_name(p.keys.dtype) + supported);
+  }
+  if (fp8 && p.q_scale == nullptr) {
+    return invalid_argument("indexer_topk: q_scale is null; e4m3 q needs its [T, Hi] f32 scales");
   }
   if (p.keys.page_size < 1 || p.keys.page_size > 1024) {
     return unsupported("indexer_topk: page_size=" + std::to_string(p.keys.page_size) + supported);

@@ -2,8 +2,8 @@
 //
 // rank key u(s): larger = better; NaN = 0 (below everything), -0 == +0, the same map as the CPU oracle. The
 // K-th largest key u* is found with four histogram passes over the row (12, 8, 8, 4 bits; one CTA of 1024 threads
-// per row, 16-byte loads, shared-memory histogram, warp-aggregated atomics via match.any, warps without a
-// candidate skip the atomics, hierarchical warp digit search). Rows of up to 49152 keys keep
+// per row, 16-byte loads, shared-memory histogram: plain atomics in the first pass, warp-aggregated ones via
+// match.any in the later passes, where warps without a candidate skip the atomics, hierarchical warp digit search). Rows of up to 49152 keys keep
 // their rank keys in shared memory after the first pass, so later passes never touch global memory. Longer rows
 // (the 64K-128K contexts of long decodes) take one more pass over global memory after the first: it copies the
 // keys of the first pass's boundary bin (with their positions) to shared memory and counts, per output
@@ -199,7 +199,9 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const bool part = i + k < n && (u[k] & mask) == prefix;
-        if (__any_sync(0xffffffffu, part)) {  // later passes: most warps hold no candidate
+        if (pass == 0) {  // every key takes part and the 12-bit digits spread: plain shared atomics
+          if (part) atomicAdd(&hist[u[k] >> shift], 1u);
+        } else if (__any_sync(0xffffffffu, part)) {  // later passes: most warps hold no candidate
           const uint32_t digit = (u[k] >> shift) & static_cast<uint32_t>(nbins - 1);
           const uint32_t peers = __match_any_sync(0xffffffffu, part ? digit : 0x10000u + lane);
           if (part && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
