@@ -41,6 +41,12 @@ class MpiContext {
   // Collective over every process: the processes with the same `color` (>= 0) form a group, ranked by `key`
   // (then by world rank) — MPI_Comm_split.
   virtual Result<std::unique_ptr<Communicator>> split(int color, int key, std::chrono::milliseconds timeout = {}) = 0;
+  // Collective over every process, bounded by the context's timeout, and the first one to call after init()
+  // (before any communicator is made, whose creation would wait for a peer without bound): every process says
+  // whether it is fit to go on (its input loaded); the answer is the lowest world rank that said no, or size()
+  // when every process said yes. A process that never joins (it failed before init, or hangs) makes the wait
+  // time out: then the reason is printed and the job ended with MPI_Abort, the only way to release the peers.
+  virtual Result<int> first_failed(bool ok) = 0;
 };
 
 }  // namespace dsacp

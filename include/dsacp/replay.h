@@ -9,6 +9,7 @@
 #include "dsacp/backend.h"
 #include "dsacp/case_file.h"
 #include "dsacp/cp_step.h"
+#include "dsacp/memory_estimate.h"
 #include "dsacp/status.h"
 
 namespace dsacp {
@@ -20,7 +21,14 @@ struct ReplayOptions {
   int32_t spare_pages = 3;              // unused (NaN) pages in the pool besides the ones the batch needs
   CpLayout layout;                      // P = 1: single device
   bool device_block_table = false;      // the step reads the block table from backend memory (StepInputs)
+  // Host bytes the replay may plan to take (replay_memory_estimate); 0 = only what the host has available.
+  // A case needing more is refused (resource exhausted) before anything is allocated.
+  uint64_t max_memory_bytes = 0;
 };
+
+// The memory a replay of `c` plans to take on `ranks_here` ranks (every rank: replay_case; 1: replay_case_rank),
+// from the case's dims alone: the caches, the inputs in the compute dtype, the step's buffers and the result.
+MemoryEstimate replay_memory_estimate(const CaseFile& c, const ReplayOptions& options, int32_t ranks_here);
 
 // The dtype the step computes in: BF16 when every float input of the case is BF16, else F32
 // (so no value the user handed in is rounded).

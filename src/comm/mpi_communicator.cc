@@ -187,6 +187,28 @@ class MpiContextImpl final : public MpiContext {
     DSACP_RETURN_IF_ERROR(mpi_check(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm), "MPI_Comm_split"));
     return wrap(comm, timeout);
   }
+  Result<int> first_failed(bool ok) override {
+    int mine = ok ? size_ : rank_, lowest = size_;
+    MPI_Request req;
+    DSACP_RETURN_IF_ERROR(
+        mpi_check(MPI_Iallreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, &req), "MPI_Iallreduce"));
+    const auto start = std::chrono::steady_clock::now();
+    for (int polls = 0;; ++polls) {
+      int done = 0;
+      DSACP_RETURN_IF_ERROR(mpi_check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test"));
+      if (done) return lowest;
+      if (std::chrono::steady_clock::now() - start >= timeout_) {
+        std::fprintf(stderr,
+                     "dsacp: MPI rank %d aborts the job: not every process joined the start-up check within %lld ms "
+                     "(a process failed before it or hangs)\n",
+                     rank_, static_cast<long long>(timeout_.count()));
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+        return Status(StatusCode::kTimeout, "MPI start-up check timed out");  // not reached
+      }
+      if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(polls > 1024 ? 500 : 50));
+    }
+  }
 
  private:
   Result<std::unique_ptr<Communicator>> wrap(MPI_Comm comm, std::chrono::milliseconds timeout) {

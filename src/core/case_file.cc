@@ -46,7 +46,7 @@ Status check_tensor_names(const char* what, const SafetensorsFile& f, const std:
   }
   for (const auto& [name, t] : f.tensors) {
     if (!contains(names, name)) {
-      return invalid_argument(std::string(what) + ": unexpected tensor " + json::quote(name) + " (a " + what +
+      return invalid_argument(std::string(what) + ": unexpected tensor " + json::quote_name(name) + " (a " + what +
                               " file holds exactly: " + join(names) + ")");
     }
   }
@@ -108,7 +108,7 @@ Status parse_topk(const std::map<std::string, std::string>& md, int32_t* out) {
   auto it = md.find("topk");
   if (it == md.end()) return invalid_argument("case: __metadata__ has no \"topk\"");
   const std::string& s = it->second;
-  const std::string fail = "case: __metadata__ \"topk\" must be an integer in [1, 2^31), got " + json::quote(s);
+  const std::string fail = "case: __metadata__ \"topk\" must be an integer in [1, 2^31), got " + json::quote_name(s);
   if (s.empty() || s[0] < '0' || s[0] > '9') return invalid_argument(fail);
   int64_t v = 0;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
@@ -117,16 +117,30 @@ Status parse_topk(const std::map<std::string, std::string>& md, int32_t* out) {
   return Status();
 }
 
-// "0.125", "1e-2", "-3" -> float; must parse completely and be finite as a float.
+// "0.125", "1e-2", "-3" -> float: read as a double (it must parse completely and be finite), then rounded to
+// f32, which must be finite too (3.5e38 is refused). A magnitude below f32's range (1e-50) rounds to 0 or a
+// denormal, as any f32 conversion does, and is accepted.
 Status parse_scale(const std::map<std::string, std::string>& md, float* out) {
   auto it = md.find("scale");
   if (it == md.end()) return invalid_argument("case: __metadata__ has no \"scale\"");
   const std::string& s = it->second;
-  const std::string fail = "case: __metadata__ \"scale\" must be a finite number, got " + json::quote(s);
-  float v = 0.f;
+  double v = 0.0;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (s.empty() || ec != std::errc() || p != s.data() + s.size() || !std::isfinite(v)) return invalid_argument(fail);
-  *out = v;
+  // from_chars leaves v alone on out-of-range: tell a tiny magnitude (accepted as 0) from a huge one.
+  bool tiny = false;
+  if (ec == std::errc::result_out_of_range && p == s.data() + s.size()) {
+    const size_t e = s.find_first_of("eE");
+    tiny = e != std::string::npos && e + 1 < s.size() && s[e + 1] == '-';
+  }
+  if (s.empty() || (ec != std::errc() && !tiny) || p != s.data() + s.size() || !std::isfinite(v)) {
+    return invalid_argument("case: __metadata__ \"scale\" must be a finite number, got " + json::quote_name(s));
+  }
+  const float f = static_cast<float>(v);
+  if (!std::isfinite(f)) {
+    return invalid_argument("case: __metadata__ \"scale\" " + json::quote_name(s) +
+                            " is not finite as an f32 (|scale| must be below 3.4e38)");
+  }
+  *out = tiny ? (s[0] == '-' ? -0.f : 0.f) : f;
   return Status();
 }
 
@@ -176,16 +190,23 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
   const Tensor& q_rope = *f.find("q_rope");
   const Tensor& idx_q = *f.find("idx_q");
   const auto floats = {DType::kBF16, DType::kF32};
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "q_nope", q_nope, floats, {{"T", T}, {"H", -1}, {"Dl", -1}}));
-  const int64_t H = q_nope.dim(1), Dl = q_nope.dim(2);
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "q_rope", q_rope, floats, {{"T", T}, {"H", H}, {"Dr", -1}}));
-  const int64_t Dr = q_rope.dim(2);
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_q", idx_q, floats, {{"T", T}, {"Hi", -1}, {"Di", -1}}));
-  const int64_t Hi = idx_q.dim(1), Di = idx_q.dim(2);
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "kv_latent", *f.find("kv_latent"), floats, {{"T", T}, {"Dl", Dl}}));
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "k_rope", *f.find("k_rope"), floats, {{"T", T}, {"Dr", Dr}}));
+  // Dl, Dr and Di come from the key rows first (two dims, nothing to confuse), so a query whose dims are
+  // swapped is reported as itself ("q_nope has shape [T, Dl, H]"), not as the next tensor checked against it.
+  const Tensor& kv_latent = *f.find("kv_latent");
+  const Tensor& k_rope = *f.find("k_rope");
+  const Tensor& idx_k = *f.find("idx_k");
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "kv_latent", kv_latent, floats, {{"T", T}, {"Dl", -1}}));
+  const int64_t Dl = kv_latent.dim(1);
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "k_rope", k_rope, floats, {{"T", T}, {"Dr", -1}}));
+  const int64_t Dr = k_rope.dim(1);
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_k", idx_k, floats, {{"T", T}, {"Di", -1}}));
+  const int64_t Di = idx_k.dim(1);
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "q_nope", q_nope, floats, {{"T", T}, {"H", -1}, {"Dl", Dl}}));
+  const int64_t H = q_nope.dim(1);
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "q_rope", q_rope, floats, {{"T", T}, {"H", H}, {"Dr", Dr}}));
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_q", idx_q, floats, {{"T", T}, {"Hi", -1}, {"Di", Di}}));
+  const int64_t Hi = idx_q.dim(1);
   DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_w", *f.find("idx_w"), {DType::kF32}, {{"T", T}, {"Hi", Hi}}));
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_k", *f.find("idx_k"), floats, {{"T", T}, {"Di", Di}}));
   DSACP_RETURN_IF_ERROR(
       check_case_tensor("case", "ctx_kv_latent", *f.find("ctx_kv_latent"), floats, {{"sumC", sum_c}, {"Dl", Dl}}));
   DSACP_RETURN_IF_ERROR(

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <unordered_set>
 
 namespace dsacp::json {
 
@@ -79,6 +80,7 @@ class Parser {
 
   Status parse_value(Value* out, int depth) {
     if (depth >= kMaxDepth) return error("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
+    if (++values_ > kMaxValues) return error("more than " + std::to_string(kMaxValues) + " values in one document");
     if (at_end()) return error("unexpected end of input, expected a value");
     const char c = peek();
     if (c == '{') return parse_object(out, depth);
@@ -113,15 +115,18 @@ class Parser {
       ++pos_;
       return Status();
     }
+    // Keys seen so far: a hash set keeps the duplicate check O(1) per key (a scan made objects of many keys
+    // quadratic).
+    std::unordered_set<std::string> seen;
     while (true) {
       skip_whitespace();
       if (at_end() || peek() != '"') return error("unexpected " + describe_here() + ", expected a string key");
       const size_t key_pos = pos_;
       std::string key;
       DSACP_RETURN_IF_ERROR(parse_string(&key));
-      if (out->find(key) != nullptr) {
+      if (!seen.insert(key).second) {
         pos_ = key_pos;
-        return error("duplicate key " + quote(key));
+        return error("duplicate key " + quote_name(key));
       }
       skip_whitespace();
       if (at_end() || peek() != ':') return error("unexpected " + describe_here() + ", expected ':'");
@@ -359,6 +364,7 @@ class Parser {
 
   std::string_view text_;
   size_t pos_ = 0;
+  int64_t values_ = 0;
 };
 
 }  // namespace
@@ -407,6 +413,15 @@ std::string quote(std::string_view s) {
     }
   }
   return out + "\"";
+}
+
+std::string quote_name(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return quote(s);
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xc0) == 0x80) --cut;  // not inside a UTF-8 sequence
+  std::string q = quote(s.substr(0, cut));
+  q.insert(q.size() - 1, "...");
+  return q + " (" + std::to_string(s.size()) + " bytes)";
 }
 
 }  // namespace dsacp::json

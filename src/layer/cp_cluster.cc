@@ -6,6 +6,7 @@
 #include <string>
 
 #include <algorithm>
+#include <new>
 
 #include "dsacp/cp_step.h"
 #include "core/rank_workers.h"
@@ -111,7 +112,7 @@ Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(const std::vector
     DSACP_ASSIGN_OR_RETURN(PagedKvCache cache, PagedKvCache::create(*rank_backends[r], c->cache_config_));
     c->caches_.push_back(std::move(cache));
   }
-  c->workers_ = std::make_unique<RankWorkers>(Pt);
+  DSACP_ASSIGN_OR_RETURN(c->workers_, RankWorkers::create(Pt));
   if (nccl) DSACP_RETURN_IF_ERROR(c->make_nccl_comms());
   return c;
 }
@@ -417,8 +418,17 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
       d_comm = dcp_groups[r]->make_communicator(d);
       comms = CpComms{w_comm.get(), p_comm.get(), d_comm.get()};
     }
-    auto rank_result = cp_rank_step_host(*backends_[cr], comms, c, requests, layout_, sharding_, table, plans[cr],
-                                         caches_[cr], inputs);
+    // An exception (std::bad_alloc) is this rank's failure like any other: it aborts the communicators below,
+    // so the peers waiting for this rank in a collective are released at once.
+    Result<StepResult> rank_result = internal_error("CP rank step did not run");
+    try {
+      rank_result = cp_rank_step_host(*backends_[cr], comms, c, requests, layout_, sharding_, table, plans[cr],
+                                      caches_[cr], inputs);
+    } catch (const std::bad_alloc&) {
+      rank_result = resource_exhausted("out of host memory in the step");
+    } catch (const std::exception& e) {
+      rank_result = internal_error(std::string("exception in the step: ") + e.what());
+    }
     if (rank_result.ok()) {
       results[cr] = std::move(rank_result).value();
     } else {

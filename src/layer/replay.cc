@@ -119,7 +119,41 @@ size_t rank_result_bytes(const StepConfig& c, const CpRankPlan& plan) {
   return rows * c.K * sizeof(int32_t) + rows * heads * c.Dl * dtype_size(c.out_dtype) + rows * heads * sizeof(float);
 }
 
+// Refuses a replay whose estimate does not fit (host backends; a GPU backend's host side is the case only).
+Status check_replay_memory(const std::vector<Backend*>& backends, const CaseFile& c, const ReplayOptions& options,
+                           int32_t ranks_here) {
+  if (!backends.empty() && backends[0] != nullptr && backends[0]->cuda_device() >= 0) return Status();
+  return host_memory_check(replay_memory_estimate(c, options, ranks_here), "this replay", options.max_memory_bytes);
+}
+
 }  // namespace
+
+MemoryEstimate replay_memory_estimate(const CaseFile& c, const ReplayOptions& options, int32_t ranks_here) {
+  const CpLayout& layout = options.layout;
+  const int32_t page_size = std::max(options.page_size, 1);
+  const KvSharding sharding = cp_kv_sharding(layout, page_size);
+  PagedCacheConfig cc;
+  cc.page_size = page_size;
+  cc.Dl = c.dims.Dl;
+  cc.Dr = c.dims.Dr;
+  cc.Di = c.dims.Di;
+  cc.dtype = case_compute_dtype(c);
+  cc.num_pages = std::max(options.spare_pages, 0);
+  for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), page_size);
+  StepConfig config;
+  config.H = c.dims.H;
+  config.Dl = c.dims.Dl;
+  config.Dr = c.dims.Dr;
+  config.Hi = c.dims.Hi;
+  config.Di = c.dims.Di;
+  config.K = c.topk;
+  config.act_dtype = cc.dtype;
+  MemoryEstimate e = cp_memory_estimate(config, layout, cc, c.num_tokens(), ranks_here);
+  // The context rows, converted to the compute dtype before they are loaded.
+  const uint64_t ctx = static_cast<uint64_t>(c.ctx_kv_latent.numel() + c.ctx_k_rope.numel() + c.ctx_idx_k.numel());
+  e.inputs += ctx * dtype_size(cc.dtype);
+  return e;
+}
 
 Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const ReplayOptions& options) {
   return replay_case(std::vector<Backend*>(static_cast<size_t>(std::max(options.layout.num_ranks(), 1)), &backend), c,
@@ -128,6 +162,8 @@ Result<StepResult> replay_case(Backend& backend, const CaseFile& c, const Replay
 
 Result<StepResult> replay_case(const std::vector<Backend*>& rank_backends, const CaseFile& c,
                                const ReplayOptions& options) {
+  DSACP_RETURN_IF_ERROR(
+      check_replay_memory(rank_backends, c, options, std::max(options.layout.num_ranks(), 1)));
   DSACP_ASSIGN_OR_RETURN(ReplaySetup s, replay_setup(c, options));
   DSACP_ASSIGN_OR_RETURN(std::unique_ptr<LocalCpCluster> cluster,
                          LocalCpCluster::create(rank_backends, options.layout, s.cache_config));
@@ -153,6 +189,7 @@ Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const R
     return invalid_argument("replay_case_rank: world rank " + std::to_string(cr) + " must be PCP rank " +
                             std::to_string(cr / layout.D) + " and DCP rank " + std::to_string(cr % layout.D));
   }
+  DSACP_RETURN_IF_ERROR(check_replay_memory({&backend}, c, options, 1));
   DSACP_ASSIGN_OR_RETURN(ReplaySetup s, replay_setup(c, options));
   DSACP_ASSIGN_OR_RETURN(PagedKvCache cache,
                          PagedKvCache::create(backend, cp_rank_cache_config(layout, s.cache_config)));

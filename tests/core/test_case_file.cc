@@ -179,10 +179,14 @@ TEST(CaseFile, RefusesWrongDtype) {
 TEST(CaseFile, RefusesWrongShape) {
   SafetensorsFile f = small_case_file();
   f.tensors["q_rope"] = Tensor::zeros(DType::kF32, {5, 2, 8}).value();
-  expect_case_refused(std::move(f), "case: tensor \"q_rope\" has shape [5, 2, 8], expected [T=6, H=2, Dr]");
+  expect_case_refused(std::move(f), "case: tensor \"q_rope\" has shape [5, 2, 8], expected [T=6, H=2, Dr=8]");
   f = small_case_file();
-  f.tensors["k_rope"] = Tensor::zeros(DType::kF32, {6, 9}).value();
-  expect_case_refused(std::move(f), "tensor \"k_rope\" has shape [6, 9], expected [T=6, Dr=8]");
+  f.tensors["k_rope"] = Tensor::zeros(DType::kF32, {6, 9}).value();  // the queries' Dr comes from k_rope
+  expect_case_refused(std::move(f), "tensor \"q_rope\" has shape [6, 2, 8], expected [T=6, H=2, Dr=9]");
+  // Issue #30: a transposed q_nope ([T, Dl, H]) is reported as itself, not as q_rope's shape.
+  f = small_case_file();
+  f.tensors["q_nope"] = Tensor::zeros(DType::kF32, {6, 16, 2}).value();
+  expect_case_refused(std::move(f), "case: tensor \"q_nope\" has shape [6, 16, 2], expected [T=6, H, Dl=16]");
   f = small_case_file();
   f.tensors["ctx_idx_k"] = Tensor::zeros(DType::kF32, {11, 12}).value();
   expect_case_refused(std::move(f), "tensor \"ctx_idx_k\" has shape [11, 12], expected [sumC=12, Di=12]");
@@ -211,7 +215,7 @@ TEST(CaseFile, RefusesBadLengths) {
   // Lengths that do not add up with T (7 query tokens, q_nope has 6 rows).
   f = small_case_file();
   f.tensors["query_lens"] = i32_tensor({2, 2, 3});
-  expect_case_refused(std::move(f), "tensor \"q_nope\" has shape [6, 2, 16], expected [T=7, H, Dl]");
+  expect_case_refused(std::move(f), "tensor \"kv_latent\" has shape [6, 16], expected [T=7, Dl]");
   // Context lengths that do not add up with the context rows.
   f = small_case_file();
   f.tensors["context_lens"] = i32_tensor({5, 0, 6});
@@ -238,10 +242,24 @@ TEST(CaseFile, RefusesBadMetadata) {
     f.metadata["topk"] = bad;
     expect_case_refused(std::move(f), "\"topk\" must be an integer in [1, 2^31)");
   }
-  for (const char* bad : {"inf", "-inf", "nan", "1e39", "", "0.1x", " 0.1", "abc"}) {
+  for (const char* bad : {"inf", "-inf", "nan", "1e400", "", "0.1x", " 0.1", "abc"}) {
     f = small_case_file();
     f.metadata["scale"] = bad;
     expect_case_refused(std::move(f), "\"scale\" must be a finite number");
+  }
+  // Issue #30: finite as a number but not as an f32 is refused as such; a magnitude below f32's range
+  // (1e-50, even 1e-400) is a finite number and becomes 0 (or a denormal), as any f32 conversion does.
+  for (const char* bad : {"1e39", "-3.5e38"}) {
+    f = small_case_file();
+    f.metadata["scale"] = bad;
+    expect_case_refused(std::move(f), "is not finite as an f32");
+  }
+  for (const auto& [text, want] : {std::pair{"1e-50", 0.f}, std::pair{"-1e-400", -0.f}, std::pair{"1e-40", 1e-40f}}) {
+    f = small_case_file();
+    f.metadata["scale"] = text;
+    Result<CaseFile> tiny = case_from_safetensors(std::move(f));
+    ASSERT_TRUE(tiny.ok()) << text << ": " << tiny.status().message();
+    EXPECT_EQ(tiny->scale, want) << text;
   }
   f = small_case_file();
   f.metadata["format"] = "pt";  // notes that writers add are allowed
@@ -295,7 +313,7 @@ TEST(CaseFile, WriteRefusesInconsistentCases) {
   c.requests[0].query_len = 3;
   Result<SafetensorsFile> f = case_to_safetensors(c);
   ASSERT_FALSE(f.ok());
-  EXPECT_NE(f.status().message().find("expected [T=7, H, Dl]"), std::string::npos) << f.status().message();
+  EXPECT_NE(f.status().message().find("expected [T=7, Dl]"), std::string::npos) << f.status().message();
   c = case_generate(small_spec()).value();
   c.idx_k = Tensor();
   EXPECT_FALSE(case_to_safetensors(c).ok());

@@ -73,5 +73,25 @@ TEST(RankWorkers, RunsFromSeveralCallersAreSerialized) {
   EXPECT_LE(most.load(), 2);  // never more than one run's two ranks at once
 }
 
+
+// Issue #30: a thread that cannot be started (std::system_error) hung in the constructor (pthread_cond_destroy
+// under waiting threads) or ended in std::terminate. Now the creation fails with a Status and every thread that
+// did start is joined.
+TEST(RankWorkers, AThreadThatCannotStartIsAStatusNotAHang) {
+  for (int32_t fail_at : {0, 1, 5}) {
+    auto w = RankWorkers::create(8, fail_at);
+    ASSERT_FALSE(w.ok()) << fail_at;
+    EXPECT_EQ(w.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_NE(w.status().message().find("cannot start the thread of CP rank " + std::to_string(fail_at) + " of 8"),
+              std::string::npos)
+        << w.status().message();
+  }
+  auto ok = RankWorkers::create(3);
+  ASSERT_TRUE(ok.ok());
+  std::atomic<int> ran{0};
+  (*ok)->run([&](int32_t) { ++ran; });
+  EXPECT_EQ(ran.load(), 3);
+}
+
 }  // namespace
 }  // namespace dsacp

@@ -2,8 +2,14 @@
 // and a mutation loop (truncations, byte flips, header edits) that must never crash.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <thread>
 
 #include "core/json.h"
 #include "dsacp/random.h"
@@ -156,7 +162,8 @@ TEST(SafetensorsFile, RoundTripOnDisk) {
   EXPECT_EQ(missing.status().code(), StatusCode::kIoError);
   EXPECT_NE(missing.status().message().find(path), std::string::npos);
   // A directory is not a file: an i/o error, not an empty parse.
-  EXPECT_EQ(safetensors_read(std::filesystem::temp_directory_path().string()).status().code(), StatusCode::kIoError);
+  EXPECT_EQ(safetensors_read(std::filesystem::temp_directory_path().string()).status().code(),
+            StatusCode::kInvalidArgument);  // a directory: not a regular file
 }
 
 TEST(SafetensorsFile, ReadsHeaderWrittenByOthers) {
@@ -297,6 +304,157 @@ TEST(SafetensorsFile, MutationsNeverCrash) {
   }
   EXPECT_GT(refused, 1000);
   EXPECT_GT(parsed, 0);  // flips inside the data section still parse
+}
+
+
+// ---- Issue #30: bad input never crashes, hangs or destroys data --------------------------------------------------
+
+std::string test_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("dsacp_st_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// The writer used the fixed name PATH.tmp: a user's file of that name was overwritten and consumed.
+TEST(SafetensorsWrite, NeverTouchesAnotherFileAndLeavesNoTemporary) {
+  const std::string dir = test_dir("tmpname");
+  const std::string path = dir + "/result.safetensors";
+  std::ofstream(path + ".tmp") << "the user's own file";
+  ASSERT_TRUE(safetensors_write(path, sample_file()).ok());
+  EXPECT_EQ(file_bytes(path + ".tmp"), "the user's own file");
+  ASSERT_TRUE(safetensors_read(path).ok());
+  int entries = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) entries += e.is_regular_file();
+  EXPECT_EQ(entries, 2);  // the result and the user's file: no temporary left behind
+  // A failure names the file asked for, never a temporary name.
+  const Status s = safetensors_write(dir + "/missing-dir/x.safetensors", sample_file());
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.message().find(".tmp"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("missing-dir/x.safetensors"), std::string::npos) << s.message();
+}
+
+// Two writers of one path at once: every read in between sees one writer's whole file, never a mix.
+TEST(SafetensorsWrite, ConcurrentWritersNeverMixTheirFiles) {
+  const std::string path = test_dir("concurrent") + "/out.safetensors";
+  SafetensorsFile a = sample_file(), b = sample_file();
+  b.tensors["b_f32"] = make_tensor(DType::kF32, {3, 5}, 77);
+  b.tensors["big"] = make_tensor(DType::kF32, {4096}, 78);  // a different size as well
+  a.tensors["big"] = make_tensor(DType::kF32, {1024}, 79);
+  const std::string want_a = *safetensors_serialize(a), want_b = *safetensors_serialize(b);
+  for (int round = 0; round < 20; ++round) {
+    Status sa, sb;
+    std::thread ta([&] { sa = safetensors_write(path, a); });
+    std::thread tb([&] { sb = safetensors_write(path, b); });
+    ta.join();
+    tb.join();
+    ASSERT_TRUE(sa.ok()) << sa.message();
+    ASSERT_TRUE(sb.ok()) << sb.message();
+    const std::string got = file_bytes(path);
+    ASSERT_TRUE(got == want_a || got == want_b) << "round " << round << ": a mixed file of " << got.size() << " bytes";
+  }
+}
+
+// A FIFO blocked the open forever; /dev/zero ended in std::bad_alloc.
+TEST(SafetensorsRead, RefusesWhatIsNotARegularFile) {
+  const std::string fifo = test_dir("fifo") + "/case.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<SafetensorsFile> f = safetensors_read(fifo);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("is a FIFO, expected a regular file"), std::string::npos) << f.status().message();
+  f = safetensors_read("/dev/zero");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("is a character device"), std::string::npos) << f.status().message();
+}
+
+// A header length one byte short was reported as "1 trailing bytes"; malformed files were all "data loss".
+TEST(SafetensorsRead, NamesTheRealCause) {
+  std::string file = *safetensors_serialize(sample_file());
+  uint64_t n = 0;
+  std::memcpy(&n, file.data(), 8);
+  ASSERT_EQ(file[8 + n - 1], ' ') << "the writer pads the header with spaces";
+  const uint64_t short_by_one = n - 1;
+  std::memcpy(file.data(), &short_by_one, 8);
+  const std::string msg = parse_error(file);
+  EXPECT_NE(msg.find("header length " + std::to_string(n - 1) + " is 1 byte short"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("trailing bytes"), std::string::npos) << msg;
+  EXPECT_EQ(safetensors_parse(raw_file("[1]", "")).status().code(), StatusCode::kInvalidArgument);
+  const std::string valid = *safetensors_serialize(sample_file());
+  EXPECT_EQ(safetensors_parse(valid.substr(0, valid.size() - 3)).status().code(), StatusCode::kDataLoss);  // cut short
+  // A hostile tensor name is cut in the message: the line stays short.
+  const std::string name(100000, 'n');
+  const std::string long_msg =
+      parse_error(raw_file("{\"" + name + "\":{\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[0,8]}}", std::string(8, 0)));
+  EXPECT_NE(long_msg.find("unsupported dtype"), std::string::npos) << long_msg.substr(0, 300);
+  EXPECT_LT(long_msg.size(), 400u);
+  EXPECT_NE(long_msg.find("...\" (100000 bytes)"), std::string::npos) << long_msg;
+}
+
+// A header of many keys: the duplicate check scanned every earlier key (300,000 keys took over 20 s).
+// 150,000 keys take seconds with a quadratic check (about 5 s here) and a fraction of one with a linear one.
+TEST(SafetensorsRead, HeaderParseIsLinearInTheKeyCount) {
+  std::string header = "{\"__metadata__\":{";
+  for (int i = 0; i < 150000; ++i) header += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":\"v\"";
+  header += "},";
+  std::string entries;
+  for (int i = 0; i < 20000; ++i) {
+    entries += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  }
+  const std::string file = raw_file(header + entries + "}", "");
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<SafetensorsFile> f = safetensors_parse(file);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(f.ok()) << f.status().message();
+  EXPECT_EQ(f->metadata.size(), 150000u);
+  EXPECT_EQ(f->tensors.size(), 20000u);
+#if defined(__SANITIZE_ADDRESS__)
+  const double bound = 12.0;  // everything runs several times slower under the sanitizers
+#else
+  const double bound = 2.0;
+#endif
+  EXPECT_LT(seconds, bound) << "parsing " << file.size() << " bytes";
+}
+
+// The documented limits: nesting (json::kMaxDepth) and values per document (json::kMaxValues), each refused
+// in one line, at once, and every mutation of a header at those limits refused or parsed without a crash.
+TEST(SafetensorsRead, HeaderLimitsAndTheirMutations) {
+  std::string deep = "{\"__metadata__\":{\"k\":\"v\"},\"x\":";
+  for (int i = 0; i < json::kMaxDepth; ++i) deep += "[";
+  for (int i = 0; i < json::kMaxDepth; ++i) deep += "]";
+  deep += "}";
+  expect_refused(raw_file(deep, ""), "nesting deeper than 64 levels");
+  std::string many = "{\"a\":{\"dtype\":\"F32\",\"shape\":[";
+  for (int64_t i = 0; i < json::kMaxValues; ++i) many += i ? ",1" : "1";
+  many += "],\"data_offsets\":[0,4]}}";
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_refused(raw_file(many, std::string(4, 0)), "more than 1048576 values in one document");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3));
+  // Mutations around the limits: depth 63..65 and key counts around a duplicate, truncated and flipped.
+  for (uint64_t it = 0; it < 600; ++it) {
+    const int depth = json::kMaxDepth - 2 + static_cast<int>(it % 3);
+    std::string h = "{\"x\":";
+    for (int i = 0; i < depth; ++i) h += "[";
+    for (int i = 0; i < depth; ++i) h += "]";
+    h += ",\"__metadata__\":{";
+    for (int i = 0; i < 50; ++i) h += (i ? ",\"k" : "\"k") + std::to_string(i % (40 + it % 11)) + "\":\"v\"";
+    h += "}}";
+    std::string m = raw_file(h, "");
+    const uint64_t r = counter_hash(31, 0, it);
+    if (r % 3 == 0) m.resize(8 + (r >> 8) % (m.size() - 8));
+    if (r % 3 == 1) m[8 + (r >> 8) % (m.size() - 8)] ^= static_cast<char>(1 << ((r >> 40) % 8));
+    Result<SafetensorsFile> f = safetensors_parse(m);
+    if (!f.ok()) {
+      ASSERT_EQ(f.status().message().find('\n'), std::string::npos) << f.status().message();
+    }
+  }
 }
 
 }  // namespace

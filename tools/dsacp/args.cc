@@ -1,8 +1,12 @@
 #include "args.h"
 
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <string>
+
+#include "core/json.h"
 
 namespace dsacp::cli {
 
@@ -32,17 +36,37 @@ std::string ParsedArgs::get_or(const std::string& name, const std::string& fallb
   return v ? *v : fallback;
 }
 
+// Strict: optional '-', then decimal digits and nothing else (no space on either side, no '+', no "0x").
 Result<int64_t> parse_int(const std::string& what, const std::string& text, int64_t lo, int64_t hi) {
   auto bad = [&]() {
     return invalid_argument(what + ": expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                            "], got \"" + text + "\"");
+                            "], got " + json::quote_name(text, 40));
   };
   if (text.empty() || text.size() > 20) return bad();
-  errno = 0;
-  char* end = nullptr;
-  long long v = std::strtoll(text.c_str(), &end, 10);
-  if (errno != 0 || end != text.c_str() + text.size() || v < lo || v > hi) return bad();
-  return static_cast<int64_t>(v);
+  int64_t v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || p != text.data() + text.size() || v < lo || v > hi) return bad();
+  return v;
+}
+
+Result<uint64_t> parse_bytes(const std::string& what, const std::string& text) {
+  auto bad = [&]() {
+    return invalid_argument(what + ": expected a byte count such as 512M, 24G or 1048576 (suffixes K, M, G, T: "
+                            "powers of 1024), got " + json::quote_name(text, 40));
+  };
+  if (text.empty() || text.size() > 24 || text[0] < '0' || text[0] > '9') return bad();
+  uint64_t v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc()) return bad();
+  const std::string suffix(p, text.data() + text.size());
+  int shift = 0;
+  if (suffix == "K" || suffix == "k") shift = 10;
+  else if (suffix == "M" || suffix == "m") shift = 20;
+  else if (suffix == "G" || suffix == "g") shift = 30;
+  else if (suffix == "T" || suffix == "t") shift = 40;
+  else if (!suffix.empty()) return bad();
+  if (v == 0 || (shift > 0 && v > (~uint64_t{0} >> shift))) return bad();
+  return v << shift;
 }
 
 Result<int64_t> ParsedArgs::get_int(const std::string& name, int64_t fallback, int64_t lo, int64_t hi) const {
@@ -54,11 +78,17 @@ Result<int64_t> ParsedArgs::get_int(const std::string& name, int64_t fallback, i
 Result<double> ParsedArgs::get_double(const std::string& name, double fallback) const {
   auto v = get(name);
   if (!v) return fallback;
+  // Strict like parse_int: no space around the number, no hex. An underflow (1e-400) is a finite number
+  // near 0 and accepted; an overflow is not.
+  const std::string& t = *v;
+  const bool starts_ok = !t.empty() && (t[0] == '-' || t[0] == '.' || (t[0] >= '0' && t[0] <= '9'));
+  const bool hex = t.find_first_of("xX") != std::string::npos;
   errno = 0;
   char* end = nullptr;
-  double d = std::strtod(v->c_str(), &end);
-  if (v->empty() || errno != 0 || end != v->c_str() + v->size() || !std::isfinite(d)) {
-    return invalid_argument(name + ": expected a finite number, got \"" + *v + "\"");
+  const double d = starts_ok && !hex ? std::strtod(t.c_str(), &end) : 0.0;
+  if (!starts_ok || hex || end != t.c_str() + t.size() || !std::isfinite(d) ||
+      (errno == ERANGE && std::fabs(d) > 1.0)) {
+    return invalid_argument(name + ": expected a finite number, got " + json::quote_name(t, 40));
   }
   return d;
 }
@@ -86,12 +116,12 @@ Result<std::string> ParsedArgs::get_choice(const std::string& name, const std::s
     if (c == v) return v;
     list += (list.empty() ? "" : ", ") + c;
   }
-  return invalid_argument(name + ": expected one of " + list + ", got \"" + v + "\"");
+  return invalid_argument(name + ": expected one of " + list + ", got " + json::quote_name(v, 40));
 }
 
 Result<ParsedArgs> parse_args(const CommandSpec& spec, const std::vector<std::string>& args) {
   ParsedArgs out;
-  const std::string where = "dsacp " + spec.name;
+  const std::string where = "dsacp " + spec.name;  // for "see dsacp run --help" (report_error names the command)
   for (size_t i = 0; i < args.size(); ++i) {
     std::string a = args[i];
     if (a == "--help" || a == "-h") {
@@ -108,15 +138,15 @@ Result<ParsedArgs> parse_args(const CommandSpec& spec, const std::vector<std::st
       }
       const OptionSpec* opt = nullptr;
       for (const OptionSpec& o : spec.options) opt = o.name == a ? &o : opt;
-      if (opt == nullptr) return invalid_argument(where + ": unknown option " + a + " (see " + where + " --help)");
-      if (out.values_.count(a)) return invalid_argument(where + ": " + a + " given twice");
+      if (opt == nullptr) return invalid_argument("unknown option " + json::quote_name(a, 40) + " (see " + where + " --help)");
+      if (out.values_.count(a)) return invalid_argument(a + " given twice");
       if (opt->value.empty()) {
-        if (inline_value) return invalid_argument(where + ": " + a + " takes no value");
+        if (inline_value) return invalid_argument(a + " takes no value");
         out.values_[a] = "1";
         continue;
       }
       if (!inline_value) {
-        if (i + 1 >= args.size()) return invalid_argument(where + ": " + a + " needs a value " + opt->value);
+        if (i + 1 >= args.size()) return invalid_argument(a + " needs a value " + opt->value);
         value = args[++i];
       }
       out.values_[a] = value;
@@ -127,7 +157,7 @@ Result<ParsedArgs> parse_args(const CommandSpec& spec, const std::vector<std::st
   if (out.positionals_.size() != spec.positionals.size()) {
     std::string names;
     for (const auto& p : spec.positionals) names += (names.empty() ? "" : " ") + p;
-    return invalid_argument(where + ": expected " + std::to_string(spec.positionals.size()) + " argument(s) " +
+    return invalid_argument("expected " + std::to_string(spec.positionals.size()) + " argument(s) " +
                             (names.empty() ? "" : "(" + names + ") ") + "but got " +
                             std::to_string(out.positionals_.size()) + " (see " + where + " --help)");
   }

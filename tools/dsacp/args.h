@@ -54,5 +54,7 @@ class ParsedArgs {
 Result<ParsedArgs> parse_args(const CommandSpec& spec, const std::vector<std::string>& args);
 
 Result<int64_t> parse_int(const std::string& what, const std::string& text, int64_t lo, int64_t hi);
+// "512M", "24G", "1048576": bytes (K, M, G, T are powers of 1024), >= 1.
+Result<uint64_t> parse_bytes(const std::string& what, const std::string& text);
 
 }  // namespace dsacp::cli

@@ -1,5 +1,8 @@
 // dsacp replay CASE --out RESULT: one batch step from a case file (contract §4).
+#include <sys/stat.h>
+
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -38,9 +41,46 @@ CommandSpec replay_spec() {
        "(torchrun style: RANK, WORLD_SIZE, LOCAL_RANK in the environment; --device cuda, NCCL)",
        "threads"},
       {"--nccl-id-file", "PATH", "--launcher env: rank 0 writes the NCCL id there, the others wait for it", ""},
+      max_memory_option(),
   };
   for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   return s;
+}
+
+// The first non-finite value of a tensor (its flat index), or -1.
+int64_t first_non_finite(const Tensor& t) {
+  if (t.dtype() != DType::kF32 && t.dtype() != DType::kBF16) return -1;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (!std::isfinite(t.get_f32(i))) return i;
+  }
+  return -1;
+}
+
+// One warning line on stderr when the case's inputs hold NaN or Inf (they are allowed: contract §7), else when
+// the result does (finite inputs whose scores or sums overflow fp32, e.g. a huge scale). Never more than one.
+void warn_non_finite(const CaseFile& c, const StepResult& r) {
+  const std::pair<const char*, const Tensor*> inputs[] = {
+      {"q_nope", &c.q_nope},   {"q_rope", &c.q_rope}, {"kv_latent", &c.kv_latent}, {"k_rope", &c.k_rope},
+      {"idx_q", &c.idx_q},     {"idx_w", &c.idx_w},   {"idx_k", &c.idx_k},         {"ctx_kv_latent", &c.ctx_kv_latent},
+      {"ctx_k_rope", &c.ctx_k_rope}, {"ctx_idx_k", &c.ctx_idx_k}};
+  for (const auto& [name, t] : inputs) {
+    const int64_t i = first_non_finite(*t);
+    if (i < 0) continue;
+    std::fprintf(stderr,
+                 "dsacp replay: warning: the case's inputs hold non-finite values (first: %s, element %lld = %g); "
+                 "NaN index scores rank last in the top-k, other NaN/Inf reach the outputs they touch (contract §7)\n",
+                 name, static_cast<long long>(i), static_cast<double>(t->get_f32(i)));
+    return;
+  }
+  for (const auto& [name, t] : {std::pair{"out", &r.out}, std::pair{"lse", &r.lse}}) {
+    const int64_t i = first_non_finite(*t);
+    if (i < 0) continue;
+    std::fprintf(stderr,
+                 "dsacp replay: warning: the result's %s holds non-finite values (element %lld = %g) from finite "
+                 "inputs: scores or sums overflow fp32 (scale %g)\n",
+                 name, static_cast<long long>(i), static_cast<double>(t->get_f32(i)), static_cast<double>(c.scale));
+    return;
+  }
 }
 
 // The part of a process-per-rank replay after its communicators exist: the rank's step, the result gathered
@@ -57,6 +97,7 @@ int replay_as_rank(const std::string& case_path, const std::string& out_path, co
   auto result = replay_case_rank(backend, c, options, comms);
   if (!result.ok()) return abort_with(result.status().with_context(case_path + ", CP rank " + std::to_string(cr)));
   if (cr == 0) {
+    warn_non_finite(c, *result);
     if (Status s = result_write(out_path, *result); !s.ok()) return abort_with(s);
     std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d (%s, %d processes) -> %s\n",
                  static_cast<long long>(c.num_tokens()), c.requests.size(), c.topk, options.layout.P,
@@ -95,9 +136,19 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
         std::to_string(layout.num_ranks()) + " (mpirun -np " + std::to_string(layout.num_ranks()) + ")");
     return leader ? fail(s) : report_error_code(s);
   }
-  auto c = case_read(case_path);
-  if (!c.ok()) return leader ? fail(c.status()) : report_error_code(c.status());
   const int32_t cr = ctx.rank();
+  // Every process loads its case, then all agree (bounded by --comm-timeout) before any communicator exists:
+  // a process whose input is bad ends the job instead of leaving its peers in the communicator setup.
+  auto c = case_read(case_path);
+  auto first_failed = ctx.first_failed(c.ok());
+  if (!first_failed.ok()) return fail(first_failed.status());
+  if (*first_failed < ctx.size()) {
+    if (cr == *first_failed) return fail(c.status().with_context("MPI rank " + std::to_string(cr)));
+    const Status s = invalid_argument("MPI rank " + std::to_string(*first_failed) +
+                                      " could not load its case (its error is above); no rank ran the step");
+    if (leader) return fail(s);
+    return c.ok() ? report_error_code(s) : report_error_code(c.status());
+  }
   auto world = ctx.world();
   if (!world.ok()) return fail(world.status());
   if (cuda) {
@@ -226,6 +277,19 @@ int cmd_replay(const std::vector<std::string>& argv) {
   options.layout = *layout;
   const std::string case_path = args.positionals()[0];
   const std::string out_path = *args.get("--out");
+  if (args.has("--max-memory")) {
+    auto max_memory = parse_bytes("--max-memory", *args.get("--max-memory"));
+    if (!max_memory.ok()) return fail(max_memory.status());
+    options.max_memory_bytes = *max_memory;
+  }
+  // The result must never replace the case: the same file by device and inode, whatever the spelling (./CASE,
+  // a symbolic or hard link). Checked before anything is read or written.
+  struct stat case_st {}, out_st {};
+  if (::stat(case_path.c_str(), &case_st) == 0 && ::stat(out_path.c_str(), &out_st) == 0 &&
+      case_st.st_dev == out_st.st_dev && case_st.st_ino == out_st.st_ino) {
+    return fail(invalid_argument("--out " + out_path + " is the case file " + case_path +
+                                 " itself (the same file): writing the result there would destroy the case"));
+  }
   if (*launcher != "threads" && *gpus != 0) return fail(invalid_argument("--gpus applies to --launcher threads"));
   if (*launcher != "env" && args.has("--nccl-id-file")) {
     return fail(invalid_argument("--nccl-id-file applies to --launcher env"));
@@ -244,6 +308,7 @@ int cmd_replay(const std::vector<std::string>& argv) {
   if (!backends.ok()) return fail(backends.status());
   auto result = replay_case(backends->ranks, *c, options);
   if (!result.ok()) return fail(result.status().with_context(case_path));
+  warn_non_finite(*c, *result);
   if (Status s = result_write(out_path, *result); !s.ok()) return fail(s);
   std::fprintf(stderr, "dsacp replay: %lld tokens, %zu requests, K=%d, P=%d x D=%d on %s -> %s\n",
                static_cast<long long>(c->num_tokens()), c->requests.size(), c->topk, layout->P, layout->D,

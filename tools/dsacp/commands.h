@@ -29,6 +29,9 @@ struct RankBackends {
   std::string description;
 };
 OptionSpec gpus_option();
+// --max-memory BYTES (run, replay): the most host memory a job may plan to take (its estimate before any
+// allocation); without it, what the host has available.
+OptionSpec max_memory_option();
 // gpus = 0: the default (one per rank when the machine has enough GPUs).
 Result<RankBackends> make_rank_backends(const std::string& device, int64_t gpus, const CpLayout& layout, int threads);
 

@@ -1,7 +1,9 @@
 // dsacp: DeepSeek Sparse Attention with context parallelism — command-line tool.
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,13 @@ std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D) {
   };
 }
 
+OptionSpec max_memory_option() {
+  return {"--max-memory", "BYTES",
+          "most host memory the job may plan to take, e.g. 8G (K, M, G, T: powers of 1024); a job estimated "
+          "above it, or above what the host has available, is refused before it allocates",
+          "what is available"};
+}
+
 Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t default_D) {
   CpLayout layout;
   DSACP_ASSIGN_OR_RETURN(int64_t P, args.get_int("--pcp", default_P, 1, 1024));
@@ -47,7 +56,13 @@ Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t 
 }
 
 int report_error(const std::string& command, const Status& status) {
-  std::fprintf(stderr, "dsacp %s: error: %s\n", command.c_str(), status.to_string().c_str());
+  // One line of bounded length whatever a message carries (names are cut where they are quoted; this is the
+  // last guard): the head and the tail of a longer one, joined by "...".
+  constexpr size_t kMaxLine = 600;
+  std::string text = status.to_string();
+  for (char& ch : text) ch = ch == '\n' || ch == '\r' ? ' ' : ch;
+  if (text.size() > kMaxLine) text = text.substr(0, kMaxLine - 203) + " ... " + text.substr(text.size() - 198);
+  std::fprintf(stderr, "dsacp %s: error: %s\n", command.c_str(), text.c_str());
   return report_error_code(status);
 }
 
@@ -82,6 +97,9 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = args[0];
   args.erase(args.begin());
+  // A write past the file-size limit (ulimit -f) then fails with EFBIG, reported as an error, instead of
+  // SIGXFSZ ending the process without a word.
+  std::signal(SIGXFSZ, SIG_IGN);
   // After a failure across GPUs, NCCL aborts may still run on helper threads: end without tearing NCCL and the
   // CUDA runtime down under them.
   auto finish = [](int code) {
@@ -96,6 +114,9 @@ int main(int argc, char** argv) {
     if (cmd == "run") return finish(cmd_run(args));
     if (cmd == "replay") return finish(cmd_replay(args));
     if (cmd == "make-case") return cmd_make_case(args);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "dsacp %s: error: resource exhausted: out of host memory (an allocation failed)\n", cmd.c_str());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dsacp %s: internal error: %s\n", cmd.c_str(), e.what());
     return 1;

@@ -8,11 +8,32 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
+#include <new>
+#include <system_error>
+#include <thread>
 
 namespace dsacp {
 namespace {
 
 std::atomic<int> g_background{0};  // helper threads still inside NCCL (nccl_background_threads)
+
+// Starts fn on a detached helper thread counted in g_background; false (nothing started, the count unchanged)
+// when the system refuses a thread (std::system_error) or memory runs out.
+bool start_helper(std::function<void()> fn) {
+  ++g_background;
+  try {
+    std::thread([fn = std::move(fn)] {
+      fn();
+      --g_background;
+    }).detach();
+    return true;
+  } catch (const std::system_error&) {
+  } catch (const std::bad_alloc&) {
+  }
+  --g_background;
+  return false;
+}
 
 }  // namespace
 
@@ -37,11 +58,8 @@ Status cuda_error(cudaError_t e, const std::string& what) {
 // that never arrived.
 void abort_comm(ncclComm_t comm) {
   if (comm == nullptr) return;
-  ++g_background;
-  std::thread([comm] {
-    (void)ncclCommAbort(comm);
-    --g_background;
-  }).detach();
+  // Without a helper thread the abort runs here (it may then wait for the other ranks of the process).
+  if (!start_helper([comm] { (void)ncclCommAbort(comm); })) (void)ncclCommAbort(comm);
 }
 
 // Polls a communicator until its asynchronous state leaves ncclInProgress (after a creation, and for an enqueue
@@ -148,8 +166,7 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
     Status status;
   };
   auto st = std::make_shared<State>();
-  ++g_background;
-  std::thread([st, make, device, what, timeout, signal] {
+  const bool started = start_helper([st, make, device, what, timeout, signal] {
     ncclComm_t comm = nullptr;
     Status result;
     const cudaError_t ce = cudaSetDevice(device);
@@ -182,8 +199,10 @@ Result<ncclComm_t> bounded_create(std::function<ncclResult_t(ncclComm_t*)> make,
       st->done = true;
       st->cv.notify_all();
     }
-    --g_background;
-  }).detach();
+  });
+  if (!started) {
+    return Status(StatusCode::kResourceExhausted, what + ": cannot start a helper thread (thread or address-space limit)");
+  }
   std::unique_lock<std::mutex> lock(st->mu);
   const auto deadline = Clock::now() + timeout;
   while (!st->done) {
@@ -215,8 +234,7 @@ std::mutex g_destroy_mu;
 // that waits for a dead peer is left behind).
 void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds timeout) {
   auto done = std::make_shared<std::atomic<bool>>(false);
-  ++g_background;
-  std::thread([comm, device, timeout, done] {
+  auto release = [comm, device, timeout, done] {
     (void)cudaSetDevice(device);
     ncclComm_t c = comm;
     const ncclResult_t r = ncclCommFinalize(c);
@@ -226,8 +244,9 @@ void bounded_release(ncclComm_t comm, int device, std::chrono::milliseconds time
       (void)ncclCommDestroy(c);
     }
     done->store(true);
-    --g_background;
-  }).detach();
+  };
+  // Without a helper thread the release runs here (its finalization is bounded by settle all the same).
+  if (!start_helper(release)) release();
   const auto deadline = Clock::now() + timeout;
   while (!done->load() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(200));
 }
