@@ -421,6 +421,10 @@ int main(int argc, char** argv) {
     bench_sparse_mla("sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
     bench_sparse_mla("sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps);
     bench_sparse_mla("sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
+    // the head counts a tensor-parallel GPU holds (a 16 / 32-head group, its missing rows masked)
+    for (int h : {32, 8, 4, 2, 1}) {
+      bench_sparse_mla("sparse_decode b=64 ctx32K h=" + std::to_string(h), 64, h, 32768, 64, reps);
+    }
     bench_sparse_mla("sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
   }
   if (want("gather")) {  // the decodes' byte ceiling: the same rows gathered with no math (KV bytes only)

@@ -748,6 +748,74 @@ void test_layouts(uint64_t seed, int num_gpus) {
   }
 }
 
+// Layouts whose ranks hold fewer than 16 heads (H / D < 16: what tensor parallelism leaves a GPU, split again by
+// DCP): attention runs them in a 16-head group with the missing rows masked, and the DCP step's partials merged
+// inside attention (64 heads a rank only) fall back to the step's other path. Each layout is checked against one
+// GPU, and one GPU against the CPU oracle; ranks share GPU 0 unless there are GPUs enough for NCCL.
+void test_small_head_layouts(uint64_t seed, int num_gpus) {
+  auto cpu = make_cpu_backend(0);
+  std::vector<std::unique_ptr<Backend>> gpus;
+  for (int g = 0; g < std::min(num_gpus, 8); ++g) gpus.push_back(std::move(make_cuda_backend(g)).value());
+  struct Variant {
+    int32_t H;
+    bool decode_only;
+  };
+  const Layout layouts[] = {
+      {"D2 sharded", make_layout(1, 2), true},
+      {"D2 replicated", make_layout(1, 2, IndexerMode::kReplicated), true},
+      {"D4 sharded", make_layout(1, 4), true},
+      {"D8 sharded", make_layout(1, 8), true},
+      {"D2 DSA-CP", make_layout(1, 2, IndexerMode::kSharded, 0, true), true},
+      {"D4 DSA-CP", make_layout(1, 4, IndexerMode::kSharded, 3, true), true},
+      {"P2xD2", make_layout(2, 2), true},
+      {"P2xD4", make_layout(2, 4), true},
+      {"D2 sharded (NCCL)", make_layout(1, 2), false},
+  };
+  for (const Variant v : {Variant{16, false}, Variant{16, true}, Variant{8, false}}) {
+    const uint64_t s = seed * 37 + static_cast<uint64_t>(v.H) + (v.decode_only ? 1 : 0);
+    const CaseFile c = make_case(s, v.H, v.decode_only);
+    const std::string tag = std::string(v.decode_only ? "decode-only" : "mixed") + " H=" + std::to_string(v.H) +
+                            " seed " + std::to_string(s) + ": ";
+    ReplayOptions one;
+    one.page_size = 64;
+    one.out_dtype = DType::kF32;
+    auto want = replay_case(*gpus[0], c, one);
+    if (!want.ok()) {
+      report(false, tag + "one GPU", want.status().to_string());
+      continue;
+    }
+    auto oracle = replay_case(*cpu, c, one);
+    if (oracle.ok()) {
+      const Compare cc = compare(*want, *oracle);
+      report(cc.topk_same && cc.out_rel < 1e-2, tag + "one GPU vs CPU oracle", describe(cc));
+    } else {
+      report(false, tag + "CPU oracle", oracle.status().to_string());
+    }
+    for (const Layout& l : layouts) {
+      if (l.layout.dsa_cp && !v.decode_only) continue;  // DSA-CP: the decode-only batch
+      if (v.H / l.layout.D < 1) continue;
+      if (!l.one_gpu && (num_gpus < l.layout.num_ranks() || !nccl_available())) continue;
+      ReplayOptions o = one;
+      o.layout = l.layout;
+      std::vector<Backend*> ranks;
+      for (int32_t cr = 0; cr < l.layout.num_ranks(); ++cr) ranks.push_back(gpus[l.one_gpu ? 0 : cr].get());
+      const std::string name = tag + l.name + " (" + std::to_string(v.H / l.layout.D) + " heads a DCP rank" +
+                               (l.one_gpu ? ", on one GPU)" : ")");
+      auto got = replay_case(ranks, c, o);
+      if (!got.ok()) {
+        report(false, name, got.status().to_string());
+        continue;
+      }
+      const Compare cc = compare(*got, *want);
+      report(cc.topk_same && cc.out_rel < 5e-3 && cc.lse_abs < 2e-2, name + " vs one GPU", describe(cc));
+      if (l.layout.D == 2 && !l.layout.dsa_cp && oracle.ok()) {
+        const Compare co = compare(*got, *oracle);
+        report(co.topk_same && co.out_rel < 1e-2, name + " vs CPU oracle", describe(co));
+      }
+    }
+  }
+}
+
 // Communicator churn: `cycles` NCCL clusters made, used for one step and released, one after the other (what
 // the layout tests do between layouts, where a heap corruption inside ncclCommDestroy showed about one run in
 // five). Alternates D2 and P2 layouts on a small decode batch; every step is checked against one GPU.
@@ -780,12 +848,14 @@ int main(int argc, char** argv) {
   std::string json;
   int churn = 0;  // --churn N: only the communicator churn test, N cycles
   int window_rounds = 0;  // --window N: only the window exchange test, N times (fresh seeds)
+  bool small_heads = false;  // --small-heads: only the layouts with fewer than 16 heads a rank
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     if (a == "--json" && i + 1 < argc) json = argv[++i];
     if (a == "--churn" && i + 1 < argc) churn = std::atoi(argv[++i]);
     if (a == "--window" && i + 1 < argc) window_rounds = std::atoi(argv[++i]);
+    if (a == "--small-heads") small_heads = true;
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 1) {
@@ -799,6 +869,13 @@ int main(int argc, char** argv) {
       for (int i = 0; i < window_rounds; ++i) test_window(seed + static_cast<uint64_t>(i));
     }
     std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());
+    std::fflush(stdout);
+    std::_Exit(g_log.failures() == 0 ? 0 : 1);
+  }
+  if (small_heads) {
+    test_small_head_layouts(seed, *count);
+    std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());
+    g_log.write_json(json, "\"gpus\":" + std::to_string(*count) + ",\"seed\":" + std::to_string(seed) + ",");
     std::fflush(stdout);
     std::_Exit(g_log.failures() == 0 ? 0 : 1);
   }
@@ -825,6 +902,7 @@ int main(int argc, char** argv) {
     std::printf("(NCCL tests need 2 GPUs and NCCL: skipped)\n");
   }
   test_layouts(seed, *count);
+  test_small_head_layouts(seed, *count);
   std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());
   g_log.write_json(json, "\"gpus\":" + std::to_string(*count) + ",\"seed\":" + std::to_string(seed) + ",");
   // Aborted NCCL communicators are released by detached threads; end without waiting for them in teardown.

@@ -1336,12 +1336,13 @@ void test_lanes(Backend& gpu) {
 
 void test_unsupported(Backend& gpu) {
   SparseMlaParams p;
-  p.H = 8;
-  p.Dl = 512;
+  p.H = 8;  // every H runs; the latent width does not
+  p.Dl = 256;
   p.Dr = 64;
   Status s = gpu.sparse_mla(p);
-  report(s.code() == StatusCode::kUnsupported && s.message().find("16, 32, 64, 128") != std::string::npos,
-         "sparse_mla H=8 -> unsupported naming the supported set", s.to_string());
+  report(s.code() == StatusCode::kUnsupported && s.message().find("Dl=256") != std::string::npos &&
+             s.message().find("Dl = 512") != std::string::npos,
+         "sparse_mla Dl=256 -> unsupported naming the supported set", s.to_string());
   IndexerTopkParams q;
   q.Hi = 48;
   q.Di = 128;
@@ -1382,10 +1383,22 @@ void test_unsupported(Backend& gpu) {
   hb.Dr = 64;
   hb.latent = {nullptr, DType::kBF16, 4, 64, 512};
   hb.rope = {nullptr, DType::kBF16, 4, 64, 64};
-  hb.head_blocks = 4;  // 32 heads per block: not a whole 64-head group
+  // The ranks' partials merged inside attention need 64 heads a rank: 32 heads per block (which attention alone
+  // runs, in 32-head groups) is refused with the reason, so that the CP step takes its other path.
+  hb.head_blocks = 4;
+  hb.peer.sync.seq = 1;
+  hb.peer.sync.size = 4;
+  hb.peer.sync.num_rows = 1;
   s = gpu.sparse_mla(hb);
-  report(s.code() == StatusCode::kUnsupported && s.message().find("head_blocks=4") != std::string::npos,
-         "sparse_mla H=128 head_blocks=4 -> unsupported", s.to_string());
+  report(s.code() == StatusCode::kUnsupported && s.message().find("64 heads a rank") != std::string::npos &&
+             s.message().find("head_blocks=4") != std::string::npos,
+         "sparse_mla H=128 head_blocks=4 merged across ranks -> unsupported", s.to_string());
+  hb.H = 16;
+  hb.head_blocks = 2;
+  hb.peer.sync.size = 2;
+  s = gpu.sparse_mla(hb);
+  report(s.code() == StatusCode::kUnsupported && s.message().find("64 heads a rank") != std::string::npos,
+         "sparse_mla H=16 head_blocks=2 merged across ranks -> unsupported", s.to_string());
 }
 
 }  // namespace
@@ -1474,6 +1487,47 @@ int main(int argc, char** argv) {
     add_scaled({"decode H=128 page64 zero scale", 128, 1024, 64, {1500}, {1}}, 0.f);
     add_scaled({"prefill H=128 page64 K=512 scale 1.5", 128, 512, 64, {0}, {160}}, 1.5f);
   }
+  {
+    // Every head count, in the next head group up with its missing rows masked (sparse_mla_shape): 1..16 in a
+    // 16-head group, 17..32 in a 32-head one, 48 and 96 in 64-head groups of the mma.sync kernel (the last one
+    // partial); decode, MTP up to 16 tokens and prefill; page sizes 1, 61, 64; hostile rows (short, all-invalid,
+    // -1 holes then garbage) in every case.
+    struct SmallH {
+      int H;
+      int page;
+    };
+    for (const SmallH& h : {SmallH{1, 64}, SmallH{2, 61}, SmallH{3, 1}, SmallH{4, 64}, SmallH{8, 61}, SmallH{12, 64},
+                            SmallH{24, 61}, SmallH{48, 64}, SmallH{96, 61}}) {
+      const std::string hs = "H=" + std::to_string(h.H) + " page" + std::to_string(h.page);
+      mla.push_back({"decode " + hs + " K=2048 split-K", h.H, 2048, h.page, {3000, 2100, 900}, {1, 1, 1}});
+      mla.push_back({"MTP " + hs + " K=1024 x16 x5", h.H, 1024, h.page, {1500, 2500}, {16, 5}, DType::kBF16});
+      mla.push_back({"prefill " + hs + " K=300 chunked", h.H, 300, h.page, {400, 0}, {quick ? 40 : 130, 70}});
+    }
+    // Head blocks smaller than a group (the DCP layouts with H / D < 16) and blocks of a partial 64-head group.
+    auto add_blocks = [&](MlaCase c, int head_blocks, int splits = 0, int cluster_merge = -1) {
+      c.head_blocks = head_blocks;
+      c.splits = splits;
+      c.cluster_merge = cluster_merge;
+      mla.push_back(c);
+    };
+    add_blocks({"decode H=16 head_blocks=2 split-K", 16, 2048, 64, {3000, 2100}, {2, 1}}, 2);
+    add_blocks({"decode H=16 head_blocks=4 page61 no split", 16, 2048, 61, {3000, 2100}, {1, 1}, DType::kBF16}, 4, 1);
+    add_blocks({"prefill H=16 head_blocks=8 page1 K=256", 16, 256, 1, {300, 0}, {40, 30}}, 8);
+    add_blocks({"MTP H=8 head_blocks=2 K=512", 8, 512, 64, {2000, 700}, {3, 4}}, 2);
+    add_blocks({"decode H=128 head_blocks=4 split-K", 128, 2048, 64, {3000, 2100}, {1, 1}}, 4);
+    add_blocks({"decode H=128 head_blocks=8 page61", 128, 1024, 61, {3000}, {2}, DType::kBF16}, 8);
+    add_blocks({"decode H=96 head_blocks=2 split-K", 96, 2048, 64, {3000, 2100}, {1, 1}}, 2);
+    add_blocks({"prefill H=96 head_blocks=2 K=320", 96, 320, 64, {500, 0}, {60, 30}}, 2);
+    // Partial groups through either split-K merge: the cluster (forced for 16 / 32-head groups, the default for
+    // 64-head ones) and the workspace with the merge kernel.
+    add_blocks({"decode H=8 page64 splits=4 cluster merge", 8, 2048, 64, {3000, 2100, 900}, {1, 1, 1}}, 1, 4, 1);
+    add_blocks({"decode H=24 page61 MTP splits=3 cluster merge", 24, 2048, 61, {5000, 2500}, {3, 2}}, 1, 3, 1);
+    add_blocks({"decode H=48 page64 splits=5 cluster merge", 48, 2048, 64, {3000, 1500}, {1, 1}}, 1, 5, -1);
+    add_blocks({"decode H=96 page64 splits=3 merge kernel bf16 out", 96, 2048, 64, {3000, 1500}, {1, 2},
+                DType::kBF16},
+               1, 3, 0);
+    add_blocks({"decode H=12 head_blocks=2 splits=3 merge kernel", 12, 2048, 64, {3000, 1500}, {1, 1}}, 2, 3, 0);
+  }
   if (!quick) {
     // element offsets past 2^31: pages from 4.2M rows up (latent row offset * 512 > 2^31)
     MlaCase big{"decode H=64 offsets past 2^31", 64, 2048, 64, {5000, 3000}, {1, 1}};
@@ -1486,7 +1540,7 @@ int main(int argc, char** argv) {
     if (c.splits > 0) setenv("DSACP_MLA_SPLITS", std::to_string(c.splits).c_str(), 1);
     if (c.cluster_merge >= 0) setenv("DSACP_MLA_CLUSTER_MERGE", std::to_string(c.cluster_merge).c_str(), 1);
     run_mla_case(*gpu, *cpu, c);  // default kernels (for 64-head groups: by tokens per request)
-    if (c.H >= 64) {
+    if (c.H >= 64 && (c.H / c.head_blocks) % 64 == 0) {
       for (const char* k : {"ws", "ws32", "wgmma", "mma"}) {  // every kernel for 64-head groups
         setenv("DSACP_MLA_KERNEL", k, 1);
         MlaCase m = c;

@@ -55,8 +55,9 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx);
 Status sparse_mla_supported(const SparseMlaParams& p);
 // How many key splits the launch uses (1 = no split-K): enough CTAs to fill the GPU for small batches.
 int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms);
-// The heads one sparse MLA CTA handles: H, or 64 for H = 128.
-int mla_head_group(int H);
+// The heads one sparse MLA CTA's tile holds for a head block of block_heads heads: 16 (1..16), 32 (17..32) or 64;
+// a block's last group is partial (masked) where block_heads is not a multiple.
+int mla_head_group(int block_heads);
 // Whether the splits are merged inside the kernel (a cluster of each token's splits: 2..8 splits, 64-head groups
 // unless DSACP_MLA_CLUSTER_MERGE says otherwise); else partials go to a workspace and a merge kernel follows.
 bool sparse_mla_cluster_merge(int splits, int head_group);
@@ -68,6 +69,16 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
 // wgmma kernel and mma.sync stay for comparison. DSACP_MLA_KERNEL = "ws", "ws32", "wgmma" or "mma" forces one.
 enum class MlaKernel { kWgmmaWs, kWgmmaWs32, kWgmma, kMmaSync };
 MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests);
+// How a launch covers p's heads (p.H in p.head_blocks blocks), chosen by one rule (sparse_mla_mma.cu): the head
+// group (mla_head_group of a block's heads), the groups a block and a token take, and the kernel (the mma.sync
+// kernel for 16 / 32-head groups and for partial 64-head groups, sparse_mla_kernel_choice for whole ones).
+struct MlaShape {
+  int head_group = 16;
+  int block_groups = 1;
+  int groups = 1;
+  MlaKernel kernel = MlaKernel::kMmaSync;
+};
+MlaShape sparse_mla_shape(const SparseMlaParams& p);
 
 // ---- indexer + top-k -----------------------------------------------------------------------------------------
 Status indexer_topk_supported(const IndexerTopkParams& p);

@@ -36,6 +36,9 @@ struct MlaArgs {
   int64_t T;
   int32_t H, K, page_size, max_pages, num_requests, splits, split_len;
   int32_t block_heads;          // heads per block of the q / out / lse layout (H: the plain [T, H] layout)
+  int32_t block_groups;         // the kernel's head groups a head block takes: ceil(block_heads / head group); the
+                                // last one is partial (masked) where block_heads is not a multiple of the group
+  int32_t groups;               // head groups a token takes: head_blocks * block_groups
   int64_t num_pages;
   float scale_log2;             // scale * log2(e)
   bool out_bf16;
@@ -61,12 +64,20 @@ Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const Launc
 
 // The grid is (T x head groups, 1, splits) with a token's head groups next to each other in launch order, so that
 // they run together and the second reads the token's rows from L2 (H = 128, and more CTAs than the GPU holds at
-// once: MTP decode, prefill). blockIdx.x = t * groups + head group.
-__device__ __forceinline__ int64_t mla_cta_token(const MlaArgs& a, int head_group) {
-  return blockIdx.x / static_cast<unsigned>(a.H / head_group);
+// once: MTP decode, prefill). blockIdx.x = t * groups + g; group g is group g % block_groups of head block
+// g / block_groups (a group never straddles a head block: its heads are h0 .. h0 + mla_cta_heads - 1).
+__device__ __forceinline__ int64_t mla_cta_token(const MlaArgs& a, int /*head_group*/) {
+  return blockIdx.x / static_cast<unsigned>(a.groups);
 }
 __device__ __forceinline__ int mla_cta_head0(const MlaArgs& a, int head_group) {
-  return static_cast<int>(blockIdx.x % static_cast<unsigned>(a.H / head_group)) * head_group;
+  const int g = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.groups));
+  return (g / a.block_groups) * a.block_heads + (g % a.block_groups) * head_group;
+}
+// The heads this CTA stores: head_group, or fewer in a head block's last, partial group (its other rows of the
+// tile run on zero queries and are never stored).
+__device__ __forceinline__ int mla_cta_heads(const MlaArgs& a, int head_group) {
+  const int g = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.groups));
+  return min(head_group, a.block_heads - (g % a.block_groups) * head_group);
 }
 
 // Launches MLA kernel `name` on that grid with smem_bytes of dynamic shared memory (the attribute is set first);
@@ -151,14 +162,17 @@ __device__ __forceinline__ int32_t mla_cache_row(const MlaArgs& a, const MlaSpli
 
 // Q rows [h0, h0 + kRows) of token t, 72 16-byte chunks a row (512 latent + 64 rope bf16), copied by cp.async from
 // kThreadsQ threads (index tid) to sQ + smem_off(r, c), the kernel's swizzled layout; the caller commits and waits.
+// Rows from `valid_rows` on (a partial head group) are zero-filled, nothing read for them.
 template <int kRows, int kThreadsQ, typename SmemOff>
-__device__ __forceinline__ void mla_load_q(const MlaArgs& a, int64_t t, int h0, int tid, uint32_t sQ, SmemOff smem_off) {
+__device__ __forceinline__ void mla_load_q(const MlaArgs& a, int64_t t, int h0, int tid, uint32_t sQ, SmemOff smem_off,
+                                           int valid_rows = kRows) {
   for (int idx = tid; idx < kRows * 72; idx += kThreadsQ) {
     const int r = idx / 72, c = idx % 72;
-    const int64_t qrow = mla_head_row(a, t, h0 + r);
+    const bool valid = r < valid_rows;
+    const int64_t qrow = mla_head_row(a, t, h0 + (valid ? r : 0));
     const void* src = c < 64 ? static_cast<const void*>(a.q_nope + qrow * 512 + c * 8)
                              : static_cast<const void*>(a.q_rope + qrow * 64 + (c - 64) * 8);
-    cp_async_16(sQ + smem_off(r, c), src, 16);
+    cp_async_16(sQ + smem_off(r, c), src, valid ? 16 : 0);
   }
 }
 
@@ -242,13 +256,15 @@ __device__ __forceinline__ float mla_merge_weights(float (&l)[kMlaMaxClusterSpli
 // over the parts with a finite LSE (a fixed order: bit-identical reruns), lse = max + log(sum); no part with a key
 // gives out = 0, lse = -inf. Every thread of every CTA calls it after its rows are stored (it has two cluster
 // barriers and a __syncthreads); without a.cluster_merge it returns at once.
+// Rows from `valid_rows` on (a partial head group's) are not merged.
 template <int kRows, int kThreads>
-__device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, int h0, float* smem_part) {
+__device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, int h0, float* smem_part,
+                                                  int valid_rows = kRows) {
   constexpr float kInf = INFINITY;
   if (!a.cluster_merge) return;
   cluster_sync();  // every CTA's partial rows and LSE written
   const int n = a.splits, rank = static_cast<int>(cluster_cta_rank()), tid = threadIdx.x;
-  const int my_rows = (kRows - rank + n - 1) / n;
+  const int my_rows = rank < valid_rows ? (valid_rows - rank + n - 1) / n : 0;
   const uint32_t part = smem_u32(smem_part), lse_off = kRows * 512 * 4;
   float* weights = smem_part + kRows * 512 + kRows;  // [my_rows][8]
   for (int i = tid; i < my_rows; i += kThreads) {

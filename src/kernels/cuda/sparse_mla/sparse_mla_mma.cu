@@ -1,7 +1,10 @@
 // Sparse MLA attention (decode and prefill, one kernel) on tensor cores: mma.sync m16n8k16 bf16 -> f32.
 //
 // One CTA = (query token t, head group of HG heads, key split s). Heads are the M dimension, so H = 16, 32, 64
-// map to 1, 2, 4 row tiles of 16 natively (H = 128 is two head groups of 64); nothing is padded.
+// map to 1, 2, 4 row tiles of 16 natively (H = 128 is two head groups of 64). Other head counts (and head blocks,
+// SparseMlaParams::head_blocks) run in the next group up (sparse_mla_shape): a block's last group is partial, its
+// rows past the block's heads get zero queries and are not stored, so the keys are read once a group as for a
+// whole group (H = 1..8 read what H = 16 reads).
 //
 // Per CTA:
 //   prologue  count the token's used top-k entries (front-packed: stop at the first entry outside
@@ -109,6 +112,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t t = mla_cta_token(a, HG);
   const int h0 = mla_cta_head0(a, HG);
+  const int nh = mla_cta_heads(a, HG);  // < HG: a head block's partial last group (rows from nh on: zero q, no stores)
   const int split = blockIdx.z;
 
   // ---- prologue: used entries, this split's rows ----
@@ -117,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   for (int i = tid; i < nkeys; i += kThreads) sRow[i] = mla_cache_row(a, keys, t, i);
 
   // ---- Q [HG, 576] ----
-  mla_load_q<HG, kThreads>(a, t, h0, tid, sQ, swz);
+  mla_load_q<HG, kThreads>(a, t, h0, tid, sQ, swz, nh);
   __syncthreads();  // sRow visible to the gather
 
   const int ntiles = (nkeys + kBN - 1) / kBN;
@@ -314,24 +318,25 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
   const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
   // (token, head) row of r0 in the caller's layout, the cluster merge's rows or the split-K workspace; r0 + 8 is
-  // row0 + 8 (a head group never straddles a head block).
+  // row0 + 8 (a head group never straddles a head block). Rows from nh on are not stored.
   float* smem_part = reinterpret_cast<float*>(smem);  // the cluster merge's partial rows, over Q and the tiles
   static_assert(mla_cluster_merge_bytes(HG) <= L::kOffAlpha, "the cluster merge's rows fit below the row stats");
   const int64_t row0 = mla_out_row(a, t, h0, r0);
+  const bool st0 = r0 < nh, st1 = r0 + 8 < nh;
   mla_with_out_rows(a, split, smem_part, [&](auto* out) {
 #pragma unroll
     for (int i = 0; i < kNT; ++i) {
       const int c = pcs * kCols + i * 8 + (lane & 3) * 2;
-      mla_store_pair(out + row0 * kDl + c, o[i][0] * inv0, o[i][1] * inv0);
-      mla_store_pair(out + (row0 + 8) * kDl + c, o[i][2] * inv1, o[i][3] * inv1);
+      if (st0) mla_store_pair(out + row0 * kDl + c, o[i][0] * inv0, o[i][1] * inv0);
+      if (st1) mla_store_pair(out + (row0 + 8) * kDl + c, o[i][2] * inv1, o[i][3] * inv1);
     }
   });
-  if (tid < HG) {
+  if (tid < nh) {
     const float l = sL[tid];
     mla_lse_rows(a, split, smem_part, HG)[mla_out_row(a, t, h0, tid)] =
         l > 0.f ? (sM[tid] + log2f(l)) * kLn2 : -INFINITY;
   }
-  mla_cluster_merge<HG, kThreads>(a, t, h0, smem_part);
+  mla_cluster_merge<HG, kThreads>(a, t, h0, smem_part, nh);
 }
 
 template <int HG>
@@ -362,11 +367,34 @@ MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests) {
   return num_tokens >= 8 * std::max<int64_t>(1, num_requests) ? MlaKernel::kWgmmaWs : MlaKernel::kWgmmaWs32;
 }
 
+// The one rule for how a launch covers the heads. A head block of bh heads runs in groups of 16 (bh <= 16), 32
+// (bh <= 32) or 64 heads; the block's last group is partial where bh is not a multiple (its missing rows run on
+// zero queries and are not stored), so H = 1..8 reads the keys H = 16 reads, once a token, and 24 reads them as 32
+// does. Whole 64-head groups (H = 64, 128, their head blocks) run the wgmma kernels (sparse_mla_kernel_choice);
+// partial ones (bh = 48, 96, ...: one key pass a 64-head group) the mma.sync kernel, whose rows are masked.
+int mla_head_group(int block_heads) { return block_heads <= 16 ? 16 : block_heads <= 32 ? 32 : 64; }
+
+MlaShape sparse_mla_shape(const SparseMlaParams& p) {
+  MlaShape s;
+  const int bh = p.head_blocks >= 1 ? p.H / p.head_blocks : p.H;
+  s.head_group = mla_head_group(bh);
+  s.block_groups = std::max(1, (bh + s.head_group - 1) / s.head_group);
+  s.groups = std::max(1, p.head_blocks) * s.block_groups;
+  s.kernel = s.head_group < 64 || bh % 64 != 0
+                 ? MlaKernel::kMmaSync
+                 : sparse_mla_kernel_choice(p.rows.num_tokens, p.block_table.num_requests);
+  return s;
+}
+
 Status sparse_mla_supported(const SparseMlaParams& p) {
   const std::string supported =
-      " (CUDA sparse_mla supports H in {16, 32, 64, 128}, Dl = 512, Dr = 64, bf16 q_nope/q_rope/latent/rope, "
-      "f32 or bf16 out, page_size 1..1024, num_pages * page_size < 2^31)";
-  if (p.H != 16 && p.H != 32 && p.H != 64 && p.H != 128) return unsupported("sparse_mla: H=" + std::to_string(p.H) + supported);
+      " (CUDA sparse_mla supports H >= 1 in head blocks of any size, Dl = 512, Dr = 64, bf16 q_nope/q_rope/latent/"
+      "rope, f32 or bf16 out, page_size 1..1024, num_pages * page_size < 2^31)";
+  if (p.H < 1) return unsupported("sparse_mla: H=" + std::to_string(p.H) + supported);
+  if (p.head_blocks < 1 || p.H % p.head_blocks != 0) {
+    return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +
+                       " (H must be a multiple of head_blocks)");
+  }
   if (p.Dl != kDl || p.Dr != kDr) {
     return unsupported("sparse_mla: Dl=" + std::to_string(p.Dl) + ", Dr=" + std::to_string(p.Dr) + supported);
   }
@@ -384,15 +412,11 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
     return unsupported("sparse_mla: num_pages * page_size=" + std::to_string(p.latent.num_pages * p.latent.page_size) +
                        supported);
   }
-  if (p.rows.num_tokens * (p.H / mla_head_group(p.H)) >= (int64_t{1} << 31)) {
-    return unsupported("sparse_mla: T * (H / 64) >= 2^31 (CUDA grid limit)" + supported);
+  const MlaShape shape = sparse_mla_shape(p);
+  if (p.rows.num_tokens * shape.groups >= (int64_t{1} << 31)) {
+    return unsupported("sparse_mla: T * head groups >= 2^31 (CUDA grid limit)" + supported);
   }
-  const int hg = mla_head_group(p.H);
-  if (p.head_blocks < 1 || p.H % p.head_blocks != 0 || (p.H / p.head_blocks) % hg != 0) {
-    return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +
-                       " (each block's heads must be a multiple of " + std::to_string(hg) +
-                       ", the kernel's head group)");
-  }
+  const int hg = shape.head_group;
   if (p.peer.sync.active()) {
     // The ranks' partials merged in the kernel: one head block per rank, each a whole 64-head group of a
     // wgmma kernel (its epilogue stages the rows in shared memory), every row with a flag.
@@ -400,7 +424,7 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
     if (hg != 64 || p.H / p.head_blocks != 64 || p.head_blocks != w.size || w.size < 2 || w.size > kMaxPartBuffers ||
         w.rank < 0 || w.rank >= w.size || p.rows.num_tokens > w.num_rows || split_len_for(p.K, 1) > kMaxSplitKeys ||
         (p.peer.part_dtype != DType::kF32 && p.peer.part_dtype != DType::kBF16) ||
-        sparse_mla_kernel_choice(p.rows.num_tokens, p.block_table.num_requests) == MlaKernel::kMmaSync) {
+        shape.kernel == MlaKernel::kMmaSync) {
       return unsupported("sparse_mla: partials merged across ranks need 64 heads a rank with head_blocks = the " +
                          std::string("window's ranks (2..8), a wgmma kernel, f32 or bf16 partials and a flag a row "
                                      "(H=") + std::to_string(p.H) + ", head_blocks=" + std::to_string(p.head_blocks) +
@@ -420,12 +444,11 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
   return Status::ok_status();
 }
 
-int mla_head_group(int H) { return H > 64 ? 64 : H; }
-
 int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
   if (p.peer.sync.active()) return 1;  // the merge across ranks runs in the CTA of the whole key list
-  const int64_t ctas = p.rows.num_tokens * (p.H / mla_head_group(p.H));
-  const int64_t slots = static_cast<int64_t>(num_sms) * (p.H == 16 ? ctas_per_sm_for<16>() : 1);  // CTAs at once
+  const MlaShape shape = sparse_mla_shape(p);
+  const int64_t ctas = p.rows.num_tokens * shape.groups;
+  const int64_t slots = static_cast<int64_t>(num_sms) * (shape.head_group == 16 ? ctas_per_sm_for<16>() : 1);  // CTAs at once
   int splits = 1;
   if (ctas > 0 && ctas * 3 / 2 < slots) splits = static_cast<int>((slots + ctas / 2) / ctas);
   if (const char* v = std::getenv("DSACP_MLA_SPLITS")) splits = std::max(1, std::atoi(v));  // tuning override
@@ -447,7 +470,7 @@ bool sparse_mla_cluster_merge(int splits, int head_group) {
 }
 
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits) {
-  if (splits <= 1 || sparse_mla_cluster_merge(splits, mla_head_group(p.H))) return 0;
+  if (splits <= 1 || sparse_mla_cluster_merge(splits, sparse_mla_shape(p).head_group)) return 0;
   return static_cast<int64_t>(splits) * p.rows.num_tokens * p.H * (kDl + 1);
 }
 
@@ -468,6 +491,9 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   a.T = p.rows.num_tokens;
   a.H = p.H;
   a.block_heads = p.H / p.head_blocks;
+  const MlaShape shape = sparse_mla_shape(p);
+  a.block_groups = shape.block_groups;
+  a.groups = shape.groups;
   a.K = p.K;
   a.page_size = p.latent.page_size;
   a.max_pages = p.block_table.max_pages;
@@ -478,7 +504,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   if (a.split_len > kMaxSplitKeys) return internal_error("sparse_mla: split of more than 2048 keys");
   a.scale_log2 = p.scale * kLog2e;
   a.out_bf16 = p.out_dtype == DType::kBF16;
-  a.cluster_merge = sparse_mla_cluster_merge(a.splits, mla_head_group(p.H));
+  a.cluster_merge = sparse_mla_cluster_merge(a.splits, shape.head_group);
   a.err = ctx.error;
   a.peer = p.peer;
   if (p.peer.sync.active() && a.splits != 1) {
@@ -491,13 +517,12 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
     a.part_out = workspace;
     a.part_lse = workspace + static_cast<int64_t>(a.splits) * rows * kDl;
   }
-  const int hg = mla_head_group(p.H);
-  const int groups = p.H / hg;
-  switch (hg) {
+  const int groups = shape.groups;
+  switch (shape.head_group) {
     case 16: DSACP_RETURN_IF_ERROR(launch_hg<16>(a, groups, ctx)); break;
     case 32: DSACP_RETURN_IF_ERROR(launch_hg<32>(a, groups, ctx)); break;
     default:
-      switch (sparse_mla_kernel_choice(a.T, a.num_requests)) {
+      switch (shape.kernel) {
         case MlaKernel::kWgmmaWs: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma_ws(a, groups, ctx)); break;
         case MlaKernel::kWgmmaWs32: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma_ws32(a, groups, ctx)); break;
         case MlaKernel::kWgmma: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma64(a, groups, ctx)); break;
