@@ -40,7 +40,7 @@ TEST_P(CacheWriteKernel, ScattersConvertsAndSkips) {
   auto pool = backend->allocate(slots_total * dim * dtype_size(pool_dtype));
   ASSERT_TRUE(pool.ok());
   ASSERT_TRUE(backend->fill(pool->get(), pool_dtype, slots_total * dim, std::nanf("")).ok());
-  CacheWriteParams p{rows.data(), rows_dtype, 3, slots.data(), {pool->get(), pool_dtype, num_pages, page_size, dim}, {}, {}};
+  CacheWriteParams p{rows.data(), rows_dtype, Fp8ScaleMode::kFp32, nullptr, 3, slots.data(), {pool->get(), pool_dtype, num_pages, page_size, dim}, {}, {}};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int64_t s = 0; s < slots_total; ++s) {
     const int64_t row = s == 5 ? 0 : (s == 0 ? 2 : -1);
@@ -73,7 +73,7 @@ TEST(CacheWriteErrors, SlotOutOfRangeNamesRowAndSlot) {
   std::vector<float> rows(4 * 2, 1.f), pool(2 * 2 * 2, 0.f);
   for (int64_t bad : {int64_t{4}, int64_t{-2}, int64_t{1} << 40}) {
     std::vector<int64_t> slots = {0, -1, bad, 1};
-    CacheWriteParams p{rows.data(), DType::kF32, 4, slots.data(), {pool.data(), DType::kF32, 2, 2, 2}, {}, {}};
+    CacheWriteParams p{rows.data(), DType::kF32, Fp8ScaleMode::kFp32, nullptr, 4, slots.data(), {pool.data(), DType::kF32, 2, 2, 2}, {}, {}};
     const Status st = cache_write_run(*backend, p);
     EXPECT_EQ(st.code(), StatusCode::kOutOfRange);
     EXPECT_NE(st.message().find("row 2: slot " + std::to_string(bad)), std::string::npos) << st.message();
@@ -89,7 +89,7 @@ TEST(CacheWriteKernelOrder, DuplicateSlotsLastRowWins) {
     rows[i] = float(i);
     slots[i] = i % 8;
   }
-  CacheWriteParams p{rows.data(), DType::kF32, 1000, slots.data(), {pool.data(), DType::kF32, 2, 4, 1}, {}, {}};
+  CacheWriteParams p{rows.data(), DType::kF32, Fp8ScaleMode::kFp32, nullptr, 1000, slots.data(), {pool.data(), DType::kF32, 2, 4, 1}, {}, {}};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int s = 0; s < 8; ++s) EXPECT_EQ(pool[s], float(992 + s));
 }
@@ -126,12 +126,12 @@ TEST(CacheWriteKernel, MorePoolsWriteWhatSeparateCallsWould) {
     apart[i] = together[i];
   }
   auto pool = [&](std::vector<float>& v, int dim) { return PagedPoolView{v.data(), DType::kF32, 2, 2, dim}; };
-  CacheWriteParams p{rows[0].data(), DType::kF32, 3, slots_a.data(), pool(together[0], dims[0]), {}, {}};
+  CacheWriteParams p{rows[0].data(), DType::kF32, Fp8ScaleMode::kFp32, nullptr, 3, slots_a.data(), pool(together[0], dims[0]), {}, {}};
   p.more[0] = {rows[1].data(), slots_a.data(), pool(together[1], dims[1])};
   p.more[1] = {rows[2].data(), slots_b.data(), pool(together[2], dims[2])};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   for (int i = 0; i < 3; ++i) {
-    CacheWriteParams one{rows[i].data(), DType::kF32, 3, i == 2 ? slots_b.data() : slots_a.data(),
+    CacheWriteParams one{rows[i].data(), DType::kF32, Fp8ScaleMode::kFp32, nullptr, 3, i == 2 ? slots_b.data() : slots_a.data(),
                          pool(apart[i], dims[i]), {}, {}};
     ASSERT_TRUE(cache_write_run(*backend, one).ok());
     EXPECT_EQ(together[i], apart[i]) << "pool " << i;
@@ -163,7 +163,7 @@ TEST(CacheWriteKernel, UploadLandsBeforeTheWriteReadsItsSlots) {
   auto dev = backend->allocate(host.size());
   ASSERT_TRUE(dev.ok());
   std::memset(dev->get(), 0x7f, host.size());  // stale contents the write must not read
-  CacheWriteParams p{rows.data(), DType::kF32, 3, dev->as<int64_t>(), {pool.data(), DType::kF32, 2, 2, 2}, {}, {}};
+  CacheWriteParams p{rows.data(), DType::kF32, Fp8ScaleMode::kFp32, nullptr, 3, dev->as<int64_t>(), {pool.data(), DType::kF32, 2, 2, 2}, {}, {}};
   p.upload = {host.data(), dev->get(), host.size()};
   ASSERT_TRUE(cache_write_run(*backend, p).ok());
   EXPECT_EQ(std::memcmp(dev->get(), host.data(), host.size()), 0);

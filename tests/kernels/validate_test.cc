@@ -110,7 +110,7 @@ TEST(KernelValidate, SparseMla) {
 }
 
 TEST(KernelValidate, CacheWriteAndLseMerge) {
-  CacheWriteParams cw{g_f, DType::kF32, 2, g_l, {g_f, DType::kBF16, 2, 2, 2}, {}, {}};
+  CacheWriteParams cw{g_f, DType::kF32, Fp8ScaleMode::kFp32, nullptr, 2, g_l, {g_f, DType::kBF16, 2, 2, 2}, {}, {}};
   EXPECT_TRUE(validate(cw).ok());
   cw.slots = nullptr;
   EXPECT_NE(validate(cw).message().find("cache_write: slots must not be null"), std::string::npos);

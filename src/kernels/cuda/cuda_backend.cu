@@ -444,6 +444,13 @@ class CudaBackend final : public Backend {
   }
 
   Status cache_write(const CacheWriteParams& p) override {
+    for (int i = 0; i < cache_write_pools(p); ++i) {
+      const CacheWriteParams one = cache_write_pool(p, i);
+      if (one.pool.dtype == DType::kF8E4M3 || one.rows_dtype == DType::kF8E4M3) {
+        return unsupported(std::string("cache_write: rows ") + dtype_name(one.rows_dtype) + " into a pool of " +
+                           dtype_name(one.pool.dtype) + " (CUDA cache_write supports F32 and BF16 rows and pools)");
+      }
+    }
     if (p.upload.bytes > 0 && !cuda::cache_write_carries_upload(p)) {
       DSACP_RETURN_IF_ERROR(copy_to_device(p.upload.device, p.upload.host, p.upload.bytes));
       CacheWriteParams rest = p;

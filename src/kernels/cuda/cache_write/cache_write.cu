@@ -169,6 +169,10 @@ Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx) {
 Status launch_fill(void* dst, DType dtype, int64_t count, float value, const LaunchContext& ctx) {
   if (count <= 0) return Status::ok_status();
   const int64_t blocks = std::min<int64_t>((count + 255) / 256, int64_t{ctx.num_sms} * 32);
+  if (dtype == DType::kF8E4M3) {  // bytes: every one the e4m3 code of value (the CPU backend's fill)
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, f32_to_e4m3(value), static_cast<size_t>(count), ctx.stream));
+    return Status::ok_status();
+  }
   if (dtype == DType::kBF16) {
     fill_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(
         static_cast<__nv_bfloat16*>(dst), count, value);
