@@ -20,6 +20,11 @@ struct ReplayOptions {
   int32_t spare_pages = 3;              // unused (NaN) pages in the pool besides the ones the batch needs
   CpLayout layout;                      // P = 1: single device
   bool device_block_table = false;      // the step reads the block table from backend memory (StepInputs)
+  // The FP8 indexer for a case whose indexer tensors are f32/bf16: they are quantized on load (idx_k, ctx_idx_k
+  // per token, idx_q per (token, head), by index_scale_mode; case_quantize_index), so the replay equals the
+  // replay of the quantized case. A case in FP8 already replays in FP8 whatever this says.
+  bool index_fp8 = false;
+  Fp8ScaleMode index_scale_mode = Fp8ScaleMode::kFp32;
 };
 
 // The dtype the step computes in: BF16 when every float input of the case is BF16, else F32

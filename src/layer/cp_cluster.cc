@@ -185,6 +185,11 @@ KvSharding cp_kv_sharding(const CpLayout& layout, int32_t page_size) {
   return KvSharding{std::max(layout.num_ranks(), 1), layout.interleave == 0 ? page_size : layout.interleave};
 }
 
+Status cp_fp8_unsupported() {
+  return unsupported("the FP8 indexer (F8_E4M3 idx_q/idx_k) runs on one device only so far; context-parallel "
+                     "layouts (P*D > 1) support F32 and BF16 indexer keys");
+}
+
 PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheConfig& per_rank_cache) {
   PagedCacheConfig c = per_rank_cache;
   c.index_page_factor = layout.indexer == IndexerMode::kReplicated ? layout.num_ranks() : 1;
@@ -193,9 +198,14 @@ PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheCo
 
 Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
                             const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
-                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache) {
+                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache,
+                            const Tensor* ctx_index_key_scales) {
   if (sharding.Pt == 1) {
-    return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys);
+    return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys,
+                              ctx_index_key_scales);
+  }
+  if (ctx_index_keys.dtype() == DType::kF8E4M3 || cache.config().index_key_dtype() == DType::kF8E4M3) {
+    return cp_fp8_unsupported();
   }
   if (cr < 0 || cr >= sharding.Pt) {
     return out_of_range("context load: rank " + std::to_string(cr) + " outside [0, " + std::to_string(sharding.Pt) +
@@ -256,10 +266,11 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
 }
 
 Status LocalCpCluster::load_context(const std::vector<Request>& requests, const BlockTable& table,
-                                    const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys) {
+                                    const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys,
+                                    const Tensor* ctx_index_key_scales) {
   auto load = [&](int32_t cr) {
     return cp_load_context_rank(*backends_[cr], layout_, sharding_, cr, requests, table, ctx_latent, ctx_rope,
-                                ctx_index_keys, caches_[cr]);
+                                ctx_index_keys, caches_[cr], ctx_index_key_scales);
   };
   if (!nccl_) {
     for (int32_t cr = 0; cr < sharding_.Pt; ++cr) DSACP_RETURN_IF_ERROR(load(cr));
@@ -376,6 +387,7 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
                                         const BlockTable& table, const HostStepInputs& inputs,
                                         std::vector<StepResult>* per_rank) {
   if (sharding_.Pt == 1) return step_run_host(*backends_[0], c, requests, table, caches_[0], inputs);
+  if (c.index_input_dtype() == DType::kF8E4M3) return cp_fp8_unsupported();
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;
