@@ -186,8 +186,9 @@ KvSharding cp_kv_sharding(const CpLayout& layout, int32_t page_size) {
 }
 
 Status cp_fp8_unsupported() {
-  return unsupported("the FP8 indexer (F8_E4M3 idx_q/idx_k) runs on one device only so far; context-parallel "
-                     "layouts (P*D > 1) support F32 and BF16 indexer keys");
+  return unsupported("the FP8 indexer (F8_E4M3 idx_q/idx_k) under context parallelism (P*D > 1) runs with the "
+                     "replicated indexer only so far (--indexer replicated); the sharded indexer supports F32 and "
+                     "BF16 indexer keys");
 }
 
 PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheConfig& per_rank_cache) {
@@ -204,9 +205,11 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
     return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys,
                               ctx_index_key_scales);
   }
-  if (ctx_index_keys.dtype() == DType::kF8E4M3 || cache.config().index_key_dtype() == DType::kF8E4M3) {
+  const bool fp8 = ctx_index_keys.dtype() == DType::kF8E4M3;
+  if ((fp8 || cache.config().index_key_dtype() == DType::kF8E4M3) && layout.indexer != IndexerMode::kReplicated) {
     return cp_fp8_unsupported();
   }
+  if (fp8 && ctx_index_key_scales == nullptr) return invalid_argument("ctx_idx_k is F8_E4M3 but ctx_idx_k_scale is missing");
   if (cr < 0 || cr >= sharding.Pt) {
     return out_of_range("context load: rank " + std::to_string(cr) + " outside [0, " + std::to_string(sharding.Pt) +
                         ")");
@@ -225,7 +228,12 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
   const auto floats = {DType::kF32, DType::kBF16};
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cc.Dl}}));
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cc.Dr}}));
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cc.Di}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(),
+                                     fp8 ? std::initializer_list<DType>{DType::kF8E4M3} : floats,
+                                     {{"sum C", rows}, {"Di", cc.Di}}));
+  if (fp8) {
+    DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k_scale", ctx_index_key_scales->view(), {DType::kF32}, {{"sum C", rows}}));
+  }
   if (rows == 0) return Status();
   auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend.allocate(t.nbytes()));
@@ -235,6 +243,10 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_latent, up(ctx_latent));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rope, up(ctx_rope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_idx, up(ctx_index_keys));
+  DeviceBuffer d_idx_scales;
+  if (fp8) {
+    DSACP_ASSIGN_OR_RETURN(d_idx_scales, up(*ctx_index_key_scales));
+  }
   std::vector<int64_t> owned, all;
   for (size_t b = 0; b < requests.size(); ++b) {
     for (int64_t p = 0; p < requests[b].context_len; ++p) {
@@ -260,6 +272,8 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
     p.num_rows = rows;
     p.slots = w.slots->as<const int64_t>();
     p.pool = w.pool;
+    p.fp8_scale_mode = cc.index_scale_mode;
+    if (w.rows == &d_idx && fp8) p.row_scales = d_idx_scales.as<const float>();
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, p).with_context("context load on rank " + std::to_string(cr)));
   }
   return backend.synchronize();
@@ -308,6 +322,16 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up(h_idx_q));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up(h_idx_w));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up(h_idx_k));
+  DeviceBuffer idx_q_scale, idx_k_scale;  // the FP8 indexer's scales of the rank's rows
+  if (c.index_input_dtype() == DType::kF8E4M3) {
+    if (inputs.idx_q_scale == nullptr || inputs.idx_k_scale == nullptr) {
+      return invalid_argument("F8_E4M3 indexer inputs need idx_q_scale and idx_k_scale");
+    }
+    DSACP_ASSIGN_OR_RETURN(Tensor h_qs, select_rows(*inputs.idx_q_scale, token));
+    DSACP_ASSIGN_OR_RETURN(Tensor h_ks, select_rows(*inputs.idx_k_scale, token));
+    DSACP_ASSIGN_OR_RETURN(idx_q_scale, up(h_qs));
+    DSACP_ASSIGN_OR_RETURN(idx_k_scale, up(h_ks));
+  }
   const int64_t rows = plan.output_rows, Hr = plan.num_heads;
   StepResult result;
   DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {rows, c.K}));
@@ -318,7 +342,8 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(result.lse.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, inputs.device_block_table));
   StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
-                idx_k.get(), d_table.as<const int32_t>()};
+                idx_k.get(), d_table.as<const int32_t>(), idx_q_scale.as<const float>(),
+                idx_k_scale.as<const float>()};
   StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
   DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, plan, layout, sharding, table, cache, in, out));
   if (rows > 0) {
@@ -387,7 +412,9 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
                                         const BlockTable& table, const HostStepInputs& inputs,
                                         std::vector<StepResult>* per_rank) {
   if (sharding_.Pt == 1) return step_run_host(*backends_[0], c, requests, table, caches_[0], inputs);
-  if (c.index_input_dtype() == DType::kF8E4M3) return cp_fp8_unsupported();
+  if (c.index_input_dtype() == DType::kF8E4M3 && layout_.indexer != IndexerMode::kReplicated) {
+    return cp_fp8_unsupported();
+  }
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;

@@ -761,6 +761,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                             std::to_string(Pt));
   }
   const bool replicated = layout.indexer == IndexerMode::kReplicated;
+  // The FP8 indexer: every rank stores every key (the replicated indexer) and scores its own rows; the step's
+  // e4m3 key bytes and their scales are what the ranks exchange.
+  const bool fp8 = c.index_input_dtype() == DType::kF8E4M3;
+  if (fp8 && !replicated) return cp_fp8_unsupported();
   if (replicated && cc.index_page_factor != Pt) {
     return invalid_argument("the replicated indexer needs an indexer pool of " + std::to_string(Pt) +
                             " x the pages (index_page_factor), the cache has " + std::to_string(cc.index_page_factor));
@@ -860,17 +864,23 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     struct Exchange {
       const void* local;
       int32_t dim;
+      size_t elem;  // bytes a value
       DeviceBuffer rows;
       const void* gathered = nullptr;
-    } kv[3] = {{in.kv_latent, c.Dl, {}}, {in.k_rope, c.Dr, {}}, {in.idx_k, c.Di, {}}};
+    } kv[4] = {{in.kv_latent, c.Dl, act, {}},
+               {in.k_rope, c.Dr, act, {}},
+               {in.idx_k, c.Di, dtype_size(c.index_input_dtype()), {}},
+               {in.idx_k_scale, 1, sizeof(float), {}}};  // FP8: the keys' scales (else unused)
+    const int n_kv = fp8 ? 4 : 3;
     std::unique_ptr<CollectiveHandle> handle;
     if (ex.size() == 1) {
       for (auto& e : kv) e.gathered = e.local;  // a group of one (DCP without PCP): the step's own rows
     } else {
       std::vector<Communicator::Part> parts;
-      for (auto& e : kv) {
-        const size_t bytes = static_cast<size_t>(rows) * e.dim * act;
-        DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * act, 1)));
+      for (int i = 0; i < n_kv; ++i) {
+        auto& e = kv[i];
+        const size_t bytes = static_cast<size_t>(rows) * e.dim * e.elem;
+        DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * e.elem, 1)));
         e.gathered = e.rows.get();
         parts.push_back({e.local, e.rows.get(), bytes});
       }
@@ -880,12 +890,14 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     // One call writes the owned rows' indexer keys (every row's under the replicated indexer), latent and rope
     // (one launch on a GPU).
     w.rows = kv[2].gathered;
-    w.rows_dtype = c.act_dtype;
+    w.rows_dtype = c.index_input_dtype();
+    if (fp8) w.row_scales = static_cast<const float*>(kv[3].gathered);
+    w.fp8_scale_mode = cc.index_scale_mode;
     w.num_rows = gathered;
     w.slots = replicated ? d_all : d_owned;
     w.pool = cache.index_keys();
-    w.more[0] = {kv[0].gathered, d_owned, cache.latent()};
-    w.more[1] = {kv[1].gathered, d_owned, cache.rope()};
+    w.more[0] = {kv[0].gathered, d_owned, cache.latent(), c.act_dtype};
+    w.more[1] = {kv[1].gathered, d_owned, cache.rope(), c.act_dtype};
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("CP cache write"));
     for (auto& e : kv) s.kv_rows.push_back(std::move(e.rows));
   }
@@ -951,7 +963,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.Di = c.Di;
     ip.K = c.K;
     ip.q = in.idx_q;
-    ip.q_dtype = c.act_dtype;
+    ip.q_dtype = c.index_input_dtype();
+    ip.q_scale = in.idx_q_scale;
     ip.w = in.idx_w;
     ip.keys = cache.index_keys();
     ip.block_table = {d_rep.as<const int32_t>(), rep_table.num_requests, rep_table.max_pages};
