@@ -101,10 +101,14 @@ Status quantize_rows(const Tensor& t, int64_t group, Fp8ScaleMode mode, Tensor* 
   parallel_for(n, 0, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float amax = 0.f;
-      for (int64_t i = 0; i < group; ++i) amax = std::max(amax, fp8_amax_term(load_as_f32(t.data(), t.dtype(), r * group + i)));
+      for (int64_t i = 0; i < group; ++i) {
+        amax = std::max(amax, fp8_amax_term(load_as_f32(t.data(), t.dtype(), r * group + i)));
+      }
       const float s = fp8_scale_from_amax(amax, mode);
       sc[r] = s;
-      for (int64_t i = 0; i < group; ++i) q[r * group + i] = fp8_quantize(load_as_f32(t.data(), t.dtype(), r * group + i), s);
+      for (int64_t i = 0; i < group; ++i) {
+        q[r * group + i] = fp8_quantize(load_as_f32(t.data(), t.dtype(), r * group + i), s);
+      }
     }
   });
   return Status();

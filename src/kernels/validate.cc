@@ -93,7 +93,9 @@ Status validate(const CacheWriteParams& p) {
   for (const CacheWriteParams::MorePool& m : p.more) {
     if (m.pool.data == nullptr) continue;
     DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool, true));
-    if (m.rows_dtype != DType::kI32) DSACP_RETURN_IF_ERROR(check_value_dtype(k, "more[].rows_dtype", m.rows_dtype, true));
+    if (m.rows_dtype != DType::kI32) {
+      DSACP_RETURN_IF_ERROR(check_value_dtype(k, "more[].rows_dtype", m.rows_dtype, true));
+    }
   }
   if (p.fp8_scale_mode != Fp8ScaleMode::kFp32 && p.fp8_scale_mode != Fp8ScaleMode::kUe8m0) {
     return invalid_argument(std::string(k) + ": fp8_scale_mode must be kFp32 or kUe8m0, got " +
@@ -108,8 +110,8 @@ Status validate(const CacheWriteParams& p) {
                               ".dtype is " + dtype_name(one.pool.dtype));
     }
     if (one.rows_dtype == DType::kF8E4M3 && p.num_rows > 0) {
-      DSACP_RETURN_IF_ERROR(check_pointer(k, i == 0 ? "row_scales (with F8_E4M3 rows)" : "more[].row_scales (with F8_E4M3 rows)",
-                                          one.row_scales));
+      DSACP_RETURN_IF_ERROR(check_pointer(
+          k, i == 0 ? "row_scales (with F8_E4M3 rows)" : "more[].row_scales (with F8_E4M3 rows)", one.row_scales));
     }
   }
   if (p.upload.bytes > 0) {

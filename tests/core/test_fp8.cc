@@ -70,12 +70,29 @@ TEST(Fp8, EveryCodeDecodesToItsDefinition) {
 }
 
 TEST(Fp8, ConversionMatchesBruteForceNearestEven) {
-  std::vector<float> xs = {0.f, -0.f, 448.f, -448.f, 449.f, 464.f, 465.f, 479.99f, 480.f, 1e30f, -1e30f,
-                           std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                           std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
-                           std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::min(),
-                           std::ldexp(1.f, -10), std::ldexp(1.f, -10) * 1.0000001f, std::ldexp(3.f, -10),
-                           std::ldexp(1.f, -6), std::ldexp(15.f, -10), 0.0625f * 17 / 16};
+  std::vector<float> xs = {0.f,
+                           -0.f,
+                           448.f,
+                           -448.f,
+                           449.f,
+                           464.f,
+                           465.f,
+                           479.99f,
+                           480.f,
+                           1e30f,
+                           -1e30f,
+                           std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(),
+                           std::numeric_limits<float>::quiet_NaN(),
+                           -std::numeric_limits<float>::quiet_NaN(),
+                           std::numeric_limits<float>::denorm_min(),
+                           std::numeric_limits<float>::min(),
+                           std::ldexp(1.f, -10),
+                           std::ldexp(1.f, -10) * 1.0000001f,
+                           std::ldexp(3.f, -10),
+                           std::ldexp(1.f, -6),
+                           std::ldexp(15.f, -10),
+                           0.0625f * 17 / 16};
   // Every midpoint between neighbouring codes (ties), and one f32 ulp either side of it.
   for (int c = 0; c < 0x7e; ++c) {
     const float mid = static_cast<float>((e4m3_value(c) + e4m3_value(c + 1)) / 2);  // exact in f32
@@ -94,8 +111,9 @@ TEST(Fp8, ConversionMatchesBruteForceNearestEven) {
   int bad = 0;
   for (float x : xs) {
     const uint8_t want = brute_e4m3(x), got = f32_to_e4m3(x);
-    if (want != got && ++bad < 10) ADD_FAILURE() << "x=" << x << " (0x" << std::hex << bits(x) << "): want 0x"
-                                                 << int(want) << ", got 0x" << int(got);
+    if (want != got && ++bad < 10)
+      ADD_FAILURE() << "x=" << x << " (0x" << std::hex << bits(x) << "): want 0x" << int(want) << ", got 0x"
+                    << int(got);
   }
   EXPECT_EQ(bad, 0);
 }
@@ -115,13 +133,13 @@ double ref_scale(const std::vector<float>& row, Fp8ScaleMode mode) {
 TEST(Fp8, ScaleRulesAndQuantizationOnOddRows) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<std::vector<float>> rows = {
-      {0.f, -0.f, 0.f},                                   // amax 0: the floor 2^-126
-      {448.f, 1.f, -3.f, 0.5f, 7.f},                      // amax at the e4m3 max: scale 1
-      {std::ldexp(1.f, -9), 0.f, -std::ldexp(1.f, -9)},   // amax at the smallest subnormal
-      {1e38f, -3e38f, 2.f, 1.f, 0.f, 5.f, 6.f},           // huge amax
-      {nan, 2.f, -inf, inf, 0.25f},                       // non-finite values stay out of amax
-      {nan, inf},                                         // nothing finite: the floor
-      {1e-40f, -3e-41f, 0.f},                             // f32 subnormals only
+      {0.f, -0.f, 0.f},                                  // amax 0: the floor 2^-126
+      {448.f, 1.f, -3.f, 0.5f, 7.f},                     // amax at the e4m3 max: scale 1
+      {std::ldexp(1.f, -9), 0.f, -std::ldexp(1.f, -9)},  // amax at the smallest subnormal
+      {1e38f, -3e38f, 2.f, 1.f, 0.f, 5.f, 6.f},          // huge amax
+      {nan, 2.f, -inf, inf, 0.25f},                      // non-finite values stay out of amax
+      {nan, inf},                                        // nothing finite: the floor
+      {1e-40f, -3e-41f, 0.f},                            // f32 subnormals only
   };
   for (int n : {1, 3, 7, 61, 127, 129}) {
     std::vector<float> r(static_cast<size_t>(n));
@@ -148,7 +166,9 @@ TEST(Fp8, ScaleRulesAndQuantizationOnOddRows) {
         if (std::isfinite(x)) {
           // In range: |x / scale| <= 448, so the dequantized value is within half an e4m3 step of x.
           const double dq = static_cast<double>(fp8_dequantize(q, scale));
-          const double step = std::max(std::ldexp(1.0, -9), std::ldexp(1.0, std::ilogb(std::fabs(x / want)) - 3));
+          const double r = std::fabs(x / want);  // ilogb(0) is INT_MIN: zero takes the subnormal step
+          const double step =
+              r == 0 ? std::ldexp(1.0, -9) : std::max(std::ldexp(1.0, -9), std::ldexp(1.0, std::ilogb(r) - 3));
           EXPECT_LE(std::fabs(dq - x), 0.5 * step * want * (1 + 1e-6)) << "row " << ri << " x=" << x;
         }
       }

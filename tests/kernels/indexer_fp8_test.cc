@@ -252,7 +252,8 @@ void run_fp8_case(const Fp8Case& c, uint64_t seed, bool hostile) {
   std::vector<uint8_t> q(static_cast<size_t>(T * c.hi * c.di));
   const std::vector<float> qx = random_values(seed, 1, T * c.hi * c.di, 400.f, false);
   for (size_t i = 0; i < q.size(); ++i) q[i] = f32_to_e4m3(qx[i]);
-  std::vector<float> qs = random_values(seed, 2, T * c.hi, 1.f, false), w = random_values(seed, 3, T * c.hi, 1.f, false);
+  std::vector<float> qs = random_values(seed, 2, T * c.hi, 1.f, false),
+                     w = random_values(seed, 3, T * c.hi, 1.f, false);
   for (float& s : qs) s = std::ldexp(0.5f + std::fabs(s), -8);
   for (float& x : w) x = 0.25f + std::fabs(x);
   w[0] = -0.5f;
@@ -262,12 +263,27 @@ void run_fp8_case(const Fp8Case& c, uint64_t seed, bool hostile) {
     for (int64_t j = 0; j < n0; ++j) {
       uint8_t* row = k0.codes.data() + j * c.di;
       switch (j % 7) {
-        case 0: std::memset(row, 0x7f, c.di); break;                       // NaN key
-        case 1: std::memset(row, 0, c.di); k0.scales[j] = std::ldexp(1.f, -126); break;  // zero key, floor scale
-        case 2: std::memset(row, 0x7e, c.di); k0.scales[j] = 3e38f; break;  // 448 x huge scale: +inf scores
-        case 3: std::memset(row, 0x01, c.di); k0.scales[j] = std::ldexp(1.f, -126); break;  // smallest e4m3 x floor
-        case 4: std::memset(row, 0x38, c.di); k0.scales[j] = 1.f; break;  // equal
-        default: break;
+        case 0:
+          std::memset(row, 0x7f, c.di);
+          break;  // NaN key
+        case 1:
+          std::memset(row, 0, c.di);
+          k0.scales[j] = std::ldexp(1.f, -126);
+          break;  // zero key, floor scale
+        case 2:
+          std::memset(row, 0x7e, c.di);
+          k0.scales[j] = 3e38f;
+          break;  // 448 x huge scale: +inf scores
+        case 3:
+          std::memset(row, 0x01, c.di);
+          k0.scales[j] = std::ldexp(1.f, -126);
+          break;  // smallest e4m3 x floor
+        case 4:
+          std::memset(row, 0x38, c.di);
+          k0.scales[j] = 1.f;
+          break;  // equal
+        default:
+          break;
       }
     }
     for (int32_t i = 0; i < c.hi; ++i) qs[i] = 3e38f;  // token 0: q scale at the f32 edge

@@ -54,15 +54,19 @@ TEST(Fp8CaseFile, QuantizedCaseRoundTrips) {
   const CaseFile raw = case_generate(fp8_spec()).value();
   for (int64_t t = 0; t < 6; ++t) {
     float amax = 0.f;
-    for (int64_t d = 0; d < 13; ++d) amax = std::max(amax, std::fabs(load_as_f32(raw.idx_k.data(), DType::kBF16, t * 13 + d)));
+    for (int64_t d = 0; d < 13; ++d)
+      amax = std::max(amax, std::fabs(load_as_f32(raw.idx_k.data(), DType::kBF16, t * 13 + d)));
     EXPECT_EQ(c.idx_k_scale.data_as<float>()[t], fp8_scale_from_amax(amax, Fp8ScaleMode::kFp32));
   }
   SafetensorsFile f = case_to_safetensors(c).value();
   EXPECT_EQ(f.tensors.at("idx_k").dtype(), DType::kF8E4M3);
   Result<CaseFile> d = case_from_safetensors(std::move(f));
   ASSERT_TRUE(d.ok()) << d.status().message();
-  for (auto [a, b] : {std::pair{&c.idx_q, &d->idx_q}, {&c.idx_k, &d->idx_k}, {&c.ctx_idx_k, &d->ctx_idx_k},
-                      {&c.idx_q_scale, &d->idx_q_scale}, {&c.idx_k_scale, &d->idx_k_scale},
+  for (auto [a, b] : {std::pair{&c.idx_q, &d->idx_q},
+                      {&c.idx_k, &d->idx_k},
+                      {&c.ctx_idx_k, &d->ctx_idx_k},
+                      {&c.idx_q_scale, &d->idx_q_scale},
+                      {&c.idx_k_scale, &d->idx_k_scale},
                       {&c.ctx_idx_k_scale, &d->ctx_idx_k_scale}}) {
     ASSERT_EQ(a->nbytes(), b->nbytes());
     EXPECT_EQ(a->dtype(), b->dtype());
@@ -124,7 +128,8 @@ std::vector<double> case_scores(const CaseFile& c, int64_t t, int32_t b, int64_t
     for (int32_t h = 0; h < hi; ++h) {
       float dot = 0.f;
       for (int32_t d = 0; d < di; ++d) dot += e4m3_to_f32(q[(t * hi + h) * di + d]) * e4m3_to_f32(k[d]);
-      acc += c.idx_w.data_as<float>()[t * hi + h] * std::max((c.idx_q_scale.data_as<float>()[t * hi + h] * sk) * dot, 0.f);
+      acc +=
+          c.idx_w.data_as<float>()[t * hi + h] * std::max((c.idx_q_scale.data_as<float>()[t * hi + h] * sk) * dot, 0.f);
     }
     s.push_back(acc);
   }

@@ -64,7 +64,8 @@ Status cache_write(const CacheWriteParams& p, int num_threads) {
                           " outside [0, num_pages*page_size=" + std::to_string(num_slots) + ") (and not -1)");
     }
     if (p.rows_dtype == DType::kF8E4M3 && !fp8_scale_ok(p.row_scales[t])) {
-      return invalid_argument("cache_write: row_scales[" + std::to_string(t) + "] = " + std::to_string(p.row_scales[t]) +
+      return invalid_argument("cache_write: row_scales[" + std::to_string(t) + "] = " +
+                              std::to_string(p.row_scales[t]) +
                               " must be positive and finite (the scale of e4m3 row " + std::to_string(t) + ")");
     }
     used.push_back(slot);
