@@ -58,7 +58,7 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
                             const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
                             const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache,
                             const Tensor* ctx_index_key_scales = nullptr);
-// "unsupported": the FP8 indexer under a layout of more than one rank with the sharded indexer.
+// "unsupported": FP8 prefill rows under the sharded indexer without DSA-CP (the gathered view of FP8 pages).
 Status cp_fp8_unsupported();
 
 // The plans of every rank of a layout (index cr = r * D + d).

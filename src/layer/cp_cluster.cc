@@ -186,9 +186,9 @@ KvSharding cp_kv_sharding(const CpLayout& layout, int32_t page_size) {
 }
 
 Status cp_fp8_unsupported() {
-  return unsupported("the FP8 indexer (F8_E4M3 idx_q/idx_k) under context parallelism (P*D > 1) runs with the "
-                     "replicated indexer only so far (--indexer replicated); the sharded indexer supports F32 and "
-                     "BF16 indexer keys");
+  return unsupported("the FP8 indexer (F8_E4M3 idx_q/idx_k): prefill rows under the sharded indexer without DSA-CP "
+                     "(a gathered view of FP8 pages) are not supported yet; --indexer replicated runs FP8 in every "
+                     "layout, the sharded indexer runs FP8 decode-only batches and DSA-CP");
 }
 
 PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheConfig& per_rank_cache) {
@@ -206,9 +206,6 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
                               ctx_index_key_scales);
   }
   const bool fp8 = ctx_index_keys.dtype() == DType::kF8E4M3;
-  if ((fp8 || cache.config().index_key_dtype() == DType::kF8E4M3) && layout.indexer != IndexerMode::kReplicated) {
-    return cp_fp8_unsupported();
-  }
   if (fp8 && ctx_index_key_scales == nullptr) return invalid_argument("ctx_idx_k is F8_E4M3 but ctx_idx_k_scale is missing");
   if (cr < 0 || cr >= sharding.Pt) {
     return out_of_range("context load: rank " + std::to_string(cr) + " outside [0, " + std::to_string(sharding.Pt) +
@@ -412,9 +409,6 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
                                         const BlockTable& table, const HostStepInputs& inputs,
                                         std::vector<StepResult>* per_rank) {
   if (sharding_.Pt == 1) return step_run_host(*backends_[0], c, requests, table, caches_[0], inputs);
-  if (c.index_input_dtype() == DType::kF8E4M3 && layout_.indexer != IndexerMode::kReplicated) {
-    return cp_fp8_unsupported();
-  }
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;

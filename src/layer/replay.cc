@@ -196,9 +196,6 @@ Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const R
   DSACP_RETURN_IF_ERROR(cp_load_context_rank(backend, layout, s.sharding, cr, c.requests, s.table, s.ctx_latent,
                                              s.ctx_rope, s.ctx_idx_k, cache, s.ctx_index_key_scales()));
   if (Pt == 1) return step_run_host(backend, s.config, c.requests, s.table, cache, s.inputs(c));
-  if (s.config.index_input_dtype() == DType::kF8E4M3 && layout.indexer != IndexerMode::kReplicated) {
-    return cp_fp8_unsupported();
-  }
 
   DSACP_RETURN_IF_ERROR(validate_layout(layout, s.config.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout batch, batch_layout(c.requests, s.config.decode_threshold));
