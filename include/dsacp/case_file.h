@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dsacp/batch.h"
+#include "dsacp/fp8.h"
 #include "dsacp/safetensors.h"
 #include "dsacp/status.h"
 #include "dsacp/tensor.h"
@@ -31,6 +32,12 @@ struct CaseFile {
   Tensor ctx_kv_latent;  // [sum C, Dl]
   Tensor ctx_k_rope;     // [sum C, Dr]
   Tensor ctx_idx_k;      // [sum C, Di]
+  // The FP8 indexer (contract section 6): idx_q, idx_k and ctx_idx_k are F8_E4M3 together, with these F32
+  // scales (each positive and finite; empty tensors otherwise).
+  Tensor idx_q_scale;      // [T, Hi]
+  Tensor idx_k_scale;      // [T]
+  Tensor ctx_idx_k_scale;  // [sum C]
+  bool index_fp8() const { return idx_k.dtype() == DType::kF8E4M3 && idx_k.data() != nullptr; }
 
   int64_t num_tokens() const { return q_nope.numel() == 0 && q_nope.shape().empty() ? 0 : q_nope.dim(0); }
 };
@@ -53,6 +60,11 @@ struct CaseGenSpec {
   uint64_t seed = 1;
 };
 Result<CaseFile> case_generate(const CaseGenSpec& spec);
+
+// Turns a case's f32/bf16 indexer tensors into the FP8 format in place: idx_k and ctx_idx_k quantized per token,
+// idx_q per (token, head), each group with its own scale by `mode` (dsacp/fp8.h); the scale tensors are set.
+// A case already in FP8 is left as it is.
+Status case_quantize_index(CaseFile& c, Fp8ScaleMode mode = Fp8ScaleMode::kFp32);
 
 struct StepResult {
   Tensor topk_indices;  // [T, K], I32

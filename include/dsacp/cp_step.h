@@ -56,7 +56,10 @@ PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheCo
 // configuration cp_rank_cache_config gives.
 Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
                             const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
-                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache);
+                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache,
+                            const Tensor* ctx_index_key_scales = nullptr);
+// "unsupported": FP8 prefill rows under the sharded indexer without DSA-CP (the gathered view of FP8 pages).
+Status cp_fp8_unsupported();
 
 // The plans of every rank of a layout (index cr = r * D + d).
 Result<std::vector<CpRankPlan>> cp_all_rank_plans(const StepConfig& config, const std::vector<Request>& requests,
@@ -104,7 +107,8 @@ class LocalCpCluster {
   // Writes each request's context rows (positions [0, context_len)) on the ranks that own them (and every
   // indexer key on every rank under the replicated indexer).
   Status load_context(const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
-                      const Tensor& ctx_rope, const Tensor& ctx_index_keys);
+                      const Tensor& ctx_rope, const Tensor& ctx_index_keys,
+                      const Tensor* ctx_index_key_scales = nullptr);
   // Runs one step on every rank; returns the full batch's results in token order. With `per_rank`, also
   // each rank's own output buffers as it returned them (plan.output_rows rows of its heads).
   Result<StepResult> step(const StepConfig& config, const std::vector<Request>& requests, const BlockTable& table,

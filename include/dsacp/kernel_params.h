@@ -74,6 +74,10 @@ struct CacheWriteParams {
     const void* rows = nullptr;
     const int64_t* slots = nullptr;
     PagedPoolView pool;
+    // This pool's rows' dtype when it differs from rows_dtype (an FP8 pool written from e4m3 rows beside bf16
+    // ones); kI32, not a row type, means rows_dtype. row_scales: as the main row_scales, for e4m3 rows.
+    DType rows_dtype = DType::kI32;
+    const float* row_scales = nullptr;
   };
   MorePool more[2];
   // Optional: a small upload made by the same call (a CUDA backend carries the bytes in the launch's parameters:
@@ -99,9 +103,11 @@ inline int cache_write_pools(const CacheWriteParams& p) {
 inline CacheWriteParams cache_write_pool(const CacheWriteParams& p, int i) {
   CacheWriteParams one;
   one.rows_dtype = p.rows_dtype;
+  one.fp8_scale_mode = p.fp8_scale_mode;
   one.num_rows = p.num_rows;
   if (i == 0) {
     one.rows = p.rows;
+    one.row_scales = p.row_scales;
     one.slots = p.slots;
     one.pool = p.pool;
     return one;
@@ -109,6 +115,8 @@ inline CacheWriteParams cache_write_pool(const CacheWriteParams& p, int i) {
   for (const CacheWriteParams::MorePool& m : p.more) {
     if (m.pool.data != nullptr && --i == 0) {
       one.rows = m.rows;
+      if (m.rows_dtype != DType::kI32) one.rows_dtype = m.rows_dtype;
+      one.row_scales = m.row_scales;
       one.slots = m.slots;
       one.pool = m.pool;
     }

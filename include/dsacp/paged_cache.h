@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -60,10 +61,15 @@ struct PagedCacheConfig {
   int64_t num_pages = 0;
   int32_t page_size = 64;
   int32_t Dl = 512, Dr = 64, Di = 128;
-  DType dtype = DType::kBF16;  // storage of all three pools
+  DType dtype = DType::kBF16;  // storage of the pools (of all three unless index_dtype says otherwise)
   // The indexer-key pool holds num_pages * index_page_factor pages: Pt for the replicated indexer of context
   // parallelism (every rank stores every key, reference-design 4.1), else 1.
   int32_t index_page_factor = 1;
+  // The indexer-key pool's storage when set: F32, BF16, or F8_E4M3 (two-plane pages, dsacp/fp8.h; the cache write
+  // quantizes f32/bf16 keys with index_scale_mode, e4m3 keys are stored with their scales).
+  std::optional<DType> index_dtype = std::nullopt;
+  Fp8ScaleMode index_scale_mode = Fp8ScaleMode::kFp32;
+  DType index_key_dtype() const { return index_dtype.value_or(dtype); }
 };
 
 // The three pools of one layer, in a backend's memory.
@@ -73,17 +79,17 @@ class PagedKvCache {
   static Result<PagedKvCache> create(Backend& backend, const PagedCacheConfig& config, bool poison_unused = true);
 
   const PagedCacheConfig& config() const { return config_; }
-  PagedPoolView latent() const { return view(latent_, config_.Dl); }
-  PagedPoolView rope() const { return view(rope_, config_.Dr); }
+  PagedPoolView latent() const { return view(latent_, config_.Dl, config_.dtype); }
+  PagedPoolView rope() const { return view(rope_, config_.Dr, config_.dtype); }
   PagedPoolView index_keys() const {
-    PagedPoolView v = view(index_keys_, config_.Di);
+    PagedPoolView v = view(index_keys_, config_.Di, config_.index_key_dtype());
     v.num_pages *= config_.index_page_factor;
     return v;
   }
   size_t bytes() const { return latent_.bytes() + rope_.bytes() + index_keys_.bytes(); }
 
  private:
-  PagedPoolView view(const DeviceBuffer& b, int32_t dim) const;
+  PagedPoolView view(const DeviceBuffer& b, int32_t dim, DType dtype) const;
   PagedCacheConfig config_;
   DeviceBuffer latent_, rope_, index_keys_;
 };

@@ -24,6 +24,11 @@ struct ReplayOptions {
   // Host bytes the replay may plan to take (replay_memory_estimate); 0 = only what the host has available.
   // A case needing more is refused (resource exhausted) before anything is allocated.
   uint64_t max_memory_bytes = 0;
+  // The FP8 indexer for a case whose indexer tensors are f32/bf16: they are quantized on load (idx_k, ctx_idx_k
+  // per token, idx_q per (token, head), by index_scale_mode; case_quantize_index), so the replay equals the
+  // replay of the quantized case. A case in FP8 already replays in FP8 whatever this says.
+  bool index_fp8 = false;
+  Fp8ScaleMode index_scale_mode = Fp8ScaleMode::kFp32;
 };
 
 // The memory a replay of `c` plans to take on `ranks_here` ranks (every rank: replay_case; 1: replay_case_rank),

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -19,6 +20,10 @@ struct StepConfig {
   float scale = 0.f;        // softmax scale, given by the caller
   DType act_dtype = DType::kBF16;   // q_nope, q_rope, kv_latent, k_rope, idx_q, idx_k
   DType out_dtype = DType::kF32;
+  // idx_q and idx_k's dtype when it is not act_dtype: F8_E4M3 (contract section 6), with StepInputs::idx_q_scale
+  // and idx_k_scale; the cache's indexer pool must then be F8_E4M3.
+  std::optional<DType> index_dtype = std::nullopt;
+  DType index_input_dtype() const { return index_dtype.value_or(act_dtype); }
   int32_t decode_threshold = kMaxDecodeThreshold;
 };
 
@@ -37,6 +42,8 @@ struct StepInputs {
   // pages of the step's new tokens (the pages it writes); every other page is checked by the kernels that read
   // it (an entry outside the pool fails the step at its end, naming the kernel and the token).
   const int32_t* block_table = nullptr;
+  const float* idx_q_scale = nullptr;  // [T, Hi], f32: with F8_E4M3 idx_q (StepConfig::index_dtype)
+  const float* idx_k_scale = nullptr;  // [T], f32: with F8_E4M3 idx_k (each positive and finite)
 };
 
 struct StepOutputs {
@@ -74,14 +81,18 @@ struct HostStepInputs {
   // Upload the block table once and pass it as StepInputs::block_table (the serving path: the table kept
   // in the backend's memory) instead of letting the step upload it.
   bool device_block_table = false;
+  // With config.index_dtype F8_E4M3: F32 [T, Hi] and [T].
+  const Tensor* idx_q_scale = nullptr;
+  const Tensor* idx_k_scale = nullptr;
 };
 Result<StepResult> step_run_host(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                                  const BlockTable& table, PagedKvCache& cache, const HostStepInputs& inputs);
 
 // Writes the requests' context rows (positions [0, context_len), request after request) into the cache.
-// Rows are [sum C, dim] host tensors of the cache's dims; their dtype is converted to the cache's.
+// Rows are [sum C, dim] host tensors of the cache's dims; their dtype is converted to the cache's. F8_E4M3
+// index keys come with their scales (ctx_index_key_scales, F32 [sum C]) and go into an F8_E4M3 pool as they are.
 Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vector<Request>& requests,
                           const BlockTable& table, const Tensor& ctx_latent, const Tensor& ctx_rope,
-                          const Tensor& ctx_index_keys);
+                          const Tensor& ctx_index_keys, const Tensor* ctx_index_key_scales = nullptr);
 
 }  // namespace dsacp

@@ -21,6 +21,8 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr std::array<const char*, 12> kCaseTensors = {"query_lens", "context_lens",  "q_nope",     "q_rope",
                                                       "kv_latent",  "k_rope",        "idx_q",      "idx_w",
                                                       "idx_k",      "ctx_kv_latent", "ctx_k_rope", "ctx_idx_k"};
+// The FP8 indexer's scale tensors (contract section 6): present exactly when idx_q is F8_E4M3.
+constexpr std::array<const char*, 3> kFp8ScaleTensors = {"idx_q_scale", "idx_k_scale", "ctx_idx_k_scale"};
 constexpr std::array<const char*, 3> kResultTensors = {"topk_indices", "out", "lse"};
 
 template <size_t N>
@@ -153,8 +155,40 @@ struct CaseHeader {
 };
 
 // Validates a whole case (names, metadata, lengths, dtypes, shapes) without taking anything from it.
+// Every value of an FP8 scale tensor positive and finite; the first that is not is named with its row.
+Status check_scales(const char* name, const Tensor& t) {
+  const float* v = t.data_as<float>();
+  const int64_t cols = t.shape().size() == 2 ? t.dim(1) : 1;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (fp8_scale_ok(v[i])) continue;
+    const std::string at = cols > 1 ? std::to_string(i / cols) + ", " + std::to_string(i % cols) : std::to_string(i);
+    return invalid_argument(std::string("case: ") + name + "[" + at + "] = " + std::to_string(v[i]) +
+                            ", expected a positive finite scale");
+  }
+  return Status();
+}
+
 Status check_case(const SafetensorsFile& f, CaseHeader* h) {
-  DSACP_RETURN_IF_ERROR(check_tensor_names("case", f, kCaseTensors));
+  // The FP8 indexer's scale tensors are part of the case exactly when idx_q is F8_E4M3.
+  const Tensor* idx_q_t = f.find("idx_q");
+  const bool fp8 = idx_q_t != nullptr && idx_q_t->dtype() == DType::kF8E4M3;
+  {
+    SafetensorsFile names_only;  // the names alone, without the FP8 scales: the plain check below
+    for (const auto& [name, t] : f.tensors) {
+      if (fp8 && contains(kFp8ScaleTensors, name)) continue;
+      if (!fp8 && contains(kFp8ScaleTensors, name)) {
+        return invalid_argument("case: unexpected tensor " + json::quote(name) +
+                                " (scale tensors come with an F8_E4M3 idx_q only)");
+      }
+      names_only.tensors.emplace(name, Tensor());
+    }
+    DSACP_RETURN_IF_ERROR(check_tensor_names("case", names_only, kCaseTensors));
+    for (const char* n : kFp8ScaleTensors) {
+      if (fp8 && f.find(n) == nullptr) {
+        return invalid_argument(std::string("case: missing tensor \"") + n + "\" (idx_q is F8_E4M3)");
+      }
+    }
+  }
   // Other __metadata__ keys (notes such as "format": "pt" that writers add) are allowed and not used.
   DSACP_RETURN_IF_ERROR(parse_topk(f.metadata, &h->topk));
   DSACP_RETURN_IF_ERROR(parse_scale(f.metadata, &h->scale));
@@ -192,6 +226,9 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
   const auto floats = {DType::kBF16, DType::kF32};
   // Dl, Dr and Di come from the key rows first (two dims, nothing to confuse), so a query whose dims are
   // swapped is reported as itself ("q_nope has shape [T, Dl, H]"), not as the next tensor checked against it.
+  // idx_q, idx_k and ctx_idx_k are F8_E4M3 together or not at all (fp8).
+  const std::initializer_list<DType> fp8_only = {DType::kF8E4M3};
+  const std::initializer_list<DType>& index_types = fp8 ? fp8_only : floats;
   const Tensor& kv_latent = *f.find("kv_latent");
   const Tensor& k_rope = *f.find("k_rope");
   const Tensor& idx_k = *f.find("idx_k");
@@ -199,12 +236,12 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
   const int64_t Dl = kv_latent.dim(1);
   DSACP_RETURN_IF_ERROR(check_case_tensor("case", "k_rope", k_rope, floats, {{"T", T}, {"Dr", -1}}));
   const int64_t Dr = k_rope.dim(1);
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_k", idx_k, floats, {{"T", T}, {"Di", -1}}));
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_k", idx_k, index_types, {{"T", T}, {"Di", -1}}));
   const int64_t Di = idx_k.dim(1);
   DSACP_RETURN_IF_ERROR(check_case_tensor("case", "q_nope", q_nope, floats, {{"T", T}, {"H", -1}, {"Dl", Dl}}));
   const int64_t H = q_nope.dim(1);
   DSACP_RETURN_IF_ERROR(check_case_tensor("case", "q_rope", q_rope, floats, {{"T", T}, {"H", H}, {"Dr", Dr}}));
-  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_q", idx_q, floats, {{"T", T}, {"Hi", -1}, {"Di", Di}}));
+  DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_q", idx_q, index_types, {{"T", T}, {"Hi", -1}, {"Di", Di}}));
   const int64_t Hi = idx_q.dim(1);
   DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_w", *f.find("idx_w"), {DType::kF32}, {{"T", T}, {"Hi", Hi}}));
   DSACP_RETURN_IF_ERROR(
@@ -212,7 +249,16 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
   DSACP_RETURN_IF_ERROR(
       check_case_tensor("case", "ctx_k_rope", *f.find("ctx_k_rope"), floats, {{"sumC", sum_c}, {"Dr", Dr}}));
   DSACP_RETURN_IF_ERROR(
-      check_case_tensor("case", "ctx_idx_k", *f.find("ctx_idx_k"), floats, {{"sumC", sum_c}, {"Di", Di}}));
+      check_case_tensor("case", "ctx_idx_k", *f.find("ctx_idx_k"), index_types, {{"sumC", sum_c}, {"Di", Di}}));
+  if (fp8) {
+    const Tensor &qs = *f.find("idx_q_scale"), &ks = *f.find("idx_k_scale"), &cs = *f.find("ctx_idx_k_scale");
+    DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_q_scale", qs, {DType::kF32}, {{"T", T}, {"Hi", Hi}}));
+    DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_k_scale", ks, {DType::kF32}, {{"T", T}}));
+    DSACP_RETURN_IF_ERROR(check_case_tensor("case", "ctx_idx_k_scale", cs, {DType::kF32}, {{"sumC", sum_c}}));
+    DSACP_RETURN_IF_ERROR(check_scales("idx_q_scale", qs));
+    DSACP_RETURN_IF_ERROR(check_scales("idx_k_scale", ks));
+    DSACP_RETURN_IF_ERROR(check_scales("ctx_idx_k_scale", cs));
+  }
   h->dims = CaseDims{static_cast<int32_t>(H), static_cast<int32_t>(Dl), static_cast<int32_t>(Dr),
                      static_cast<int32_t>(Hi), static_cast<int32_t>(Di)};
   return Status();
@@ -282,6 +328,11 @@ Result<CaseFile> case_from_safetensors(SafetensorsFile file) {
   c.ctx_kv_latent = take(file, "ctx_kv_latent");
   c.ctx_k_rope = take(file, "ctx_k_rope");
   c.ctx_idx_k = take(file, "ctx_idx_k");
+  if (c.index_fp8()) {
+    c.idx_q_scale = take(file, "idx_q_scale");
+    c.idx_k_scale = take(file, "idx_k_scale");
+    c.ctx_idx_k_scale = take(file, "ctx_idx_k_scale");
+  }
   return c;
 }
 
@@ -305,6 +356,16 @@ Result<SafetensorsFile> case_to_safetensors(const CaseFile& c) {
   for (const auto& [name, t] : floats) {
     if (t->data() == nullptr) return invalid_argument(std::string("case: tensor \"") + name + "\" holds no data");
     DSACP_ASSIGN_OR_RETURN(f.tensors[name], t->clone());
+  }
+  if (c.index_fp8()) {
+    const std::pair<const char*, const Tensor*> scales[] = {
+        {"idx_q_scale", &c.idx_q_scale}, {"idx_k_scale", &c.idx_k_scale}, {"ctx_idx_k_scale", &c.ctx_idx_k_scale}};
+    for (const auto& [name, t] : scales) {
+      if (t->data() == nullptr && t->numel() > 0) {
+        return invalid_argument(std::string("case: tensor \"") + name + "\" holds no data");
+      }
+      DSACP_ASSIGN_OR_RETURN(f.tensors[name], t->clone());
+    }
   }
   f.metadata["topk"] = std::to_string(c.topk);
   f.metadata["scale"] = float_to_string(c.scale);

@@ -5,6 +5,7 @@
 // dot products over D terms then spread with standard deviation ~ sqrt(D)/3, which keeps index scores
 // well apart (ties are rare) and attention logits in a range where the softmax is neither flat nor one-hot
 // for the usual scale ~ D^-0.5.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -63,7 +64,9 @@ Result<CaseFile> case_generate(const CaseGenSpec& spec) {
   }
   if (spec.topk < 1) return invalid_argument("case_generate: topk must be >= 1, got " + std::to_string(spec.topk));
   if (!std::isfinite(spec.scale)) return invalid_argument("case_generate: scale must be finite");
-  if (spec.dtype == DType::kI32) return invalid_argument("case_generate: dtype must be F32 or BF16, got I32");
+  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16) {
+    return invalid_argument(std::string("case_generate: dtype must be F32 or BF16, got ") + dtype_name(spec.dtype));
+  }
 
   CaseFile c;
   c.requests = spec.requests;
@@ -83,6 +86,47 @@ Result<CaseFile> case_generate(const CaseGenSpec& spec) {
   DSACP_ASSIGN_OR_RETURN(c.ctx_k_rope, random_tensor(f, {sum_c, d.Dr}, s, kCtxKRope));
   DSACP_ASSIGN_OR_RETURN(c.ctx_idx_k, random_tensor(f, {sum_c, d.Di}, s, kCtxIdxK));
   return c;
+}
+
+namespace {
+
+// rows [n, group] of t (f32 or bf16) -> e4m3 codes and one scale per row.
+Status quantize_rows(const Tensor& t, int64_t group, Fp8ScaleMode mode, Tensor* codes, Tensor* scales) {
+  const int64_t n = group > 0 ? t.numel() / group : 0;
+  DSACP_ASSIGN_OR_RETURN(*codes, Tensor::zeros(DType::kF8E4M3, t.shape()));
+  Shape sshape(t.shape().begin(), t.shape().end() - 1);
+  DSACP_ASSIGN_OR_RETURN(*scales, Tensor::zeros(DType::kF32, sshape));
+  uint8_t* q = static_cast<uint8_t*>(codes->data());
+  float* sc = scales->data_as<float>();
+  parallel_for(n, 0, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < group; ++i) {
+        amax = std::max(amax, fp8_amax_term(load_as_f32(t.data(), t.dtype(), r * group + i)));
+      }
+      const float s = fp8_scale_from_amax(amax, mode);
+      sc[r] = s;
+      for (int64_t i = 0; i < group; ++i) {
+        q[r * group + i] = fp8_quantize(load_as_f32(t.data(), t.dtype(), r * group + i), s);
+      }
+    }
+  });
+  return Status();
+}
+
+}  // namespace
+
+Status case_quantize_index(CaseFile& c, Fp8ScaleMode mode) {
+  if (c.index_fp8()) return Status();
+  const int64_t di = c.dims.Di;
+  Tensor q, k, ck;
+  DSACP_RETURN_IF_ERROR(quantize_rows(c.idx_q, di, mode, &q, &c.idx_q_scale));
+  DSACP_RETURN_IF_ERROR(quantize_rows(c.idx_k, di, mode, &k, &c.idx_k_scale));
+  DSACP_RETURN_IF_ERROR(quantize_rows(c.ctx_idx_k, di, mode, &ck, &c.ctx_idx_k_scale));
+  c.idx_q = std::move(q);
+  c.idx_k = std::move(k);
+  c.ctx_idx_k = std::move(ck);
+  return Status();
 }
 
 }  // namespace dsacp

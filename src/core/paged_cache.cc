@@ -115,7 +115,13 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
     return invalid_argument("cache dims must be >= 1, got Dl=" + std::to_string(config.Dl) + " Dr=" +
                             std::to_string(config.Dr) + " Di=" + std::to_string(config.Di));
   }
-  if (config.dtype == DType::kI32) return invalid_argument("cache dtype must be F32 or BF16, got I32");
+  if (config.dtype != DType::kF32 && config.dtype != DType::kBF16) {
+    return invalid_argument(std::string("cache dtype must be F32 or BF16, got ") + dtype_name(config.dtype));
+  }
+  const DType index_dtype = config.index_key_dtype();
+  if (index_dtype == DType::kI32) {
+    return invalid_argument("cache index_dtype must be F32, BF16 or F8_E4M3, got I32");
+  }
   if (config.index_page_factor < 1 || config.num_pages * config.index_page_factor > std::numeric_limits<int32_t>::max()) {
     return invalid_argument("index_page_factor must be >= 1 and keep the indexer pool under 2^31 pages, got " +
                             std::to_string(config.index_page_factor));
@@ -127,18 +133,24 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
   DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(rows) * config.Dl * elem));
   DSACP_ASSIGN_OR_RETURN(c.rope_, backend.allocate(static_cast<size_t>(rows) * config.Dr * elem));
   const int64_t index_rows = rows * config.index_page_factor;
-  DSACP_ASSIGN_OR_RETURN(c.index_keys_, backend.allocate(static_cast<size_t>(index_rows) * config.Di * elem));
+  // FP8: two-plane pages (values, then scales); filled bytewise, so an unwritten slot reads as NaN values.
+  const int64_t index_elems = index_dtype == DType::kF8E4M3
+                                  ? config.num_pages * config.index_page_factor *
+                                        fp8_index_page_bytes(config.page_size, config.Di)
+                                  : index_rows * config.Di;
+  DSACP_ASSIGN_OR_RETURN(c.index_keys_,
+                         backend.allocate(static_cast<size_t>(index_elems) * dtype_size(index_dtype)));
   const float fill = poison_unused ? std::numeric_limits<float>::quiet_NaN() : 0.f;
   DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), config.dtype, rows * config.Dl, fill));
   DSACP_RETURN_IF_ERROR(backend.fill(c.rope_.get(), config.dtype, rows * config.Dr, fill));
-  DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), config.dtype, index_rows * config.Di, fill));
+  DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), index_dtype, index_elems, fill));
   return c;
 }
 
-PagedPoolView PagedKvCache::view(const DeviceBuffer& b, int32_t dim) const {
+PagedPoolView PagedKvCache::view(const DeviceBuffer& b, int32_t dim, DType dtype) const {
   PagedPoolView v;
   v.data = b.get();
-  v.dtype = config_.dtype;
+  v.dtype = dtype;
   v.num_pages = config_.num_pages;
   v.page_size = config_.page_size;
   v.dim = dim;

@@ -41,16 +41,28 @@ Status check_equal(const char* kernel, const char* field, const char* what, int6
                           str(given));
 }
 
-// A pool must be non-empty and its element count must fit int64 (slots and offsets are int64).
-Status check_pool(const char* kernel, const char* name, const PagedPoolView& pool) {
+// F32 or BF16, or (where FP8 is taken) F8_E4M3.
+Status check_value_dtype(const char* kernel, const char* field, DType dtype, bool fp8_ok) {
+  if (!fp8_ok || dtype != DType::kF8E4M3) return check_float_dtype(kernel, field, dtype);
+  return Status::ok_status();
+}
+
+// A pool must be non-empty and its element count must fit int64 (slots and offsets are int64). fp8_ok: the pool
+// may hold FP8 two-plane pages (the indexer keys).
+Status check_pool(const char* kernel, const char* name, const PagedPoolView& pool, bool fp8_ok = false) {
   const std::string n(name);
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".num_pages").c_str(), pool.num_pages));
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".page_size").c_str(), pool.page_size));
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".dim").c_str(), pool.dim));
   DSACP_RETURN_IF_ERROR(check_pointer(kernel, (n + ".data").c_str(), pool.data));
-  DSACP_RETURN_IF_ERROR(check_float_dtype(kernel, (n + ".dtype").c_str(), pool.dtype));
+  if (!fp8_ok && pool.dtype == DType::kF8E4M3) {
+    return invalid_argument(std::string(kernel) + ": " + n + ".dtype must be F32 or BF16, got F8_E4M3 (FP8 pages " +
+                            "are the indexer keys' format only)");
+  }
+  DSACP_RETURN_IF_ERROR(check_value_dtype(kernel, (n + ".dtype").c_str(), pool.dtype, fp8_ok));
   const int64_t max = std::numeric_limits<int64_t>::max();
-  if (pool.num_pages > max / pool.page_size / pool.dim) {
+  const int64_t row = pool.dtype == DType::kF8E4M3 ? int64_t{pool.dim} + 4 : pool.dim;  // + the f32 scale
+  if (pool.dim > max - 4 || pool.num_pages > max / pool.page_size / row) {
     return invalid_argument(std::string(kernel) + ": " + n +
                             " has too many elements: num_pages=" + str(pool.num_pages) +
                             " x page_size=" + str(pool.page_size) + " x dim=" + str(pool.dim) + " overflows int64");
@@ -76,10 +88,31 @@ Status check_rows(const char* kernel, const QueryRowsView& rows) {
 Status validate(const CacheWriteParams& p) {
   const char* k = "cache_write";
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
-  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "rows_dtype", p.rows_dtype));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool));
+  DSACP_RETURN_IF_ERROR(check_value_dtype(k, "rows_dtype", p.rows_dtype, true));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool, true));
   for (const CacheWriteParams::MorePool& m : p.more) {
-    if (m.pool.data != nullptr) DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool));
+    if (m.pool.data == nullptr) continue;
+    DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool, true));
+    if (m.rows_dtype != DType::kI32) {
+      DSACP_RETURN_IF_ERROR(check_value_dtype(k, "more[].rows_dtype", m.rows_dtype, true));
+    }
+  }
+  if (p.fp8_scale_mode != Fp8ScaleMode::kFp32 && p.fp8_scale_mode != Fp8ScaleMode::kUe8m0) {
+    return invalid_argument(std::string(k) + ": fp8_scale_mode must be kFp32 or kUe8m0, got " +
+                            str(static_cast<int>(p.fp8_scale_mode)));
+  }
+  // e4m3 rows are stored as they are: only into an FP8 pool, and with their scales.
+  for (int i = 0; i < cache_write_pools(p); ++i) {
+    const CacheWriteParams one = cache_write_pool(p, i);
+    const char* name = i == 0 ? "pool" : "more[].pool";
+    if (one.rows_dtype == DType::kF8E4M3 && one.pool.dtype != DType::kF8E4M3) {
+      return invalid_argument(std::string(k) + ": e4m3 rows (F8_E4M3) go only into an F8_E4M3 pool; " + name +
+                              ".dtype is " + dtype_name(one.pool.dtype));
+    }
+    if (one.rows_dtype == DType::kF8E4M3 && p.num_rows > 0) {
+      DSACP_RETURN_IF_ERROR(check_pointer(
+          k, i == 0 ? "row_scales (with F8_E4M3 rows)" : "more[].row_scales (with F8_E4M3 rows)", one.row_scales));
+    }
   }
   if (p.upload.bytes > 0) {
     if (p.upload.bytes > kCacheWriteMaxUploadBytes) {
@@ -108,11 +141,17 @@ Status validate(const IndexerTopkParams& p) {
   DSACP_RETURN_IF_ERROR(check_positive(k, "Hi", p.Hi));
   DSACP_RETURN_IF_ERROR(check_positive(k, "Di", p.Di));
   DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
-  DSACP_RETURN_IF_ERROR(check_float_dtype(k, "q_dtype", p.q_dtype));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "keys", p.keys));
+  DSACP_RETURN_IF_ERROR(check_value_dtype(k, "q_dtype", p.q_dtype, true));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "keys", p.keys, true));
   DSACP_RETURN_IF_ERROR(check_equal(k, "keys.dim", "Di", p.Di, p.keys.dim));
+  // The FP8 score (contract section 6) takes e4m3 queries and FP8 keys together; neither mixes with f32/bf16.
+  if ((p.q_dtype == DType::kF8E4M3) != (p.keys.dtype == DType::kF8E4M3)) {
+    return invalid_argument(std::string(k) + ": q_dtype " + dtype_name(p.q_dtype) + " with keys.dtype " +
+                            dtype_name(p.keys.dtype) + ": F8_E4M3 queries need F8_E4M3 keys and the reverse");
+  }
   DSACP_RETURN_IF_ERROR(check_block_table(k, p.block_table));
   if (p.rows.num_tokens == 0) return Status::ok_status();
+  if (p.q_dtype == DType::kF8E4M3) DSACP_RETURN_IF_ERROR(check_pointer(k, "q_scale (with F8_E4M3 q)", p.q_scale));
   DSACP_RETURN_IF_ERROR(check_pointer(k, "q", p.q));
   DSACP_RETURN_IF_ERROR(check_pointer(k, "w", p.w));
   return check_pointer(k, "topk", p.topk);

@@ -186,6 +186,12 @@ KvSharding cp_kv_sharding(const CpLayout& layout, int32_t page_size) {
   return KvSharding{std::max(layout.num_ranks(), 1), layout.interleave == 0 ? page_size : layout.interleave};
 }
 
+Status cp_fp8_unsupported() {
+  return unsupported("the FP8 indexer (F8_E4M3 idx_q/idx_k): prefill rows under the sharded indexer without DSA-CP "
+                     "(a gathered view of FP8 pages) are not supported yet; --indexer replicated runs FP8 in every "
+                     "layout, the sharded indexer runs FP8 decode-only batches and DSA-CP");
+}
+
 PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheConfig& per_rank_cache) {
   PagedCacheConfig c = per_rank_cache;
   c.index_page_factor = layout.indexer == IndexerMode::kReplicated ? layout.num_ranks() : 1;
@@ -194,10 +200,14 @@ PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheCo
 
 Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
                             const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
-                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache) {
+                            const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache,
+                            const Tensor* ctx_index_key_scales) {
   if (sharding.Pt == 1) {
-    return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys);
+    return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys,
+                              ctx_index_key_scales);
   }
+  const bool fp8 = ctx_index_keys.dtype() == DType::kF8E4M3;
+  if (fp8 && ctx_index_key_scales == nullptr) return invalid_argument("ctx_idx_k is F8_E4M3 but ctx_idx_k_scale is missing");
   if (cr < 0 || cr >= sharding.Pt) {
     return out_of_range("context load: rank " + std::to_string(cr) + " outside [0, " + std::to_string(sharding.Pt) +
                         ")");
@@ -216,7 +226,12 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
   const auto floats = {DType::kF32, DType::kBF16};
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cc.Dl}}));
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cc.Dr}}));
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cc.Di}}));
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(),
+                                     fp8 ? std::initializer_list<DType>{DType::kF8E4M3} : floats,
+                                     {{"sum C", rows}, {"Di", cc.Di}}));
+  if (fp8) {
+    DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k_scale", ctx_index_key_scales->view(), {DType::kF32}, {{"sum C", rows}}));
+  }
   if (rows == 0) return Status();
   auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend.allocate(t.nbytes()));
@@ -226,6 +241,10 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_latent, up(ctx_latent));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rope, up(ctx_rope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_idx, up(ctx_index_keys));
+  DeviceBuffer d_idx_scales;
+  if (fp8) {
+    DSACP_ASSIGN_OR_RETURN(d_idx_scales, up(*ctx_index_key_scales));
+  }
   std::vector<int64_t> owned, all;
   for (size_t b = 0; b < requests.size(); ++b) {
     for (int64_t p = 0; p < requests[b].context_len; ++p) {
@@ -251,16 +270,19 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
     p.num_rows = rows;
     p.slots = w.slots->as<const int64_t>();
     p.pool = w.pool;
+    p.fp8_scale_mode = cc.index_scale_mode;
+    if (w.rows == &d_idx && fp8) p.row_scales = d_idx_scales.as<const float>();
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, p).with_context("context load on rank " + std::to_string(cr)));
   }
   return backend.synchronize();
 }
 
 Status LocalCpCluster::load_context(const std::vector<Request>& requests, const BlockTable& table,
-                                    const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys) {
+                                    const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys,
+                                    const Tensor* ctx_index_key_scales) {
   auto load = [&](int32_t cr) {
     return cp_load_context_rank(*backends_[cr], layout_, sharding_, cr, requests, table, ctx_latent, ctx_rope,
-                                ctx_index_keys, caches_[cr]);
+                                ctx_index_keys, caches_[cr], ctx_index_key_scales);
   };
   if (!nccl_) {
     for (int32_t cr = 0; cr < sharding_.Pt; ++cr) DSACP_RETURN_IF_ERROR(load(cr));
@@ -298,6 +320,16 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up(h_idx_q));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up(h_idx_w));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up(h_idx_k));
+  DeviceBuffer idx_q_scale, idx_k_scale;  // the FP8 indexer's scales of the rank's rows
+  if (c.index_input_dtype() == DType::kF8E4M3) {
+    if (inputs.idx_q_scale == nullptr || inputs.idx_k_scale == nullptr) {
+      return invalid_argument("F8_E4M3 indexer inputs need idx_q_scale and idx_k_scale");
+    }
+    DSACP_ASSIGN_OR_RETURN(Tensor h_qs, select_rows(*inputs.idx_q_scale, token));
+    DSACP_ASSIGN_OR_RETURN(Tensor h_ks, select_rows(*inputs.idx_k_scale, token));
+    DSACP_ASSIGN_OR_RETURN(idx_q_scale, up(h_qs));
+    DSACP_ASSIGN_OR_RETURN(idx_k_scale, up(h_ks));
+  }
   const int64_t rows = plan.output_rows, Hr = plan.num_heads;
   StepResult result;
   DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {rows, c.K}));
@@ -308,7 +340,8 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(result.lse.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, inputs.device_block_table));
   StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
-                idx_k.get(), d_table.as<const int32_t>()};
+                idx_k.get(), d_table.as<const int32_t>(), idx_q_scale.as<const float>(),
+                idx_k_scale.as<const float>()};
   StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
   DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, plan, layout, sharding, table, cache, in, out));
   if (rows > 0) {

@@ -274,7 +274,9 @@ bool fused_merge_wanted() {
 // The rows' local key lengths are computed and uploaded here, unless the caller has them on the device and the
 // host already (d_local_len, h_local_len). With local_topk, the merge also writes the merged rows remapped to this
 // rank's own local positions (the local decodes' input, in the same kernel).
-Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
+// q_scale: the FP8 queries' scales ([n, Hi]; null for f32/bf16 queries).
+Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, const float* q_scale, const float* w,
+                                      const int32_t* request,
                                       const int32_t* host_request, const std::vector<int32_t>& global_key_len,
                                       int32_t* topk, const int32_t* d_local_len = nullptr,
                                       const int32_t* h_local_len = nullptr, int32_t* local_topk = nullptr) {
@@ -319,7 +321,8 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   ip.Di = s.c.Di;
   ip.K = s.c.K;
   ip.q = q;
-  ip.q_dtype = s.c.act_dtype;
+  ip.q_dtype = s.c.index_input_dtype();
+  ip.q_scale = q_scale;
   ip.w = w;
   ip.keys = s.cache.index_keys();
   ip.block_table = {s.d_table, s.table.num_requests, s.table.max_pages};
@@ -364,9 +367,11 @@ Status finish_merged_topk(RankStep& s, PendingTopk& pt) {
   return Status();
 }
 
-Status merged_topk(RankStep& s, int64_t n, const void* q, const float* w, const int32_t* request,
-                   const int32_t* host_request, const std::vector<int32_t>& global_key_len, int32_t* topk) {
-  DSACP_ASSIGN_OR_RETURN(PendingTopk pt, start_merged_topk(s, n, q, w, request, host_request, global_key_len, topk));
+Status merged_topk(RankStep& s, int64_t n, const void* q, const float* q_scale, const float* w,
+                   const int32_t* request, const int32_t* host_request, const std::vector<int32_t>& global_key_len,
+                   int32_t* topk) {
+  DSACP_ASSIGN_OR_RETURN(PendingTopk pt,
+                         start_merged_topk(s, n, q, q_scale, w, request, host_request, global_key_len, topk));
   return finish_merged_topk(s, pt);
 }
 
@@ -761,6 +766,12 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                             std::to_string(Pt));
   }
   const bool replicated = layout.indexer == IndexerMode::kReplicated;
+  // The FP8 indexer: every rank stores every key (the replicated indexer) and scores its own rows; the step's
+  // e4m3 key bytes and their scales are what the ranks exchange.
+  const bool fp8 = c.index_input_dtype() == DType::kF8E4M3;
+  // The sharded indexer's prefill rows read a gathered view of the indexer pool: not for FP8 pages yet. (Decided
+  // from the batch, the same on every rank, so all of them refuse before any collective.)
+  if (fp8 && !replicated && !layout.dsa_cp && plan.layout.num_prefills > 0) return cp_fp8_unsupported();
   if (replicated && cc.index_page_factor != Pt) {
     return invalid_argument("the replicated indexer needs an indexer pool of " + std::to_string(Pt) +
                             " x the pages (index_page_factor), the cache has " + std::to_string(cc.index_page_factor));
@@ -860,17 +871,23 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     struct Exchange {
       const void* local;
       int32_t dim;
+      size_t elem;  // bytes a value
       DeviceBuffer rows;
       const void* gathered = nullptr;
-    } kv[3] = {{in.kv_latent, c.Dl, {}}, {in.k_rope, c.Dr, {}}, {in.idx_k, c.Di, {}}};
+    } kv[4] = {{in.kv_latent, c.Dl, act, {}},
+               {in.k_rope, c.Dr, act, {}},
+               {in.idx_k, c.Di, dtype_size(c.index_input_dtype()), {}},
+               {in.idx_k_scale, 1, sizeof(float), {}}};  // FP8: the keys' scales (else unused)
+    const int n_kv = fp8 ? 4 : 3;
     std::unique_ptr<CollectiveHandle> handle;
     if (ex.size() == 1) {
       for (auto& e : kv) e.gathered = e.local;  // a group of one (DCP without PCP): the step's own rows
     } else {
       std::vector<Communicator::Part> parts;
-      for (auto& e : kv) {
-        const size_t bytes = static_cast<size_t>(rows) * e.dim * act;
-        DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * act, 1)));
+      for (int i = 0; i < n_kv; ++i) {
+        auto& e = kv[i];
+        const size_t bytes = static_cast<size_t>(rows) * e.dim * e.elem;
+        DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * e.elem, 1)));
         e.gathered = e.rows.get();
         parts.push_back({e.local, e.rows.get(), bytes});
       }
@@ -880,12 +897,14 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     // One call writes the owned rows' indexer keys (every row's under the replicated indexer), latent and rope
     // (one launch on a GPU).
     w.rows = kv[2].gathered;
-    w.rows_dtype = c.act_dtype;
+    w.rows_dtype = c.index_input_dtype();
+    if (fp8) w.row_scales = static_cast<const float*>(kv[3].gathered);
+    w.fp8_scale_mode = cc.index_scale_mode;
     w.num_rows = gathered;
     w.slots = replicated ? d_all : d_owned;
     w.pool = cache.index_keys();
-    w.more[0] = {kv[0].gathered, d_owned, cache.latent()};
-    w.more[1] = {kv[1].gathered, d_owned, cache.rope()};
+    w.more[0] = {kv[0].gathered, d_owned, cache.latent(), c.act_dtype};
+    w.more[1] = {kv[1].gathered, d_owned, cache.rope(), c.act_dtype};
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("CP cache write"));
     for (auto& e : kv) s.kv_rows.push_back(std::move(e.rows));
   }
@@ -951,7 +970,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     ip.Di = c.Di;
     ip.K = c.K;
     ip.q = in.idx_q;
-    ip.q_dtype = c.act_dtype;
+    ip.q_dtype = c.index_input_dtype();
+    ip.q_scale = in.idx_q_scale;
     ip.w = in.idx_w;
     ip.keys = cache.index_keys();
     ip.block_table = {d_rep.as<const int32_t>(), rep_table.num_requests, rep_table.max_pages};
@@ -967,15 +987,22 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
   } else if (layout.dsa_cp) {
     // Every rank needs every token's candidates: gather the indexer queries along tokens first.
-    const size_t q_row = static_cast<size_t>(c.Hi) * c.Di * act;
+    const size_t q_row = static_cast<size_t>(c.Hi) * c.Di * dtype_size(c.index_input_dtype());
+    const size_t w_row = static_cast<size_t>(c.Hi) * sizeof(float);
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_q, backend.allocate(std::max<size_t>(T_all * q_row, 1)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_w, backend.allocate(std::max<size_t>(T_all * c.Hi * sizeof(float), 1)));
-    DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_gather_group_async({{in.idx_q, all_q.get(), rows * q_row},
-                                                                       {in.idx_w, all_w.get(), rows * c.Hi * sizeof(float)}}));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_w, backend.allocate(std::max<size_t>(T_all * w_row, 1)));
+    DeviceBuffer all_qs;  // FP8: the queries' scales travel with them
+    std::vector<Communicator::Part> q_parts = {{in.idx_q, all_q.get(), rows * q_row}, {in.idx_w, all_w.get(), rows * w_row}};
+    if (fp8) {
+      DSACP_ASSIGN_OR_RETURN(all_qs, backend.allocate(std::max<size_t>(T_all * w_row, 1)));
+      q_parts.push_back({in.idx_q_scale, all_qs.get(), rows * w_row});
+    }
+    DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_gather_group_async(q_parts));
     DSACP_RETURN_IF_ERROR(h->wait());
     DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
-    DSACP_RETURN_IF_ERROR(merged_topk(s, T_all, all_q.get(), all_w.as<const float>(), d_all_request.as<const int32_t>(),
-                                      all_request.data(), all_key_len, all_topk.as<int32_t>()));
+    DSACP_RETURN_IF_ERROR(merged_topk(s, T_all, all_q.get(), all_qs.as<const float>(), all_w.as<const float>(),
+                                      d_all_request.as<const int32_t>(), all_request.data(), all_key_len,
+                                      all_topk.as<int32_t>()));
     clock.indexer_launched();
     DSACP_RETURN_IF_ERROR(backend.copy_on_device(out.topk, all_topk.as<int32_t>() + plan.d * rows * c.K,
                                                  rows * c.K * sizeof(int32_t)));
@@ -996,7 +1023,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
     if (shared > 0) {
       // The step's upload has the rows' local lengths already (no global lengths needed).
-      DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_w, s.d_row_request,
+      DSACP_ASSIGN_OR_RETURN(pending_topk, start_merged_topk(s, shared, in.idx_q, in.idx_q_scale, in.idx_w, s.d_row_request,
                                                              plan.row_request.data(), {}, out.topk,
                                                              s.d_row_local_len, s.row_local_len.data(),
                                                              merged_local_topk.as<int32_t>()));

@@ -27,9 +27,14 @@ Status check_host_step_inputs(const StepConfig& c, int64_t T, const HostStepInpu
   DSACP_RETURN_IF_ERROR(check("q_rope", in.q_rope, {a}, {{"T", T}, {"H", c.H}, {"Dr", c.Dr}}));
   DSACP_RETURN_IF_ERROR(check("kv_latent", in.kv_latent, {a}, {{"T", T}, {"Dl", c.Dl}}));
   DSACP_RETURN_IF_ERROR(check("k_rope", in.k_rope, {a}, {{"T", T}, {"Dr", c.Dr}}));
-  DSACP_RETURN_IF_ERROR(check("idx_q", in.idx_q, {a}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
+  const DType ia = c.index_input_dtype();
+  DSACP_RETURN_IF_ERROR(check("idx_q", in.idx_q, {ia}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
   DSACP_RETURN_IF_ERROR(check("idx_w", in.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
-  return check("idx_k", in.idx_k, {a}, {{"T", T}, {"Di", c.Di}});
+  if (ia == DType::kF8E4M3) {
+    DSACP_RETURN_IF_ERROR(check("idx_q_scale", in.idx_q_scale, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
+    DSACP_RETURN_IF_ERROR(check("idx_k_scale", in.idx_k_scale, {DType::kF32}, {{"T", T}}));
+  }
+  return check("idx_k", in.idx_k, {ia}, {{"T", T}, {"Di", c.Di}});
 }
 
 Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const std::vector<Request>& requests,
@@ -45,6 +50,12 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, upload_tensor(backend, *in.idx_q));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, upload_tensor(backend, *in.idx_w));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, upload_tensor(backend, *in.idx_k));
+  const bool fp8 = c.index_input_dtype() == DType::kF8E4M3;
+  DeviceBuffer idx_q_scale, idx_k_scale;
+  if (fp8) {
+    DSACP_ASSIGN_OR_RETURN(idx_q_scale, upload_tensor(backend, *in.idx_q_scale));
+    DSACP_ASSIGN_OR_RETURN(idx_k_scale, upload_tensor(backend, *in.idx_k_scale));
+  }
 
   StepResult r;
   DSACP_ASSIGN_OR_RETURN(r.topk_indices, Tensor::zeros(DType::kI32, {T, c.K}));
@@ -56,7 +67,8 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
 
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, in.device_block_table));
   StepInputs si{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
-                idx_k.get(), d_table.as<const int32_t>()};
+                idx_k.get(), d_table.as<const int32_t>(), idx_q_scale.as<const float>(),
+                idx_k_scale.as<const float>()};
   StepOutputs so{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
   DSACP_RETURN_IF_ERROR(step_run(backend, c, requests, table, cache, si, so));
   if (T > 0) {
@@ -69,7 +81,7 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
 
 Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vector<Request>& requests,
                           const BlockTable& table, const Tensor& ctx_latent, const Tensor& ctx_rope,
-                          const Tensor& ctx_index_keys) {
+                          const Tensor& ctx_index_keys, const Tensor* ctx_index_key_scales) {
   const PagedCacheConfig& cc = cache.config();
   std::vector<int64_t> slots;
   for (size_t b = 0; b < requests.size(); ++b) {
@@ -82,8 +94,19 @@ Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vect
   const auto floats = {DType::kF32, DType::kBF16};
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cc.Dl}}));
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cc.Dr}}));
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(), floats, {{"sum C", rows}, {"Di", cc.Di}}));
+  const bool fp8 = ctx_index_keys.dtype() == DType::kF8E4M3;
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(),
+                                     fp8 ? std::initializer_list<DType>{DType::kF8E4M3} : floats,
+                                     {{"sum C", rows}, {"Di", cc.Di}}));
+  if (fp8) {
+    if (ctx_index_key_scales == nullptr) return invalid_argument("ctx_idx_k is F8_E4M3 but ctx_idx_k_scale is missing");
+    DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k_scale", ctx_index_key_scales->view(), {DType::kF32}, {{"sum C", rows}}));
+  }
   if (rows == 0) return Status();
+  DeviceBuffer d_scales;
+  if (fp8) {
+    DSACP_ASSIGN_OR_RETURN(d_scales, upload_tensor(backend, *ctx_index_key_scales));
+  }
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, backend.allocate(slots.size() * sizeof(int64_t)));
   DSACP_RETURN_IF_ERROR(backend.copy_to_device(d_slots.get(), slots.data(), slots.size() * sizeof(int64_t)));
   const struct {
@@ -98,6 +121,8 @@ Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vect
     p.num_rows = rows;
     p.slots = d_slots.as<const int64_t>();
     p.pool = wr.pool;
+    p.fp8_scale_mode = cc.index_scale_mode;
+    if (wr.rows == &ctx_index_keys && fp8) p.row_scales = d_scales.as<const float>();
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, p));
   }
   return backend.synchronize();

@@ -14,6 +14,7 @@ namespace dsacp {
 DType case_compute_dtype(const CaseFile& c) {
   for (const Tensor* t : {&c.q_nope, &c.q_rope, &c.kv_latent, &c.k_rope, &c.idx_q, &c.idx_k, &c.ctx_kv_latent,
                           &c.ctx_k_rope, &c.ctx_idx_k}) {
+    if (t->dtype() == DType::kF8E4M3) continue;  // the FP8 indexer tensors stay as they are
     if (t->dtype() != DType::kBF16) return DType::kF32;
   }
   return DType::kBF16;
@@ -30,10 +31,20 @@ struct ReplaySetup {
   BlockTable table;
   Tensor ctx_latent, ctx_rope, ctx_idx_k;
   Tensor q_nope, q_rope, kv_latent, k_rope, idx_q, idx_k;
+  // The FP8 indexer's scales (the case's, or made by quantizing its f32/bf16 indexer tensors).
+  Tensor idx_q_scale, idx_k_scale, ctx_idx_k_scale;
   StepConfig config;
   bool device_block_table = false;
   HostStepInputs inputs(const CaseFile& c) const {
-    return HostStepInputs{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k, device_block_table};
+    HostStepInputs in{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k, device_block_table};
+    if (config.index_input_dtype() == DType::kF8E4M3) {
+      in.idx_q_scale = &idx_q_scale;
+      in.idx_k_scale = &idx_k_scale;
+    }
+    return in;
+  }
+  const Tensor* ctx_index_key_scales() const {
+    return config.index_input_dtype() == DType::kF8E4M3 ? &ctx_idx_k_scale : nullptr;
   }
 };
 
@@ -68,13 +79,38 @@ Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options
   auto conv = [&](const Tensor& t) { return t.to_dtype(dtype); };
   DSACP_ASSIGN_OR_RETURN(s.ctx_latent, conv(c.ctx_kv_latent));
   DSACP_ASSIGN_OR_RETURN(s.ctx_rope, conv(c.ctx_k_rope));
-  DSACP_ASSIGN_OR_RETURN(s.ctx_idx_k, conv(c.ctx_idx_k));
   DSACP_ASSIGN_OR_RETURN(s.q_nope, conv(c.q_nope));
   DSACP_ASSIGN_OR_RETURN(s.q_rope, conv(c.q_rope));
   DSACP_ASSIGN_OR_RETURN(s.kv_latent, conv(c.kv_latent));
   DSACP_ASSIGN_OR_RETURN(s.k_rope, conv(c.k_rope));
-  DSACP_ASSIGN_OR_RETURN(s.idx_q, conv(c.idx_q));
-  DSACP_ASSIGN_OR_RETURN(s.idx_k, conv(c.idx_k));
+  // The FP8 indexer: the case's e4m3 tensors as they are, or (options.index_fp8) its f32/bf16 ones quantized here
+  // exactly as `make-case --index-dtype fp8` would (case_quantize_index).
+  const bool fp8 = c.index_fp8() || options.index_fp8;
+  if (fp8) {
+    CaseFile q;
+    const CaseFile* src = &c;
+    if (!c.index_fp8()) {
+      DSACP_ASSIGN_OR_RETURN(q.idx_q, c.idx_q.clone());
+      DSACP_ASSIGN_OR_RETURN(q.idx_k, c.idx_k.clone());
+      DSACP_ASSIGN_OR_RETURN(q.ctx_idx_k, c.ctx_idx_k.clone());
+      q.dims = c.dims;
+      DSACP_RETURN_IF_ERROR(case_quantize_index(q, options.index_scale_mode));
+      src = &q;
+    }
+    DSACP_ASSIGN_OR_RETURN(s.idx_q, src->idx_q.clone());
+    DSACP_ASSIGN_OR_RETURN(s.idx_k, src->idx_k.clone());
+    DSACP_ASSIGN_OR_RETURN(s.ctx_idx_k, src->ctx_idx_k.clone());
+    DSACP_ASSIGN_OR_RETURN(s.idx_q_scale, src->idx_q_scale.clone());
+    DSACP_ASSIGN_OR_RETURN(s.idx_k_scale, src->idx_k_scale.clone());
+    DSACP_ASSIGN_OR_RETURN(s.ctx_idx_k_scale, src->ctx_idx_k_scale.clone());
+    cc.index_dtype = DType::kF8E4M3;
+    cc.index_scale_mode = options.index_scale_mode;
+    s.config.index_dtype = DType::kF8E4M3;
+  } else {
+    DSACP_ASSIGN_OR_RETURN(s.idx_q, conv(c.idx_q));
+    DSACP_ASSIGN_OR_RETURN(s.idx_k, conv(c.idx_k));
+    DSACP_ASSIGN_OR_RETURN(s.ctx_idx_k, conv(c.ctx_idx_k));
+  }
 
   StepConfig& config = s.config;
   config.H = c.dims.H;
@@ -167,7 +203,8 @@ Result<StepResult> replay_case(const std::vector<Backend*>& rank_backends, const
   DSACP_ASSIGN_OR_RETURN(ReplaySetup s, replay_setup(c, options));
   DSACP_ASSIGN_OR_RETURN(std::unique_ptr<LocalCpCluster> cluster,
                          LocalCpCluster::create(rank_backends, options.layout, s.cache_config));
-  DSACP_RETURN_IF_ERROR(cluster->load_context(c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k));
+  DSACP_RETURN_IF_ERROR(
+      cluster->load_context(c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k, s.ctx_index_key_scales()));
   return cluster->step(s.config, c.requests, s.table, s.inputs(c));
 }
 
@@ -194,7 +231,7 @@ Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const R
   DSACP_ASSIGN_OR_RETURN(PagedKvCache cache,
                          PagedKvCache::create(backend, cp_rank_cache_config(layout, s.cache_config)));
   DSACP_RETURN_IF_ERROR(cp_load_context_rank(backend, layout, s.sharding, cr, c.requests, s.table, s.ctx_latent,
-                                             s.ctx_rope, s.ctx_idx_k, cache));
+                                             s.ctx_rope, s.ctx_idx_k, cache, s.ctx_index_key_scales()));
   if (Pt == 1) return step_run_host(backend, s.config, c.requests, s.table, cache, s.inputs(c));
 
   DSACP_RETURN_IF_ERROR(validate_layout(layout, s.config.H));

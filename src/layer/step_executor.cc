@@ -27,6 +27,12 @@ Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache) {
   if (c.act_dtype == DType::kI32 || c.out_dtype == DType::kI32) {
     return invalid_argument("step config: activation and output dtypes must be F32 or BF16");
   }
+  // FP8 indexer inputs (e4m3 q and keys) go with an FP8 indexer-key pool, and the reverse.
+  if ((c.index_input_dtype() == DType::kF8E4M3) != (cache.index_key_dtype() == DType::kF8E4M3)) {
+    return invalid_argument(std::string("step config: indexer inputs of ") + dtype_name(c.index_input_dtype()) +
+                            " with an indexer-key cache of " + dtype_name(cache.index_key_dtype()) +
+                            " (F8_E4M3 inputs need an F8_E4M3 cache and the reverse)");
+  }
   return Status();
 }
 
@@ -100,13 +106,15 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   // 1. The new tokens' KV goes into the caches first: every token sees its own key. One call writes the indexer
   //    keys, latent and rope rows (one launch on a GPU, before the indexer's: nothing of it waits on the path
   //    after the indexer).
-  w.rows_dtype = config.act_dtype;
+  w.rows_dtype = config.index_input_dtype();
+  w.row_scales = in.idx_k_scale;
+  w.fp8_scale_mode = cache.config().index_scale_mode;
   w.num_rows = T;
   w.slots = UploadBatch::at<int64_t>(d_rows, at_slots);
   w.rows = in.idx_k;
   w.pool = cache.index_keys();
-  w.more[0] = {in.kv_latent, w.slots, cache.latent()};
-  w.more[1] = {in.k_rope, w.slots, cache.rope()};
+  w.more[0] = {in.kv_latent, w.slots, cache.latent(), config.act_dtype};
+  w.more[1] = {in.k_rope, w.slots, cache.rope(), config.act_dtype};
   DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write"));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
 
@@ -123,7 +131,8 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ip.Di = config.Di;
   ip.K = config.K;
   ip.q = in.idx_q;
-  ip.q_dtype = config.act_dtype;
+  ip.q_dtype = config.index_input_dtype();
+  ip.q_scale = in.idx_q_scale;
   ip.w = in.idx_w;
   ip.keys = cache.index_keys();
   ip.block_table = bt;

@@ -181,5 +181,60 @@ std::vector<LayoutCase> layout_cases() {
 INSTANTIATE_TEST_SUITE_P(Layouts, CpLayoutTest, ::testing::ValuesIn(layout_cases()),
                          [](const auto& info) { return layout_case_name(info.param); });
 
+// The FP8 indexer (F8_E4M3 keys and queries, contract section 6) under every layout of the replicated indexer:
+// PCP (the step's e4m3 key bytes and scales are all-gathered), DCP, hybrid, DSA-CP; top-k identical to one
+// device, out within fp32 rounding. The sharded indexer: decode-only batches and DSA-CP the same; its prefill
+// rows without DSA-CP refuse FP8 as unsupported.
+TEST(CpLayoutFp8, LayoutsMatchOneDevice) {
+  const uint64_t seed = testing::test_seed(0xf8);
+  struct L {
+    int32_t P, D, I;
+    bool dsa_cp, decode_only;
+    int32_t page_size;
+  };
+  for (const L& l : {L{2, 1, 0, false, false, 4}, L{1, 2, 0, false, true, 3}, L{2, 2, 1, false, false, 1},
+                     L{1, 2, 0, true, false, 5}, L{3, 1, 2, false, false, 61}}) {
+    SCOPED_TRACE("P" + std::to_string(l.P) + " D" + std::to_string(l.D) + (l.dsa_cp ? " dsa_cp" : ""));
+    auto c = cp_case(seed + l.P * 10 + l.D, 8, l.P, l.decode_only, DType::kF32);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    ASSERT_TRUE(case_quantize_index(*c).ok());
+    ReplayOptions one;
+    one.page_size = l.page_size;
+    ReplayOptions cp = one;
+    cp.layout.P = l.P;
+    cp.layout.D = l.D;
+    cp.layout.interleave = l.I;
+    cp.layout.dsa_cp = l.dsa_cp;
+    cp.layout.indexer = IndexerMode::kReplicated;
+    cp.page_shuffle_seed = seed * 7 + 1;
+    testing::expect_same_as_one_device(*c, one, cp);
+  }
+  for (const L& l : {L{2, 1, 0, false, true, 4}, L{1, 2, 0, false, true, 3}, L{2, 2, 1, false, true, 1},
+                     L{1, 2, 0, true, false, 5}, L{1, 3, 0, true, true, 61}}) {
+    SCOPED_TRACE("sharded P" + std::to_string(l.P) + " D" + std::to_string(l.D) + (l.dsa_cp ? " dsa_cp" : ""));
+    auto c = cp_case(seed + 100 + l.P * 10 + l.D, 8, l.P, l.decode_only, DType::kF32);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    ASSERT_TRUE(case_quantize_index(*c).ok());
+    ReplayOptions one;
+    one.page_size = l.page_size;
+    ReplayOptions cp = one;
+    cp.layout.P = l.P;
+    cp.layout.D = l.D;
+    cp.layout.interleave = l.I;
+    cp.layout.dsa_cp = l.dsa_cp;
+    cp.page_shuffle_seed = seed * 5 + 3;
+    testing::expect_same_as_one_device(*c, one, cp);
+  }
+  auto c = cp_case(seed, 8, 2, false, DType::kF32);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(case_quantize_index(*c).ok());
+  auto backend = make_cpu_backend(1);
+  ReplayOptions sharded;
+  sharded.layout.P = 2;
+  Result<StepResult> r = replay_case(*backend, *c, sharded);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnsupported) << r.status().message();
+}
+
 }  // namespace
 }  // namespace dsacp

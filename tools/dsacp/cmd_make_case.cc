@@ -26,6 +26,10 @@ CommandSpec make_case_spec() {
       {"--scale", "X", "softmax scale", "0.125"},
       {"--dtype", "f32|bf16", "dtype of the float tensors (idx_w is always F32)", "bf16"},
       {"--seed", "N", "generator seed", "1"},
+      {"--index-dtype", "float|fp8",
+       "fp8: idx_q, idx_k, ctx_idx_k as F8_E4M3 with F32 scales (idx_q_scale [T, Hi], idx_k_scale [T], "
+       "ctx_idx_k_scale [sumC]), quantized from the random values with the fp32 rule per token / (token, head)",
+       "float"},
   };
   return s;
 }
@@ -76,6 +80,8 @@ int cmd_make_case(const std::vector<std::string>& argv) {
   auto scale = args.get_double("--scale", 0.125);
   auto dtype = args.get_choice("--dtype", "bf16", {"f32", "bf16"});
   auto seed = args.get_int("--seed", 1, 0, INT64_MAX);
+  auto index_dtype = args.get_choice("--index-dtype", "float", {"float", "fp8"});
+  if (!index_dtype.ok()) return fail(index_dtype.status());
   for (const Status& s : {H.status(), Dl.status(), Dr.status(), Hi.status(), Di.status(), K.status(),
                           scale.status(), dtype.status(), seed.status()}) {
     if (!s.ok()) return fail(s);
@@ -88,6 +94,9 @@ int cmd_make_case(const std::vector<std::string>& argv) {
   g.seed = static_cast<uint64_t>(*seed);
   auto c = case_generate(g);
   if (!c.ok()) return fail(c.status());
+  if (*index_dtype == "fp8") {
+    if (Status s = case_quantize_index(*c, Fp8ScaleMode::kFp32); !s.ok()) return fail(s);
+  }
   if (Status s = case_write(args.positionals()[0], *c); !s.ok()) return fail(s);
   return 0;
 }

@@ -42,6 +42,11 @@ CommandSpec replay_spec() {
        "threads"},
       {"--nccl-id-file", "PATH", "--launcher env: rank 0 writes the NCCL id there, the others wait for it", ""},
       max_memory_option(),
+      {"--index-dtype", "float|fp8",
+       "fp8: an F8_E4M3 indexer-key cache; a case with f32/bf16 indexer tensors is quantized on load (as "
+       "make-case --index-dtype fp8 does). A case in F8_E4M3 replays in FP8 either way",
+       "float"},
+      {"--index-scale-mode", "fp32|ue8m0", "the FP8 scale rule used when quantizing (--index-dtype fp8)", "fp32"},
   };
   for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   return s;
@@ -275,6 +280,12 @@ int cmd_replay(const std::vector<std::string>& argv) {
   options.out_dtype = *out_dtype == "bf16" ? DType::kBF16 : DType::kF32;
   options.page_shuffle_seed = static_cast<uint64_t>(*page_seed);
   options.layout = *layout;
+  auto index_dtype = args.get_choice("--index-dtype", "float", {"float", "fp8"});
+  if (!index_dtype.ok()) return fail(index_dtype.status());
+  auto scale_mode = args.get_choice("--index-scale-mode", "fp32", {"fp32", "ue8m0"});
+  if (!scale_mode.ok()) return fail(scale_mode.status());
+  options.index_fp8 = *index_dtype == "fp8";
+  options.index_scale_mode = *scale_mode == "ue8m0" ? Fp8ScaleMode::kUe8m0 : Fp8ScaleMode::kFp32;
   const std::string case_path = args.positionals()[0];
   const std::string out_path = *args.get("--out");
   if (args.has("--max-memory")) {

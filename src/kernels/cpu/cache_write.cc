@@ -1,4 +1,5 @@
-// cache_write: scatter rows into flat pool slots, converting f32 <-> bf16 (round to nearest even).
+// cache_write: scatter rows into flat pool slots, converting f32 <-> bf16 (round to nearest even), or quantizing
+// into an FP8 pool's two-plane pages (contract section 6).
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -10,9 +11,31 @@
 namespace dsacp::cpu {
 namespace {
 
-void write_row(const CacheWriteParams& p, int64_t t) {
+// Into an FP8 pool (two-plane pages, dsacp/fp8.h): e4m3 rows as they are with their scales, f32/bf16 rows
+// quantized with the per-row scale of p.fp8_scale_mode. `row` is scratch of dim floats.
+void write_fp8_row(const CacheWriteParams& p, int64_t t, int64_t slot, std::vector<float>& row) {
+  const int32_t dim = p.pool.dim, ps = p.pool.page_size;
+  uint8_t* base = static_cast<uint8_t*>(p.pool.data);
+  uint8_t* values = base + fp8_index_value_offset(slot / ps, static_cast<int32_t>(slot % ps), ps, dim);
+  float scale;
+  if (p.rows_dtype == DType::kF8E4M3) {
+    std::memcpy(values, static_cast<const uint8_t*>(p.rows) + t * dim, static_cast<size_t>(dim));
+    scale = p.row_scales[t];
+  } else {
+    row.resize(static_cast<size_t>(dim));
+    load_row_f32(p.rows, p.rows_dtype, t * dim, dim, row.data());
+    float amax = 0.f;
+    for (float x : row) amax = std::max(amax, fp8_amax_term(x));
+    scale = fp8_scale_from_amax(amax, p.fp8_scale_mode);
+    for (int32_t d = 0; d < dim; ++d) values[d] = fp8_quantize(row[static_cast<size_t>(d)], scale);
+  }
+  std::memcpy(base + fp8_index_scale_offset(slot / ps, static_cast<int32_t>(slot % ps), ps, dim), &scale, sizeof scale);
+}
+
+void write_row(const CacheWriteParams& p, int64_t t, std::vector<float>& scratch) {
   const int64_t slot = p.slots[t];
   if (slot < 0) return;  // -1: skipped row (checked before)
+  if (p.pool.dtype == DType::kF8E4M3) return write_fp8_row(p, t, slot, scratch);
   const int64_t dim = p.pool.dim;
   const int64_t src = t * dim;
   const int64_t dst = slot * dim;  // slot = page * page_size + offset, rows contiguous
@@ -40,13 +63,19 @@ Status cache_write(const CacheWriteParams& p, int num_threads) {
       return out_of_range("cache_write: row " + std::to_string(t) + ": slot " + std::to_string(slot) +
                           " outside [0, num_pages*page_size=" + std::to_string(num_slots) + ") (and not -1)");
     }
+    if (p.rows_dtype == DType::kF8E4M3 && !fp8_scale_ok(p.row_scales[t])) {
+      return invalid_argument("cache_write: row_scales[" + std::to_string(t) + "] = " +
+                              std::to_string(p.row_scales[t]) +
+                              " must be positive and finite (the scale of e4m3 row " + std::to_string(t) + ")");
+    }
     used.push_back(slot);
   }
   // Two rows aimed at one slot would race; then run in row order so the last row wins, deterministically.
   std::sort(used.begin(), used.end());
   const bool has_duplicates = std::adjacent_find(used.begin(), used.end()) != used.end();
   parallel_for(p.num_rows, has_duplicates ? 1 : num_threads, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) write_row(p, t);
+    std::vector<float> scratch;
+    for (int64_t t = begin; t < end; ++t) write_row(p, t, scratch);
   });
   return Status::ok_status();
 }

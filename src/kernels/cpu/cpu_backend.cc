@@ -105,6 +105,9 @@ class CpuBackend final : public Backend {
         std::fill_n(static_cast<int32_t*>(dst), count, static_cast<int32_t>(value));
         return Status::ok_status();
       }
+      case DType::kF8E4M3:  // every byte the e4m3 code of value (NaN: 0x7f); an FP8 pool's scale plane included
+        std::memset(dst, f32_to_e4m3(value), static_cast<size_t>(count));
+        return Status::ok_status();
     }
     return invalid_argument("fill: unknown dtype");
   }

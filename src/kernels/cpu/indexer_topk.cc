@@ -5,6 +5,7 @@
 // order h = 0..Hi-1 as s += w[t,h] * relu(dot). Tiling (which keys share a tile, which tokens share a group,
 // how the work is split over threads) never changes that sequence, so the scores, and hence the top-k rows,
 // are bit-identical across thread counts and across CP layouts that split tokens or keys differently.
+// FP8 (e4m3 q and keys): the same order, with the contract's s += w[t,h] * relu((q_scale[t,h] * sk[j]) * dot).
 //
 // Layout of the work: tokens are processed in chunks (bounded score buffer); inside a chunk, consecutive
 // tokens of one request form groups that share transposed key tiles, and each group's key range is cut into
@@ -66,6 +67,31 @@ void score_tile(const float* q, const float* w, int32_t hi, int64_t di, const fl
   }
 }
 
+// The FP8 score (contract section 6) of the kTileKeys keys of one tile: q and kt hold the exact e4m3 values, so
+// each product is exact in f32 and the d-ordered sum is the f32 dot of the contract; then
+// s[j] += w[h] * relu((q_scale[h] * sk[j]) * dot), heads in order.
+void score_tile_fp8(const float* q, const float* w, const float* q_scale, int32_t hi, int64_t di, const float* kt,
+                    const float* sk, float* s) {
+  float acc[1][kTileKeys];
+  for (int j = 0; j < kTileKeys; ++j) s[j] = 0.f;
+  for (int32_t h = 0; h < hi; ++h) {
+    dot_tile<1>(q + h * di, di, kt, acc);
+    const float wh = w[h], qs = q_scale[h];
+    for (int j = 0; j < kTileKeys; ++j) s[j] += wh * std::max((qs * sk[j]) * acc[0][j], 0.f);
+  }
+}
+
+// Key position j of request b from an FP8 pool: its exact e4m3 values (as f32) and its scale.
+void load_fp8_key(const PagedPoolView& keys, const BlockTableView& bt, int32_t b, int64_t j, float* values,
+                  float* scale) {
+  const int64_t page = bt.data[static_cast<int64_t>(b) * bt.max_pages + j / keys.page_size];
+  const int32_t off = static_cast<int32_t>(j % keys.page_size);
+  const uint8_t* base = static_cast<const uint8_t*>(keys.data);
+  const uint8_t* v = base + fp8_index_value_offset(page, off, keys.page_size, keys.dim);
+  for (int32_t d = 0; d < keys.dim; ++d) values[d] = e4m3_to_f32(v[d]);
+  std::memcpy(scale, base + fp8_index_scale_offset(page, off, keys.page_size, keys.dim), sizeof(float));
+}
+
 // Canonical top-k row from n scores: K best by rank_key, ascending positions, -1 padded. With row_scores,
 // also the chosen entries' scores (-inf after the last one).
 void select_topk(const float* scores, int32_t n, int32_t k, int32_t* row, float* row_scores,
@@ -105,6 +131,7 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
   const int32_t hi = p.Hi;
   const int64_t di = p.Di;
   const int64_t q_row = hi * di;
+  const bool fp8 = p.keys.dtype == DType::kF8E4M3;  // with e4m3 q (validated)
   {
     std::vector<int32_t> checked(static_cast<size_t>(p.block_table.num_requests), 0);
     for (int64_t t = 0; t < rows.num_tokens; ++t) {
@@ -132,12 +159,17 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
       ++c1;
     }
     scores.resize(static_cast<size_t>(total));
-    const float* q_chunk = static_cast<const float*>(p.q) + c0 * q_row;
+    const float* q_chunk = p.q_dtype == DType::kF32 ? static_cast<const float*>(p.q) + c0 * q_row : nullptr;
     if (p.q_dtype == DType::kBF16) {
       q_f32.resize(static_cast<size_t>((c1 - c0) * q_row));
       parallel_for(c1 - c0, num_threads, 16, [&](int64_t b, int64_t e) {
         load_row_f32(p.q, DType::kBF16, (c0 + b) * q_row, (e - b) * q_row, q_f32.data() + b * q_row);
       });
+      q_chunk = q_f32.data();
+    } else if (fp8) {  // the exact e4m3 values
+      q_f32.resize(static_cast<size_t>((c1 - c0) * q_row));
+      const uint8_t* q8 = static_cast<const uint8_t*>(p.q) + c0 * q_row;
+      for (int64_t i = 0; i < (c1 - c0) * q_row; ++i) q_f32[static_cast<size_t>(i)] = e4m3_to_f32(q8[i]);
       q_chunk = q_f32.data();
     }
 
@@ -162,6 +194,7 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
       std::vector<float> kt(static_cast<size_t>(di * kTileKeys));
       std::vector<float> key_row(static_cast<size_t>(di));
       float s[kTileKeys];
+      float sk[kTileKeys];
       for (int64_t it = begin; it < end; ++it) {
         const WorkItem& item = items[it];
         const Group& g = groups[item.group];
@@ -171,17 +204,28 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
           // Transposed tile kt[d, jj]; keys past the group's range are zeros (never read from the pool).
           for (int32_t jj = 0; jj < kTileKeys; ++jj) {
             if (jj < nvalid) {
-              load_row_f32(p.keys.data, p.keys.dtype,
-                           key_row_offset(p.block_table, b, j0 + jj, p.keys.page_size, p.keys.dim), di, key_row.data());
+              if (fp8) {
+                load_fp8_key(p.keys, p.block_table, b, j0 + jj, key_row.data(), &sk[jj]);
+              } else {
+                load_row_f32(p.keys.data, p.keys.dtype,
+                             key_row_offset(p.block_table, b, j0 + jj, p.keys.page_size, p.keys.dim), di,
+                             key_row.data());
+              }
               for (int64_t d = 0; d < di; ++d) kt[d * kTileKeys + jj] = key_row[d];
             } else {
               for (int64_t d = 0; d < di; ++d) kt[d * kTileKeys + jj] = 0.f;
+              sk[jj] = 0.f;
             }
           }
           for (int64_t lt = g.t0; lt < g.t1; ++lt) {
             const int32_t len = rows.key_len[c0 + lt];
             if (len <= j0) continue;
-            score_tile(q_chunk + lt * q_row, p.w + (c0 + lt) * hi, hi, di, kt.data(), s);
+            if (fp8) {
+              score_tile_fp8(q_chunk + lt * q_row, p.w + (c0 + lt) * hi, p.q_scale + (c0 + lt) * hi, hi, di, kt.data(),
+                             sk, s);
+            } else {
+              score_tile(q_chunk + lt * q_row, p.w + (c0 + lt) * hi, hi, di, kt.data(), s);
+            }
             const int32_t n = std::min(kTileKeys, len - j0);
             std::memcpy(scores.data() + score_offset[lt] + j0, s, static_cast<size_t>(n) * sizeof(float));
           }

@@ -165,20 +165,17 @@ Status launch_cw_pools(const CacheWriteParams& p, int count, const LaunchContext
   return Status::ok_status();
 }
 
-// Pool i as a single-pool write, with the FP8 fields (cache_write_pool copies the pool, rows and slots).
-CacheWriteParams one_pool(const CacheWriteParams& p, int i) {
-  CacheWriteParams one = cache_write_pool(p, i);
-  one.fp8_scale_mode = p.fp8_scale_mode;
-  one.row_scales = p.row_scales;
-  return one;
-}
+// Pool i as a single-pool write (cache_write_pool carries the pool's rows, their dtype and scales, and the FP8
+// scale rule).
+CacheWriteParams one_pool(const CacheWriteParams& p, int i) { return cache_write_pool(p, i); }
 
 // The pools share a dtype (a step's caches do): one launch for all of them.
 bool cache_write_one_launch(const CacheWriteParams& p) {
   const int pools = cache_write_pools(p);
   if (p.pool.dtype == DType::kF8E4M3) return false;  // the FP8 pool has a launch of its own
   for (int i = 1; i < pools; ++i) {
-    if (cache_write_pool(p, i).pool.dtype != p.pool.dtype) return false;
+    const CacheWriteParams one = cache_write_pool(p, i);
+    if (one.pool.dtype != p.pool.dtype || one.rows_dtype != p.rows_dtype) return false;
   }
   return true;
 }
@@ -199,16 +196,21 @@ bool cache_write_carries_upload(const CacheWriteParams& p) {
 Status cache_write_supported(const CacheWriteParams& p) {
   auto ok = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
   for (int i = 0; i < cache_write_pools(p); ++i) {
-    const DType pool = cache_write_pool(p, i).pool.dtype;
-    const bool fp8_ok = pool == DType::kF8E4M3 && (ok(p.rows_dtype) || p.rows_dtype == DType::kF8E4M3);
-    if (!fp8_ok && (!ok(p.rows_dtype) || !ok(pool))) {
-      return unsupported(std::string("cache_write: rows ") + dtype_name(p.rows_dtype) + ", pool " + dtype_name(pool) +
+    const CacheWriteParams one = cache_write_pool(p, i);
+    const DType pool = one.pool.dtype;
+    const bool fp8_ok = pool == DType::kF8E4M3 && (ok(one.rows_dtype) || one.rows_dtype == DType::kF8E4M3);
+    if (!fp8_ok && (!ok(one.rows_dtype) || !ok(pool))) {
+      return unsupported(std::string("cache_write: rows ") + dtype_name(one.rows_dtype) + ", pool " + dtype_name(pool) +
                          " (CUDA cache_write supports F32 and BF16, and F32, BF16 or F8_E4M3 rows into an F8_E4M3 "
                          "pool)");
     }
-  }
-  if (p.rows_dtype == DType::kF8E4M3 && p.row_scales == nullptr) {
-    return invalid_argument("cache_write: row_scales is null; F8_E4M3 rows need their [T] f32 scales");
+    if (pool == DType::kF8E4M3 && one.pool.dim % 4 != 0) {
+      return unsupported("cache_write: an F8_E4M3 pool of dim " + std::to_string(one.pool.dim) +
+                         " (CUDA FP8 pools need dim % 4 == 0: the scale plane is stored as aligned f32)");
+    }
+    if (one.rows_dtype == DType::kF8E4M3 && one.row_scales == nullptr) {
+      return invalid_argument("cache_write: row_scales is null; F8_E4M3 rows need their [T] f32 scales");
+    }
   }
   if (p.num_rows >= (int64_t{1} << 26)) return unsupported("cache_write: more than 2^26 rows in one call");
   return Status::ok_status();
@@ -236,6 +238,10 @@ Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx) {
 Status launch_fill(void* dst, DType dtype, int64_t count, float value, const LaunchContext& ctx) {
   if (count <= 0) return Status::ok_status();
   const int64_t blocks = std::min<int64_t>((count + 255) / 256, int64_t{ctx.num_sms} * 32);
+  if (dtype == DType::kF8E4M3) {  // bytes: every one the e4m3 code of value (the CPU backend's fill)
+    DSACP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, f32_to_e4m3(value), static_cast<size_t>(count), ctx.stream));
+    return Status::ok_status();
+  }
   if (dtype == DType::kBF16) {
     fill_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, ctx.stream>>>(
         static_cast<__nv_bfloat16*>(dst), count, value);
