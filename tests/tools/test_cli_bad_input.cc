@@ -157,6 +157,26 @@ TEST(CliBadInput, MemoryIsCheckedBeforeItIsTaken) {
   EXPECT_TRUE(has(r, "--max-memory: expected a byte count")) << r.output;
 }
 
+// The least address space (KiB, `ulimit -v`) in which the CLI starts and reads a case: the binary and its shared
+// libraries (a CUDA + NCCL build maps far more than a CPU one); 0 if it never starts below 16 GiB.
+int64_t cli_start_vm_kib(const std::string& case_path) {
+  int64_t lo = 16 << 10, hi = 16 << 20;
+  auto starts = [&](int64_t kib) {
+    return cli("replay " + case_path + " --out " + dir() + "/vm_probe.safetensors --threads 1",
+               "ulimit -v " + std::to_string(kib) + ";").code == 0;
+  };
+  if (!starts(hi)) return 0;
+  while (hi - lo > (4 << 10)) {
+    const int64_t mid = (lo + hi) / 2;
+    if (starts(mid)) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  return hi;
+}
+
 // 4. With little address space, --pcp 32 hung in RankWorkers, --pcp 8 and --threads 1024 ended in
 // std::terminate. (Not under ASan: its shadow memory needs more address space than the limit leaves.)
 TEST(CliBadInput, ThreadsThatCannotStartNeverAbortOrHang) {
@@ -165,7 +185,10 @@ TEST(CliBadInput, ThreadsThatCannotStartNeverAbortOrHang) {
   const std::string big = dir() + "/thr_big.safetensors";
   ASSERT_EQ(cli("make-case " + big + " --query-lens 600,300 --context-lens 3000,100 --topk 64").code, 0);
   const std::string out = dir() + "/thr_r.safetensors";
-  const std::string limit = "ulimit -v 150000; timeout 60";
+  // ~100 MB above what a single-threaded replay needs: room for a few threads' stacks (8 MiB each), not for 32.
+  const int64_t base = cli_start_vm_kib(c);
+  ASSERT_GT(base, 0) << "the CLI did not start under any address-space limit";
+  const std::string limit = "ulimit -v " + std::to_string(base + 100000) + "; timeout 60";
   Cmd r = cli("replay " + c + " --out " + out + " --pcp 32", limit);
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(has(r, "resource exhausted")) << r.output;
