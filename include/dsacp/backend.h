@@ -56,6 +56,9 @@ class Backend {
   virtual std::string name() const = 0;
   // The CUDA device whose memory this backend allocates, or -1 for host memory.
   virtual int cuda_device() const { return -1; }
+  // Bytes of device memory free for this backend's allocations now (CUDA: cudaMemGetInfo), or -1 for a host
+  // backend (its memory is the host's) or when the device cannot say.
+  virtual int64_t device_memory_free() const { return -1; }
 
   virtual Result<DeviceBuffer> allocate(size_t bytes) = 0;
   virtual Status copy_to_device(void* dst, const void* src, size_t bytes) = 0;

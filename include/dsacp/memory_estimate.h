@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dsacp/cp_plan.h"
 #include "dsacp/paged_cache.h"
@@ -33,5 +34,11 @@ MemoryEstimate cp_memory_estimate(const StepConfig& config, const CpLayout& layo
 // OK when the estimate fits in the host's available memory and in `max_bytes` (0: no cap); else
 // resource_exhausted "<what> needs about <describe()> of host memory, 11.2 GiB available (MemAvailable)".
 Status host_memory_check(const MemoryEstimate& estimate, const std::string& what, uint64_t max_bytes);
+
+// OK when, for every device among `rank_backends` (rank cr runs on rank_backends[cr]), the estimate's share of
+// the ranks on that device fits in its free memory (Backend::device_memory_free; host backends are skipped);
+// else resource_exhausted "<what> needs about 9.3 GiB of GPU memory on cuda:0 (4 ranks), 1.2 GiB free".
+Status device_memory_check(const MemoryEstimate& estimate, int32_t ranks_in_estimate,
+                           const std::vector<class Backend*>& rank_backends, const std::string& what);
 
 }  // namespace dsacp

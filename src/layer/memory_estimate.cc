@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "core/memory.h"
+#include "dsacp/backend.h"
 
 namespace dsacp {
 namespace {
@@ -63,6 +64,32 @@ Status host_memory_check(const MemoryEstimate& estimate, const std::string& what
   const size_t at = msg.find(needle);
   if (at != std::string::npos) msg.replace(at, needle.size(), "about " + estimate.describe());
   return resource_exhausted(msg);
+}
+
+Status device_memory_check(const MemoryEstimate& estimate, int32_t ranks_in_estimate,
+                           const std::vector<Backend*>& rank_backends, const std::string& what) {
+  const uint64_t per_rank = estimate.total() / u(std::max(ranks_in_estimate, 1));
+  std::vector<std::pair<Backend*, uint64_t>> devices;  // distinct GPU backends and their ranks
+  for (Backend* b : rank_backends) {
+    if (b == nullptr || b->cuda_device() < 0) continue;
+    auto it = std::find_if(devices.begin(), devices.end(), [&](const auto& d) { return d.first == b; });
+    if (it == devices.end()) {
+      devices.emplace_back(b, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  for (const auto& [b, ranks] : devices) {
+    const int64_t free_bytes = b->device_memory_free();
+    if (free_bytes < 0) continue;
+    const uint64_t need = mul(per_rank, ranks);
+    if (need > static_cast<uint64_t>(free_bytes)) {
+      return resource_exhausted(what + " needs about " + bytes_string(need) + " of GPU memory on " + b->name() + " (" +
+                                std::to_string(ranks) + (ranks == 1 ? " rank: " : " ranks: ") + estimate.describe() +
+                                "), " + bytes_string(static_cast<uint64_t>(free_bytes)) + " free");
+    }
+  }
+  return Status();
 }
 
 }  // namespace dsacp

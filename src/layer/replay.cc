@@ -158,7 +158,9 @@ size_t rank_result_bytes(const StepConfig& c, const CpRankPlan& plan) {
 // Refuses a replay whose estimate does not fit (host backends; a GPU backend's host side is the case only).
 Status check_replay_memory(const std::vector<Backend*>& backends, const CaseFile& c, const ReplayOptions& options,
                            int32_t ranks_here) {
-  if (!backends.empty() && backends[0] != nullptr && backends[0]->cuda_device() >= 0) return Status();
+  if (!backends.empty() && backends[0] != nullptr && backends[0]->cuda_device() >= 0) {
+    return device_memory_check(replay_memory_estimate(c, options, ranks_here), ranks_here, backends, "this replay");
+  }
   return host_memory_check(replay_memory_estimate(c, options, ranks_here), "this replay", options.max_memory_bytes);
 }
 

@@ -238,6 +238,14 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda:" + std::to_string(device_); }
   int cuda_device() const override { return device_; }
+  int64_t device_memory_free() const override {
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess) return -1;
+    size_t free_bytes = 0, total_bytes = 0;
+    const bool ok = cudaSetDevice(device_) == cudaSuccess && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
+    (void)cudaSetDevice(previous);
+    return ok ? static_cast<int64_t>(free_bytes) : -1;
+  }
   void* native_stream() const override {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     return lane().stream;
