@@ -62,7 +62,10 @@ uint64_t host_memory_available(std::string* source) {
       why = name;
     }
   };
-  consider(proc_kb("/proc/meminfo", "MemAvailable:"), "MemAvailable");
+  // A MemAvailable of 0 is no reading (a VM whose memory grows on demand reports it so while this process runs):
+  // it is ignored rather than refusing every allocation.
+  const uint64_t available = proc_kb("/proc/meminfo", "MemAvailable:");
+  if (available != 0) consider(available, "MemAvailable");
   const std::string dir = cgroup_dir();
   if (!dir.empty()) {
     const uint64_t max = cgroup_value(dir + "/memory.max");
