@@ -35,6 +35,7 @@ struct Op {
   int posted = 0;
   int released = 0;
   bool complete = false;
+  bool executing = false;  // the last rank to post is copying into every rank's buffers (outside the lock)
 };
 
 class LocalGroupImpl;
@@ -94,10 +95,14 @@ class LocalGroupImpl final : public LocalGroup, public std::enable_shared_from_t
     op.recv[rank] = recv;
     if (++op.posted == size_) {
       // The last rank to post performs every rank's copy, outside the lock: no rank can return from wait()
-      // (and reuse its buffers) before `complete` is set.
+      // (and reuse its buffers) before `complete` is set, nor before `executing` is cleared even when the group
+      // fails meanwhile (a rank that aborts must not free buffers the copy still writes or reads).
+      op.executing = true;
       lock.unlock();
       const Status copied = execute(op);
       lock.lock();
+      op.executing = false;
+      cv_.notify_all();
       if (!copied.ok()) {
         fail_locked("copy of " + std::string(op_name(kind)) + " failed: " + copied.message());
         return failure_status();
@@ -113,7 +118,9 @@ class LocalGroupImpl final : public LocalGroup, public std::enable_shared_from_t
     auto it = ops_.find(seq);
     if (it == ops_.end()) return internal_error("wait on an unknown collective");
     Op& op = it->second;
-    const bool done = cv_.wait_for(lock, timeout_, [&] { return op.complete || failed_; });
+    const bool done = cv_.wait_for(lock, timeout_, [&] { return op.complete || (failed_ && !op.executing); });
+    // Never return while another rank's thread still copies into this rank's buffers.
+    cv_.wait(lock, [&] { return !op.executing; });
     Status s;
     if (!op.complete) {
       if (failed_) {
