@@ -225,7 +225,15 @@ TEST(CpLayoutFp8, LayoutsMatchOneDevice) {
     cp.page_shuffle_seed = seed * 5 + 3;
     testing::expect_same_as_one_device(*c, one, cp);
   }
-  auto c = cp_case(seed, 8, 2, false, DType::kF32);
+  // A batch that surely holds a prefill (60 new tokens on 30 of context) beside a decode: its prefill rows read the
+  // gathered view of the indexer pages, which FP8 does not support under the sharded indexer yet.
+  CaseGenSpec spec;
+  spec.topk = 24;
+  spec.requests = {Request{1, 40}, Request{60, 30}};
+  spec.dims = CaseDims{8, 24, 8, 2, 16};
+  spec.scale = 0.3f;
+  spec.seed = seed;
+  auto c = case_generate(spec);
   ASSERT_TRUE(c.ok());
   ASSERT_TRUE(case_quantize_index(*c).ok());
   auto backend = make_cpu_backend(1);
