@@ -1,4 +1,6 @@
-// Exact top-k per row in the contract's canonical form, by radix select on an order-preserving 32-bit key.
+// Exact top-k per row in the contract's canonical form, by radix select on an order-preserving 32-bit key: the
+// one-CTA form, which the fused CP merge (kMerge) takes; the default top-k is the cluster kernel (cluster_topk.cu),
+// and launch_radix_select_topk below picks between them (launch_topk_rows).
 //
 // rank key u(s): larger = better; NaN = 0 (below everything), -0 == +0, the same map as the CPU oracle. The
 // K-th largest key u* is found with four histogram passes over the row (12, 8, 8, 4 bits; one CTA of 1024 threads
@@ -24,6 +26,7 @@
 #include "kernels/cuda/comm/peer_sync.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/cp_kernels/topk_merge_row.cuh"
+#include "kernels/cuda/indexer_topk/cluster_topk.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 
 namespace dsacp::cuda {
@@ -306,9 +309,9 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
 
 }  // namespace
 
-Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
-                                const int64_t* score_offset, const float* scores, const InlinePlan& inl,
-                                const LaunchContext& ctx) {
+Status launch_radix_select_one_cta(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
+                                   const int64_t* score_offset, const float* scores, const InlinePlan& inl,
+                                   const LaunchContext& ctx) {
   if (t1 <= t0) return Status::ok_status();
   // rows up to kMaxCacheElems keys keep their rank keys in shared memory after the first pass; longer rows get
   // room for their boundary bin's keys and positions (DSACP_TOPK_FILTER=0: passes over the row, a diagnostic)
@@ -331,6 +334,13 @@ Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t 
   }
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("radix_select_topk_kernel");
   return Status::ok_status();
+}
+
+// The default top-k: the cluster kernel (cluster_topk.cu), or this one for a fused merge.
+Status launch_radix_select_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
+                                const int64_t* score_offset, const float* scores, const InlinePlan& inl,
+                                const LaunchContext& ctx) {
+  return launch_topk_rows(p, t0, t1, max_len, score_offset, scores, inl, ctx, TopkLaunchOptions{});
 }
 
 }  // namespace dsacp::cuda
