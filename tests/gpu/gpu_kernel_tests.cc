@@ -2,7 +2,8 @@
 // unused cache slots, -1 rows and garbage after them, page sizes 1/61/64, a 140K-key context, a latent pool whose
 // element offsets pass 2^31), bit-identical reruns, error statuses for bad indices and unsupported shapes.
 // Self-contained (no GoogleTest, so it builds on the GPU machine as is). Exit 0 = all passed, 1 = a failure,
-// 77 = no usable GPU (ctest SKIP_RETURN_CODE). Usage: dsacp_gpu_tests [--quick] [--json FILE]
+// 77 = no usable GPU (ctest SKIP_RETURN_CODE). Usage: dsacp_gpu_tests [--quick] [--json FILE] [--only TEXT]
+// [--seed N]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -22,6 +23,11 @@
 #include "gpu/crash_trace.h"
 
 using namespace dsacp;
+
+namespace dsacp::testing {
+// gpu_topk_tests.cc: the top-k on given scores in every form (small: the subset for a sanitizer run).
+void test_topk_rows(CheckLog& log, uint64_t seed, bool small);
+}  // namespace dsacp::testing
 
 namespace {
 
@@ -1407,12 +1413,15 @@ int main(int argc, char** argv) {
   dsacp::testing::install_crash_trace();
   bool quick = false;
   const char* json = nullptr;
+  // --seed N: the top-k tests' seed (default: fresh from the clock; each check names the seed it used)
+  uint64_t topk_seed = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
   std::string only;  // --only TEXT: just the sparse MLA and indexer cases whose name contains TEXT (for a sanitizer
                      // run of one case); the other checks are skipped
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
     if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
+    if (std::strcmp(argv[i], "--seed") == 0 && i + 1 < argc) topk_seed = std::strtoull(argv[++i], nullptr, 10);
   }
   auto selected = [&](const std::string& name) { return only.empty() || name.find(only) != std::string::npos; };
   auto gr = make_cuda_backend(0);
@@ -1617,6 +1626,8 @@ int main(int argc, char** argv) {
     if (selected("fp8 " + c.name)) run_fp8_indexer_case(*gpu, c);
   }
   if (only.empty()) test_cache_write_fp8_rows(*gpu);
+  // the top-k on given scores: everything, or with --only topk_small the subset a sanitizer run takes
+  if (only.empty() || only == "topk" || only == "topk_small") test_topk_rows(g_log, topk_seed, only == "topk_small");
   if (selected("decode b=4 ctx 5000 page64 (plan in device memory)")) {
     setenv("DSACP_INDEXER_INLINE_PLAN", "0", 1);
     IdxCase device_plan = idx[0];
