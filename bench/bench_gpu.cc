@@ -18,6 +18,7 @@
 #include "dsacp/dtype.h"
 #include "dsacp/random.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/indexer_topk/cluster_topk.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 #include "gather_ceiling.h"
 
@@ -87,8 +88,8 @@ T* dev_copy(const std::vector<T>& v) {
 void* g_flush = nullptr;
 constexpr size_t kFlushBytes = size_t{256} << 20;
 
-// median ms of `reps` runs, L2 flushed before each
-double time_ms(const std::function<void()>& fn, int reps, cudaStream_t stream) {
+// median ms of `reps` runs, L2 flushed before each (flush = false: not flushed, the inputs and the code warm in L2)
+double time_ms(const std::function<void()>& fn, int reps, cudaStream_t stream, bool flush = true) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
@@ -96,7 +97,7 @@ double time_ms(const std::function<void()>& fn, int reps, cudaStream_t stream) {
   CK(cudaStreamSynchronize(stream));
   std::vector<double> v;
   for (int i = 0; i < reps; ++i) {
-    CK(cudaMemsetAsync(g_flush, i & 0xff, kFlushBytes, stream));
+    if (flush) CK(cudaMemsetAsync(g_flush, i & 0xff, kFlushBytes, stream));
     CK(cudaEventRecord(a, stream));
     fn();
     CK(cudaEventRecord(b, stream));
@@ -349,6 +350,74 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   }
 }
 
+// ---- the top-k alone on given scores -------------------------------------------------------------------------
+// Rows of normal scores (an indexer score is a sum of many weighted ReLU terms: close to normal), laid out as the
+// indexer's score buffer, K = 2048; the default form, then the one-CTA kernel and the cluster kernel's sizes and
+// cache modes on the same scores. Bytes: the scores once, the rows out.
+void bench_topk(const std::string& name, const std::vector<int32_t>& lens, int K, int reps, bool variants) {
+  const int64_t rows = static_cast<int64_t>(lens.size());
+  std::vector<int64_t> offset(rows);
+  int64_t total = 0;
+  int32_t max_len = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    offset[r] = total;
+    total += (int64_t{lens[r]} + 3) / 4 * 4;
+    max_len = std::max(max_len, lens[r]);
+  }
+  std::vector<float> sc(static_cast<size_t>(total));
+  for (int64_t i = 0; i < total; ++i) {
+    const double u1 = (static_cast<double>(dsacp::counter_hash(11, 0, i) >> 11) + 1.0) / 9007199254740993.0;
+    const double u2 = static_cast<double>(dsacp::counter_hash(11, 1, i) >> 11) / 9007199254740992.0;
+    sc[i] = static_cast<float>(1.5 * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+  }
+  float* d_scores = dev_copy(sc);
+  int64_t* d_offset = dev_copy(offset);
+  IndexerTopkParams p;
+  p.rows.num_tokens = rows;
+  p.rows.key_len = dev_copy(lens);
+  p.K = K;
+  CK(cudaMalloc(&p.topk, rows * K * 4));
+  static InlinePlan inl;  // num_groups 0: the device score offsets
+  const double bytes = total * 4.0 + rows * K * 4.0;
+  record(name + " [default]", time_ms([&] { CS(launch_radix_select_topk(p, 0, rows, max_len, d_offset, d_scores, inl,
+                                                                        g_ctx)); },
+                                      reps, g_ctx.stream),
+         0, bytes);
+  // the same, L2 not flushed: what the kernel takes when its scores (and its code) are still in L2
+  record(name + " [default, L2 warm]",
+         time_ms([&] { CS(launch_radix_select_topk(p, 0, rows, max_len, d_offset, d_scores, inl, g_ctx)); }, reps,
+                 g_ctx.stream, false),
+         0, bytes);
+  if (variants) {
+    struct V {
+      std::string tag;
+      TopkLaunchOptions o;
+    };
+    std::vector<V> vs;
+    TopkLaunchOptions one;
+    one.one_cta = true;
+    vs.push_back({"one-CTA 1024 threads", one});
+    for (int c : {1, 2, 4, 8}) {
+      for (int cache : {-1, 0, 1}) {
+        TopkLaunchOptions o;
+        o.cluster = c;
+        o.cache = cache;
+        vs.push_back({"C=" + std::to_string(c) + (cache < 0 ? " cache auto" : cache ? " cached" : " uncached"), o});
+      }
+    }
+    for (const V& v : vs) {
+      record(name + " [" + v.tag + "]", time_ms([&] { CS(launch_topk_rows(p, 0, rows, max_len, d_offset, d_scores, inl,
+                                                                          g_ctx, v.o)); },
+                                                reps, g_ctx.stream),
+             0, bytes);
+    }
+  }
+  for (void* q : {static_cast<void*>(d_scores), static_cast<void*>(d_offset), static_cast<void*>(p.topk),
+                  static_cast<void*>(const_cast<int32_t*>(p.rows.key_len))}) {
+    CK(cudaFree(q));
+  }
+}
+
 // ---- the DCP decode's candidate merge -------------------------------------------------------------------------
 // `parts` ranks' local top-K rows of a b=64 decode (ascending local positions, scores from one distribution, so
 // the parts' candidates interleave as real ones do), merged exactly; with per_part, every part in its own buffer
@@ -500,6 +569,22 @@ int main(int argc, char** argv) {
     bench_indexer("indexer_bf16_hi32 decode b=64 ctx128K Hi=32", 64, 131072 - 1, 1, reps, 32);
     bench_indexer("indexer_bf16_hi32 prefill T=8192 causal Hi=32", 1, 0, 8192, std::max(3, reps / 4), 32);
   }
+  // the top-k alone on given scores: decode b = 64 at 32K / 64K / 128K, a causal prefill, one 1M row
+  for (const int32_t ctx : {32768, 65536, 131072}) {
+    const std::string k = std::to_string(ctx / 1024) + "K";
+    if (want(("topk_decode" + k).c_str())) {
+      bench_topk("topk b=64 ctx" + k + " K=2048", std::vector<int32_t>(64, ctx), 2048, reps, true);
+    }
+  }
+  if (want("topk_prefill")) {
+    std::vector<int32_t> causal(8192);
+    for (int32_t i = 0; i < 8192; ++i) causal[i] = i + 1;
+    bench_topk("topk prefill T=8192 causal K=2048", causal, 2048, reps, true);
+  }
+  if (want("topk_floor")) {  // rows of no keys: the launch, the prologue and the -1 rows (the kernel's floor)
+    bench_topk("topk b=64 ctx0 K=2048 (launch floor)", std::vector<int32_t>(64, 0), 2048, reps, false);
+  }
+  if (want("topk_1M")) bench_topk("topk b=1 ctx1M K=2048", std::vector<int32_t>(1, 1 << 20), 2048, reps, true);
   if (want("topk_merge")) {  // the DCP decode's candidate merge (2 ranks: 2 x 2048 candidates a row)
     bench_topk_merge("topk_merge 2 parts b=64 K=2048", 2, 64, 2048, reps, false);
     bench_topk_merge("topk_merge 2 parts b=64 K=2048 one buffer each", 2, 64, 2048, reps, true);

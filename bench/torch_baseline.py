@@ -194,6 +194,23 @@ if want("indexer_fp8"):
         indexer(f"indexer_fp8 prefill T=8192 causal Hi={hi}", 1, 0, 8192, max(3, args.reps // 3), chunk=512, Hi=hi,
                 fp8=True)
 
+# ---- the top-k alone on given scores (bench_gpu's topk_* rows: normal scores, sigma 1.5, f32): torch.topk, then
+# the positions sorted; not canonical (ties are not broken by position, short rows not -1 padded) ----
+def topk_alone(name, R, ctx, reps, causal=False):
+    K = 2048
+    s = torch.randn(R, ctx, device=dev, generator=g) * 1.5
+    if causal:  # row i sees keys [0, i]
+        s = s.masked_fill(torch.ones(R, ctx, device=dev, dtype=torch.bool).triu(1), float("-inf"))
+    ms = timed(lambda: torch.topk(s, K, dim=-1).indices.sort(-1).values, reps)
+    record(name, ms, 0, s.numel() * 4 + R * K * 4)
+
+
+for ctx in (32768, 65536, 131072):
+    if want(f"topk_decode{ctx // 1024}K"):
+        topk_alone(f"topk b=64 ctx{ctx // 1024}K K=2048", 64, ctx, args.reps)
+if want("topk_prefill"):
+    topk_alone("topk prefill T=8192 causal K=2048", 8192, 8192, max(3, args.reps // 3), causal=True)
+
 if args.json:
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": rows}, f, indent=1)
