@@ -19,7 +19,8 @@
 // keys > u* / == u* before i in the row: each CTA counts its slice per warp segment (ballots), the cluster
 // exchanges the CTAs' totals, and the write pass walks the slice in position order, so the row comes out ascending
 // and front-packed with no sort. Rows with key_len <= K are 0..n-1 then -1. With a row-synchronized exchange
-// (signal), CTA 0 raises the row's flag after a cluster barrier that follows every CTA's stores.
+// (signal), CTA 0 raises the row's flag after a cluster barrier that follows every CTA's stores (launch_topk_rows
+// sends such launches to the one-CTA kernel until this has run across GPUs).
 //
 // What bounds it (ncu, b = 64 x 32K, C = 8): not bytes (DRAM 4% of peak) but each warp's serial instruction
 // stream: five walks over the slice (three histogram passes, the count, the write), each key costing a shared
@@ -411,7 +412,9 @@ Status launch_cluster_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, i
 Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                         const int64_t* score_offset, const float* scores, const InlinePlan& inl,
                         const LaunchContext& ctx, const TopkLaunchOptions& opt) {
-  if (opt.one_cta || p.merge.num_rows > 0) {
+  // A fused merge, and a row-synchronized exchange (signal: the cluster kernel raises a row's flag after a cluster
+  // barrier, but that has not run across GPUs yet), take the one-CTA form.
+  if (opt.one_cta || p.merge.num_rows > 0 || p.signal.active()) {
     return launch_radix_select_one_cta(p, t0, t1, max_len, score_offset, scores, inl, ctx);
   }
   int c = opt.cluster;

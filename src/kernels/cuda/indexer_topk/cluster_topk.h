@@ -19,7 +19,7 @@ struct TopkLaunchOptions {
 };
 
 // Exact canonical top-k of tokens [t0, t1) (the contract of launch_radix_select_topk), in the form `opt` asks.
-// A fused merge (p.merge.num_rows > 0) always takes the one-CTA form.
+// A fused merge (p.merge.num_rows > 0) and a row-synchronized exchange (p.signal active) take the one-CTA form.
 Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                         const int64_t* score_offset, const float* scores, const InlinePlan& inl,
                         const LaunchContext& ctx, const TopkLaunchOptions& opt);

@@ -1,6 +1,6 @@
 // Exact top-k per row in the contract's canonical form, by radix select on an order-preserving 32-bit key: the
-// one-CTA form, which the fused CP merge (kMerge) takes; the default top-k is the cluster kernel (cluster_topk.cu),
-// and launch_radix_select_topk below picks between them (launch_topk_rows).
+// one-CTA form, which the fused CP merge (kMerge) and the row-synchronized exchange (signal) take; the default
+// top-k is the cluster kernel (cluster_topk.cu), and launch_radix_select_topk below picks (launch_topk_rows).
 //
 // rank key u(s): larger = better; NaN = 0 (below everything), -0 == +0, the same map as the CPU oracle. The
 // K-th largest key u* is found with four histogram passes over the row (12, 8, 8, 4 bits; one CTA of 1024 threads
