@@ -100,10 +100,34 @@ class QuarantineBackend final : public Backend {
   std::vector<Freed> freed_;
 };
 
-// A PCP layout whose prefill rows attend over gathered views (the KV view's latent and rope gathered as one
-// group): rank 0 fails at each of its step's allocations in turn while rank 1 packs slowly.
+struct LayoutCase {
+  const char* name;
+  CpLayout layout;
+};
+
+std::vector<LayoutCase> layouts() {
+  std::vector<LayoutCase> v;
+  auto add = [&v](const char* name, int32_t P, int32_t D, IndexerMode mode, bool dsa_cp) {
+    CpLayout l;
+    l.P = P;
+    l.D = D;
+    l.indexer = mode;
+    l.dsa_cp = dsa_cp;
+    v.push_back({name, l});
+  };
+  add("P2", 2, 1, IndexerMode::kSharded, false);
+  add("D2 sharded", 1, 2, IndexerMode::kSharded, false);
+  add("D2 replicated", 1, 2, IndexerMode::kReplicated, false);
+  add("P2 x D2", 2, 2, IndexerMode::kReplicated, false);
+  add("DSA-CP D2", 1, 2, IndexerMode::kSharded, true);
+  return v;
+}
+
+// Rank 0 fails at each of its step's allocations in turn while the other ranks pack slowly (so they post their
+// collectives after rank 0 has unwound); a batch with prefill rows (PCP's gathered views: latent and rope
+// gathered as one group) and decode rows (DCP's head gathers and partial exchanges).
 TEST(CpRankFailure, AFailingRankNeverFreesBuffersAPendingCollectiveStillWrites) {
-  const std::vector<Request> reqs = {{24, 40}, {1, 9}};
+  const std::vector<Request> reqs = {{24, 40}, {1, 9}, {1, 30}};
   CaseGenSpec spec;
   spec.requests = reqs;
   spec.dims = CaseDims{4, 8, 4, 2, 8};
@@ -111,46 +135,54 @@ TEST(CpRankFailure, AFailingRankNeverFreesBuffersAPendingCollectiveStillWrites) 
   auto c = case_generate(spec);
   ASSERT_TRUE(c.ok());
   const int32_t B = 4;
-  CpLayout layout;
-  layout.P = 2;
-  const KvSharding sh{layout.num_ranks(), B};
-  PagedCacheConfig cc{0, B, 8, 4, 8, DType::kF32};
-  for (const Request& r : reqs) cc.num_pages += sh.pages_needed(r.seq_len(), B);
   const StepConfig sc = testing::f32_step_config(*c, /*decode_threshold=*/1);
   const HostStepInputs in = testing::case_inputs(*c);
-
-  // The step's allocations on rank 0, counted in a run that succeeds.
-  int64_t step_allocations = 0;
-  for (int64_t fail_at = 0; fail_at <= step_allocations; ++fail_at) {
-    QuarantineBackend rank0, rank1;
-    auto cluster = LocalCpCluster::create({&rank0, &rank1}, layout, cc);
-    ASSERT_TRUE(cluster.ok()) << cluster.status().message();
-    PageAllocator alloc(cc.num_pages);
-    std::vector<SequencePages> seqs(reqs.size());
-    std::vector<const SequencePages*> ptrs;
-    for (size_t i = 0; i < reqs.size(); ++i) {
-      ASSERT_TRUE(seqs[i].reserve(alloc, sh.local_len(reqs[i].seq_len(), 0), B).ok());
-      ptrs.push_back(&seqs[i]);
+  for (const LayoutCase& lc : layouts()) {
+    SCOPED_TRACE(lc.name);
+    const int32_t ranks = lc.layout.num_ranks();
+    const KvSharding sh{ranks, B};
+    PagedCacheConfig cc{0, B, 8, 4, 8, DType::kF32};
+    for (const Request& r : reqs) cc.num_pages += sh.pages_needed(r.seq_len(), B);
+    int64_t step_allocations = 0;  // rank 0's, counted in a run that succeeds
+    for (int64_t fail_at = 0; fail_at <= step_allocations; ++fail_at) {
+      std::vector<std::unique_ptr<QuarantineBackend>> backends;
+      std::vector<Backend*> ptrs;
+      for (int32_t r = 0; r < ranks; ++r) {
+        backends.push_back(std::make_unique<QuarantineBackend>());
+        ptrs.push_back(backends.back().get());
+      }
+      auto cluster = LocalCpCluster::create(ptrs, lc.layout, cc);
+      ASSERT_TRUE(cluster.ok()) << cluster.status().message();
+      PageAllocator alloc(cc.num_pages);
+      std::vector<SequencePages> seqs(reqs.size());
+      std::vector<const SequencePages*> seq_ptrs;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        ASSERT_TRUE(seqs[i].reserve(alloc, sh.local_len(reqs[i].seq_len(), 0), B).ok());
+        seq_ptrs.push_back(&seqs[i]);
+      }
+      const BlockTable table = BlockTable::from_sequences(seq_ptrs);
+      ASSERT_TRUE((*cluster)->load_context(reqs, table, c->ctx_kv_latent, c->ctx_k_rope, c->ctx_idx_k).ok());
+      for (int32_t r = 0; r < ranks; ++r) {
+        const bool failing = r == 0 && fail_at > 0;
+        backends[r]->arm(failing ? fail_at : -1, std::chrono::milliseconds(r == 0 || fail_at == 0 ? 0 : 10));
+      }
+      auto result = (*cluster)->step(sc, reqs, table, in);
+      if (fail_at == 0) {
+        ASSERT_TRUE(result.ok()) << result.status().message();
+        step_allocations = backends[0]->allocations();
+        ASSERT_GT(step_allocations, 4);
+        continue;
+      }
+      EXPECT_FALSE(result.ok()) << "rank 0's allocation " << fail_at << " was refused, yet the step succeeded";
+      if (!result.ok()) {
+        EXPECT_NE(result.status().message().find("allocation refused"), std::string::npos) << result.status().message();
+      }
+      for (int32_t r = 0; r < ranks; ++r) {
+        EXPECT_EQ(backends[r]->first_write_after_free(), -1)
+            << "a collective wrote into a buffer rank " << r << " had freed (rank 0's allocation " << fail_at
+            << " of " << step_allocations << " refused)";
+      }
     }
-    const BlockTable table = BlockTable::from_sequences(ptrs);
-    ASSERT_TRUE((*cluster)->load_context(reqs, table, c->ctx_kv_latent, c->ctx_k_rope, c->ctx_idx_k).ok());
-    rank0.arm(fail_at == 0 ? -1 : fail_at, std::chrono::milliseconds(0));
-    rank1.arm(-1, std::chrono::milliseconds(fail_at == 0 ? 0 : 15));
-    auto r = (*cluster)->step(sc, reqs, table, in);
-    if (fail_at == 0) {
-      ASSERT_TRUE(r.ok()) << r.status().message();
-      step_allocations = rank0.allocations();
-      ASSERT_GT(step_allocations, 4);
-      continue;
-    }
-    EXPECT_FALSE(r.ok()) << "rank 0's allocation " << fail_at << " was refused, yet the step succeeded";
-    if (!r.ok()) {
-      EXPECT_NE(r.status().message().find("allocation refused"), std::string::npos) << r.status().message();
-    }
-    EXPECT_EQ(rank0.first_write_after_free(), -1)
-        << "a collective wrote into a buffer rank 0 had freed (its allocation " << fail_at << " of "
-        << step_allocations << " refused)";
-    EXPECT_EQ(rank1.first_write_after_free(), -1) << "rank 1, rank 0's allocation " << fail_at << " refused";
   }
 }
 
