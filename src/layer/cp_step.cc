@@ -455,10 +455,13 @@ Status merge_into(RankStep& s, int32_t parts, int64_t rows, const void* part_out
 }
 
 // The latent and rope views of the requests attended over the gathered KV, started early.
+// The group's handle is the last member, so it is destroyed first: a rank that returns early (an error) waits
+// for the gather before either view's buffers are freed (the last rank to post may still be copying into them).
 struct PendingKvView {
   std::vector<int32_t> requests;
   GatheredViewPlan plan;
   PendingView latent, rope;
+  std::unique_ptr<CollectiveHandle> handle;
 };
 
 Result<PendingKvView> start_kv_view(RankStep& s, const std::vector<int32_t>& view_requests) {
@@ -469,12 +472,13 @@ Result<PendingKvView> start_kv_view(RankStep& s, const std::vector<int32_t>& vie
   DSACP_ASSIGN_OR_RETURN(kv.plan, gathered_view_plan(view_requests, lens, s.table, s.sharding, s.plan.cr, s.B()));
   DSACP_ASSIGN_OR_RETURN(kv.latent, pack_view(s.backend, *s.comms.world, s.cache.latent(), kv.plan));
   DSACP_ASSIGN_OR_RETURN(kv.rope, pack_view(s.backend, *s.comms.world, s.cache.rope(), kv.plan));
-  DSACP_ASSIGN_OR_RETURN(kv.latent.handle, s.comms.world->all_gather_group_async({view_part(kv.latent), view_part(kv.rope)}));
+  DSACP_ASSIGN_OR_RETURN(kv.handle, s.comms.world->all_gather_group_async({view_part(kv.latent), view_part(kv.rope)}));
   return kv;
 }
 
 // Attention of rows [first, first + n) with this rank's heads over the gathered view of the requests' KV.
 Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& kv) {
+  if (kv.handle) DSACP_RETURN_IF_ERROR(kv.handle->wait());
   DSACP_ASSIGN_OR_RETURN(View lat, finish_view(s.backend, kv.latent));
   DSACP_ASSIGN_OR_RETURN(View rope, finish_view(s.backend, kv.rope));
   if (n == 0) return Status();

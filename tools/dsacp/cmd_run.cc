@@ -194,28 +194,6 @@ int cmd_run(const std::vector<std::string>& argv) {
   }
   PagedCacheConfig cc{pages_needed, cfg.page_size, d.Dl, d.Dr, d.Di, cfg.dtype};
   cc.index_page_factor = cfg.layout.indexer == IndexerMode::kReplicated ? cfg.layout.num_ranks() : 1;
-  if (!cfg.cuda) {
-    // The largest step: a full prefill chunk plus every request's decode tokens.
-    StepConfig est;
-    est.H = d.H;
-    est.Dl = d.Dl;
-    est.Dr = d.Dr;
-    est.Hi = d.Hi;
-    est.Di = d.Di;
-    est.K = d.K;
-    est.act_dtype = cfg.dtype;
-    PagedCacheConfig per_rank = cc;
-    per_rank.index_page_factor = 1;  // cp_memory_estimate applies the layout's
-    const MemoryEstimate need = cp_memory_estimate(est, cfg.layout, per_rank, int64_t{cfg.chunk} + int64_t{cfg.requests} * cfg.mtp,
-                                                   sharding.Pt);
-    if (Status s = host_memory_check(need, "this workload", cfg.max_memory); !s.ok()) return fail(s);
-  }
-  auto backends = make_rank_backends(cfg.cuda ? "cuda" : "cpu", cfg.gpus, cfg.layout, cfg.threads);
-  if (!backends.ok()) return fail(backends.status());
-  auto cluster = LocalCpCluster::create(backends->ranks, cfg.layout, cc);
-  if (!cluster.ok()) return fail(cluster.status());
-  PageAllocator allocator(cc.num_pages, cfg.seed);
-
   StepConfig sc;
   sc.H = d.H;
   sc.Dl = d.Dl;
@@ -226,6 +204,23 @@ int cmd_run(const std::vector<std::string>& argv) {
   sc.scale = cfg.scale;
   sc.act_dtype = cfg.dtype;
   sc.out_dtype = DType::kF32;
+  // The largest step: a full prefill chunk plus every request's decode tokens; checked against the host's
+  // memory (CPU ranks) or each GPU's free memory (CUDA ranks) before anything is allocated.
+  PagedCacheConfig per_rank = cc;
+  per_rank.index_page_factor = 1;  // cp_memory_estimate applies the layout's
+  const MemoryEstimate need = cp_memory_estimate(sc, cfg.layout, per_rank,
+                                                 int64_t{cfg.chunk} + int64_t{cfg.requests} * cfg.mtp, sharding.Pt);
+  if (!cfg.cuda) {
+    if (Status s = host_memory_check(need, "this workload", cfg.max_memory); !s.ok()) return fail(s);
+  }
+  auto backends = make_rank_backends(cfg.cuda ? "cuda" : "cpu", cfg.gpus, cfg.layout, cfg.threads);
+  if (!backends.ok()) return fail(backends.status());
+  if (cfg.cuda) {
+    if (Status s = device_memory_check(need, sharding.Pt, backends->ranks, "this workload"); !s.ok()) return fail(s);
+  }
+  auto cluster = LocalCpCluster::create(backends->ranks, cfg.layout, cc);
+  if (!cluster.ok()) return fail(cluster.status());
+  PageAllocator allocator(cc.num_pages, cfg.seed);
 
   PhaseStats prefill_stats, decode_stats;
   CheckStats check;
