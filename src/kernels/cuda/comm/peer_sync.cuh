@@ -31,9 +31,8 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 //                read by the host after the exchange;
 //   failed word  device memory, 1 once a wait of this rank failed: what the producers read before they store
 //                into a peer's memory or raise its flags, and what a later wait reads first.
-// Reads of mapped host memory are served one at a time, ~1.1 us each (bench/micro/host_word_reads.cu on an
-// H200: 64 CTAs reading one word once take 76 us, 128 take 143 us); a host-word check in every CTA of a kernel
-// made the row-signalling top-k 50 us slower and the merged attention 0.3 ms (session 12). So the producers
+// Reads of mapped host memory are served one at a time, ~1.1 us each (on an H200: 64 CTAs reading one word once take 76 us, 128 take 143 us); a host-word check in every CTA of a kernel
+// made the row-signalling top-k 50 us slower and the merged attention 0.3 ms. So the producers
 // check only the failed word, and the waits read the host words rarely (kWaitWordsEveryNs). A host abort
 // reaches the producers through the waits (a wait that sees the abort word fails and sets the failed word);
 // a producer that runs after an abort before any wait failed stores a correct message of the current exchange,
@@ -66,7 +65,7 @@ __device__ __forceinline__ void record_wait_failure(const PeerWords& w, int peer
 
 // When a wait looks at the host words: not before it has spun for kWaitWordsEveryNs, then every
 // kWaitWordsEveryNs. With a read every 20 us, 64 waiting CTAs kept the host-read queue full, and a wait whose flag
-// had come sat up to ~0.1 ms behind its own read (session 12). An abort ends the waits within ~1 ms.
+// had come sat up to ~0.1 ms behind its own read. An abort ends the waits within ~1 ms.
 constexpr uint64_t kWaitWordsEveryNs = 1000000;
 
 // Spins (one thread) until *flag reaches seq, with acquire at system scope (relaxed: a relaxed load, for the
@@ -114,7 +113,7 @@ __device__ __forceinline__ PeerWords words_of(const Args& a) {
 // failed rank). The barrier orders the CTA's stores before thread 0's release, and a release is cumulative over
 // what its thread observed, so the peer's acquire of the flag sees them. (Without the fence.sc.sys it had before
 // the release, as the peer exchange's put has, the sparse MLA's 64 KiB of partial rows a CTA went from 13.1 to
-// 11.9 us stored and signalled on 2 x H200: session 15.) Every thread of the CTA must call it.
+// 11.9 us stored and signalled on 2 x H200.) Every thread of the CTA must call it.
 __device__ __forceinline__ void window_row_signal(const WindowRowSync& w, int64_t t) {
   if (w.seq == 0) return;
   __syncthreads();

@@ -1,7 +1,7 @@
 // CUDA's module loading mode and dsacp's stance on it. With lazy loading (CUDA's default since 12.2), a kernel's
 // first launch loads its module under the context's lock and waits for the GPU's running kernels; beside a kernel
 // that spins for another GPU (an NCCL collective, a window wait) that deadlocks the ranks of one process (seen on
-// 2 x H200, docs/design/gpu-notes.md session 11). Linking this unit (any use of the functions below; the CUDA
+// 2 x H200). Linking this unit (any use of the functions below; the CUDA
 // backend and the NCCL communicator use them) sets CUDA_MODULE_LOADING=EAGER at static initialization, before
 // the process's first CUDA call, unless the environment already has a value.
 #pragma once

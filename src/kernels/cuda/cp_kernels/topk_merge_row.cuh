@@ -23,15 +23,6 @@
 #include "kernels/cuda/comm/peer_sync.cuh"
 #include "kernels/cuda/cp_kernels/shard_map.cuh"
 
-// Phase stamps of merge_small_row, for bench/micro/merge_phases.cu only: a TU that defines DSACP_MERGE_STAMPS as a
-// __device__ long long array gets thread 0's clock64() at each phase's end in [row * 16 + phase].
-#ifdef DSACP_MERGE_STAMPS
-#define DSACP_MERGE_STAMP(i) \
-  if (threadIdx.x == 0) DSACP_MERGE_STAMPS[blockIdx.x * 16 + (i)] = clock64()
-#else
-#define DSACP_MERGE_STAMP(i) (void)0
-#endif
-
 namespace dsacp::cuda::merge_row {
 
 constexpr int kMergeMaxParts = 64;
@@ -225,9 +216,7 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   int* part_start = sm.part_start;
   int* warp_sums = sm.warp_sums;
   int &s_digit = sm.s_digit, &s_need = sm.s_need, &s_done = sm.s_done, &s_unsorted = sm.s_unsorted;
-  DSACP_MERGE_STAMP(0);
   if (!peer::window_row_wait(p.wait, t, &s_done)) return;
-  DSACP_MERGE_STAMP(1);
   const ShardMap map(S, p.I);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int s = threadIdx.x; s < S; s += blockDim.x) valid_len[s] = K;
@@ -272,7 +261,6 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   // The entry before this thread's first (the ascending-order check across thread boundaries).
   const int32_t before = i0 < n && j0 > 0 ? row0[-1] : -1;
   __syncthreads();  // valid_len, s_unsorted initialized
-  DSACP_MERGE_STAMP(2);
 #pragma unroll
   for (int e = 0; e < kSmallPer; ++e) {
     const int i = i0 + e;
@@ -326,12 +314,10 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   unsigned long long s_max = lane < kSmallWarps ? sm.w_max[lane] : 0ull;
   int valid = lane < kSmallWarps ? sm.w_valid[lane] : 0;
   reduce(s_min, s_max, valid);
-  DSACP_MERGE_STAMP(3);
 
   // 2. Radix select: winners are the nonzero keys with (key & mask) >= prefix. The bytes above the highest one
   //    where the smallest and largest keys differ are every candidate's: they are taken as the prefix at once.
-  //    (12-bit digits from the highest differing bit, one 4096-bin histogram, measured no faster on an H200:
-  //    bench/micro/merge_phases.cu, session 13.)
+  //    (12-bit digits from the highest differing bit, one 4096-bin histogram, measured no faster on an H200.)
   uint64_t prefix = 0, mask = 0;
   if (valid > K) {
     const uint64_t diff = s_min ^ s_max;  // nonzero: more than K distinct keys
@@ -361,11 +347,9 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
       need = s_need;
       prefix |= static_cast<uint64_t>(s_digit) << shift;
       mask |= uint64_t{0xFF} << shift;
-      DSACP_MERGE_STAMP(8 + (top - byte));
       if (s_done) break;  // (s_done is rewritten only after two more barriers)
     }
   }
-  DSACP_MERGE_STAMP(4);
 
   // 3. Compaction in index order (part by part), then the row out.
   int count = 0;
@@ -381,9 +365,7 @@ __device__ __forceinline__ void merge_small_row(const TopkMergeParams& p, int64_
   }
   if (threadIdx.x == 0) part_start[S] = total;
   __syncthreads();
-  DSACP_MERGE_STAMP(5);
   write_merged_row(p, t, sel, part_start, total, s_unsorted, keys, k2, &s_need);
-  DSACP_MERGE_STAMP(6);
 }
 
 
