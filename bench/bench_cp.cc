@@ -588,6 +588,7 @@ int main(int argc, char** argv) {
   std::string only_mode;
   bool one_gpu_only = false;
   bool pin = true;  // DCP: time the one-GPU step only (its timeline is then the last step's)
+  CudaBackendOptions cuda_options;  // --cuda-timeline: each GPU's timeline of the last step
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json = argv[++i];
@@ -600,6 +601,7 @@ int main(int argc, char** argv) {
     else if (a == "--one-gpu-only") one_gpu_only = true;
     else if (a == "--stagger-us" && i + 1 < argc) g_stagger_us = std::atoi(argv[++i]);
     else if (a == "--no-pin") pin = false;
+    else if (a == "--cuda-timeline") cuda_options.timeline = true;
     else if (a == "--timeout-ms" && i + 1 < argc) g_timeout_ms = std::atol(argv[++i]);
     else if (a == "--batch" && i + 1 < argc) batch = std::max(1, std::atoi(argv[++i]));
   }
@@ -611,7 +613,7 @@ int main(int argc, char** argv) {
   }
   const int n = *count;  // every GPU of the machine: P = n, D = n, and P x D = 2 x n/2, n/2 x 2 from 4 GPUs
   std::vector<std::unique_ptr<Backend>> gpus;
-  for (int g = 0; g < n; ++g) gpus.push_back(take(make_cuda_backend(g), "backend"));
+  for (int g = 0; g < n; ++g) gpus.push_back(take(make_cuda_backend(g, cuda_options), "backend"));
   // The main thread and each rank thread on a core of its own (--no-pin: wherever the OS puts them).
   std::vector<int> cpus = pin ? one_cpu_per_core() : std::vector<int>{};
   if (cpus.size() < static_cast<size_t>(n) + 1) cpus.clear();

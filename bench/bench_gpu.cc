@@ -193,14 +193,14 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
     record(name, ms, 0, kv_rows * 576 * 2, "ctas/token=" + std::to_string(gather_ctas));
     CK(cudaFree(sink));
   } else {
-    const int splits = sparse_mla_num_splits(p, g_ctx.num_sms);
-    const int64_t wsf = sparse_mla_workspace_floats(p, splits);
+    const int splits = sparse_mla_num_splits(p, g_ctx);
+    const int64_t wsf = sparse_mla_workspace_floats(p, splits, g_ctx.options);
     if (wsf > 0) CK(cudaMalloc(&ws, wsf * 4));
     const double ms = time_ms([&] { CS(launch_sparse_mla(p, splits, ws, g_ctx)); }, reps, g_ctx.stream);
     const double flops = 2.0 * T * H * used * (576 + 512);
     // unique bytes: the KV rows, q, out (bf16), lse, top-k
     const double bytes = kv_rows * 576 * 2 + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
-    const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H));
+    const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H), g_ctx.options);
     record(name, ms, flops, bytes,
            "splits=" + std::to_string(splits) +
                (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : ""));
@@ -505,15 +505,15 @@ int main(int argc, char** argv) {
     bench_sparse_mla("sparse_prefill T=8192 keys8192 h=64", 8192, 64, 8192, 1, std::max(3, reps / 4));
   }
   if (want("merge_kernel")) {  // the split decodes with the other split-K merge than the default's
-    setenv("DSACP_MLA_CLUSTER_MERGE", "0", 1);
+    g_ctx.options.mla_cluster_merge = CudaBackendOptions::Choice::kOff;
     bench_sparse_mla("merge_kernel sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps);
-    setenv("DSACP_MLA_CLUSTER_MERGE", "1", 1);
+    g_ctx.options.mla_cluster_merge = CudaBackendOptions::Choice::kOn;
     bench_sparse_mla("cluster_merge sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
-    unsetenv("DSACP_MLA_CLUSTER_MERGE");
+    g_ctx.options.mla_cluster_merge = CudaBackendOptions::Choice::kAuto;
   }
-  if (want("splits")) {  // split-K sweep for the decodes (DSACP_MLA_SPLITS override)
+  if (want("splits")) {  // split-K sweep for the decodes (CudaBackendOptions::mla_splits)
     for (const char* sp : {"1", "2", "3", "4", "6"}) {
-      setenv("DSACP_MLA_SPLITS", sp, 1);
+      g_ctx.options.mla_splits = std::atoi(sp);
       bench_sparse_mla(std::string("splits sparse_decode h=64 splits=") + sp, 64, 64, 32768, 64, reps);
       bench_sparse_mla(std::string("splits sparse_decode h=16 splits=") + sp, 64, 16, 32768, 64, reps);
       bench_sparse_mla(std::string("splits sparse_decode h=128 splits=") + sp, 64, 128, 32768, 64, reps);
@@ -521,28 +521,23 @@ int main(int argc, char** argv) {
       bench_sparse_mla(std::string("splits sparse_decode h=128 used=1024 splits=") + sp, 64, 128, 32768, 64, reps, 0,
                        1024);
     }
-    unsetenv("DSACP_MLA_SPLITS");
+    g_ctx.options.mla_splits = 0;
   }
   if (want("other_kernel")) {  // each 64-head case on the kernels the default does not pick for it
-    setenv("DSACP_MLA_KERNEL", "ws", 1);
+    using MlaKernel = CudaBackendOptions::MlaKernel;
+    g_ctx.options.mla_kernel = MlaKernel::kWgmmaWs;
     bench_sparse_mla("other_kernel ws sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
     bench_sparse_mla("other_kernel ws sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
-    setenv("DSACP_MLA_KERNEL", "ws32", 1);
+    g_ctx.options.mla_kernel = MlaKernel::kWgmmaWs32;
     bench_sparse_mla("other_kernel ws32 sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1,
                      std::max(3, reps / 4));
-    setenv("DSACP_MLA_KERNEL", "wgmma", 1);
-    bench_sparse_mla("other_kernel wgmma sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
-    bench_sparse_mla("other_kernel wgmma sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps);
-    bench_sparse_mla("other_kernel wgmma sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
-    bench_sparse_mla("other_kernel wgmma sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1,
-                     std::max(3, reps / 4));
-    unsetenv("DSACP_MLA_KERNEL");
+    g_ctx.options.mla_kernel = MlaKernel::kAuto;
   }
   if (want("mma_sync")) {  // the mma.sync kernel on the 64-head-group cases, for comparison
-    setenv("DSACP_MLA_KERNEL", "mma", 1);
+    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kMmaSync;
     bench_sparse_mla("mma_sync sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps);
     bench_sparse_mla("mma_sync sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4));
-    unsetenv("DSACP_MLA_KERNEL");
+    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kAuto;
   }
   if (want("indexer_prefill")) bench_indexer("indexer_prefill T=8192 causal", 1, 0, 8192, std::max(3, reps / 4));
   if (want("indexer_decode")) {
@@ -588,9 +583,9 @@ int main(int argc, char** argv) {
   if (want("topk_merge")) {  // the DCP decode's candidate merge (2 ranks: 2 x 2048 candidates a row)
     bench_topk_merge("topk_merge 2 parts b=64 K=2048", 2, 64, 2048, reps, false);
     bench_topk_merge("topk_merge 2 parts b=64 K=2048 one buffer each", 2, 64, 2048, reps, true);
-    setenv("DSACP_TOPK_MERGE", "1", 1);
+    g_ctx.options.topk_merge_general = true;
     bench_topk_merge("topk_merge 2 parts b=64 K=2048 general kernel", 2, 64, 2048, reps, false);
-    unsetenv("DSACP_TOPK_MERGE");
+    g_ctx.options.topk_merge_general = false;
     bench_topk_merge("topk_merge 4 parts b=64 K=2048", 4, 64, 2048, reps, false);
   }
   int32_t herr[2] = {0, 0};

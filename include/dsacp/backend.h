@@ -160,9 +160,29 @@ class LaneSession {
 // (0 = hardware concurrency).
 std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
 
+// Choices of the CUDA backend. Every default is the rule the backend applies (`kAuto`); the other values force one
+// path, so tests and benchmarks compare paths on the same inputs. The CLI maps its flags onto these fields.
+struct CudaBackendOptions {
+  // Sparse MLA's kernel for whole 64-head groups: auto = the warp-specialized wgmma kernels (32-key tiles for
+  // decode, 64-key tiles for prefill); kMmaSync = the mma.sync kernel the 16 / 32-head groups always run.
+  enum class MlaKernel : uint8_t { kAuto, kWgmmaWs, kWgmmaWs32, kMmaSync };
+  MlaKernel mla_kernel = MlaKernel::kAuto;
+  int32_t mla_splits = 0;  // sparse MLA's split-K count (0 = the rule: enough CTAs to fill the GPU)
+  // Split-K partials merged inside the kernel by a cluster of a token's splits (auto: for 64-head groups).
+  enum class Choice : uint8_t { kAuto, kOn, kOff };
+  Choice mla_cluster_merge = Choice::kAuto;
+  bool indexer_inline_plan = true;  // the indexer's plan in the launch parameters where it fits (else uploaded)
+  bool topk_merge_general = false;  // the CP top-k merge's general kernel also for shapes the small one takes
+  bool side_lane_high_priority = true;  // the side lane's stream at the device's highest priority
+  // Diagnostics printed to stderr when the backend goes: every call's count and host time; the last step's
+  // timeline (when each call was issued and when the GPU ran it).
+  bool call_trace = false;
+  bool timeline = false;
+};
+
 // The CUDA backend on `device` (kernels built for sm_90a: H100/H200). Without a usable device, or in a build
 // without CUDA (DSACP_ENABLE_CUDA=OFF), an "unsupported" status says why.
-Result<std::unique_ptr<Backend>> make_cuda_backend(int device = 0);
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device = 0, const CudaBackendOptions& options = {});
 // The number of CUDA devices (0 when the driver finds none); "unsupported" in a build without CUDA.
 Result<int> cuda_device_count();
 

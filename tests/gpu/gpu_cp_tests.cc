@@ -664,10 +664,10 @@ void test_layouts(uint64_t seed, int num_gpus) {
              describe(cc) + " (" + std::to_string(seconds_since(t0)) + " s)");
     }
   }
-  // A bf16 output: the local decodes' partials travel in bf16 (the direct head-block path at H=128 over D=2). With
-  // the default decode kernel (ws32) the receiving CTA stages the peer's rows in shared memory; the wgmma kernel has
-  // no stage and sums them from global memory.
-  for (const char* kernel : {"", "wgmma"}) {
+  // A bf16 output: the local decodes' partials travel in bf16 (the direct head-block path at H=128 over D=2), with
+  // the default decode kernel (ws32) and with the prefill kernel (ws) forced, whose merge has its own staging rule.
+  using MlaKernel = CudaBackendOptions::MlaKernel;
+  for (const auto& [kernel, tag] : {std::pair<MlaKernel, const char*>{MlaKernel::kAuto, ""}, {MlaKernel::kWgmmaWs, "ws"}}) {
     const CaseFile c = make_case(seed * 31 + 2, 128, true);
     ReplayOptions one;
     one.page_size = 64;
@@ -676,11 +676,20 @@ void test_layouts(uint64_t seed, int num_gpus) {
     ReplayOptions o = one;
     o.layout = make_layout(1, 2);
     const bool two = num_gpus >= 2;
-    if (kernel[0] != 0) setenv("DSACP_MLA_KERNEL", kernel, 1);
-    auto got = replay_case(std::vector<Backend*>{gpus[0].get(), gpus[two ? 1 : 0].get()}, c, o);
-    if (kernel[0] != 0) unsetenv("DSACP_MLA_KERNEL");
+    CudaBackendOptions bo;
+    bo.mla_kernel = kernel;
+    std::vector<std::unique_ptr<Backend>> forced;
+    for (int g = 0; g < (two ? 2 : 1); ++g) {
+      auto b = make_cuda_backend(g, bo);
+      if (b.ok()) forced.push_back(std::move(b).value());
+    }
+    if (forced.size() != (two ? 2u : 1u)) {
+      report(false, std::string("decode-only H=128 bf16 out: backends with MLA kernel ") + tag, "make_cuda_backend failed");
+      continue;
+    }
+    auto got = replay_case(std::vector<Backend*>{forced[0].get(), forced[two ? 1 : 0].get()}, c, o);
     const std::string name = std::string("decode-only H=128 bf16 out (bf16 partials") +
-                             (kernel[0] != 0 ? ", MLA kernel " + std::string(kernel) : std::string()) + "): D2 sharded" +
+                             (tag[0] != 0 ? ", MLA kernel " + std::string(tag) : std::string()) + "): D2 sharded" +
                              (two ? " (NCCL)" : " on one GPU");
     if (!want.ok() || !got.ok()) {
       report(false, name, (want.ok() ? got : want).status().to_string());

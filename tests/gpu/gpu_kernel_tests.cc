@@ -417,9 +417,9 @@ struct MlaCase {
   int64_t first_page = 0;        // pages from this id up (to push offsets past 2^31)
   int64_t extra_pages = 5;
   int head_blocks = 1;           // SparseMlaParams::head_blocks (the CPU oracle takes the same layout)
-  int splits = 0;                // DSACP_MLA_SPLITS for this case (0: the backend's choice)
+  int splits = 0;                // CudaBackendOptions::mla_splits for this case (0: the backend's choice)
   float scale = 0.0721f;         // softmax scale (the kernels fold a positive one into the exponent)
-  int cluster_merge = -1;        // DSACP_MLA_CLUSTER_MERGE: 1 / 0 forces the split-K merge in a cluster / through
+  int cluster_merge = -1;        // CudaBackendOptions::mla_cluster_merge: 1 / 0 forces the split-K merge in a cluster / through
                                  // the workspace and the merge kernel (-1: the default, cluster for 64-head groups)
 };
 
@@ -1060,8 +1060,11 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
   // with scores full of ties, NaN and -inf, garbage after a part's first -1 (ignored, as on the CPU).
   // narrow: distinct scores in [1.499, 1.501) (the candidates share their leading bytes, as a real row's do).
   // equal: every score the same (the order is the positions': the radix select runs through the position bytes).
+  // The backend the merge cases run on: this one, or one whose options take the general kernel for every shape.
+  Backend* merge_backend = &gpu;
   auto merge_case = [&](int Pt, int Km, int64_t mrows, int I, uint64_t seed, const std::string& name,
                         bool shuffled = false, bool narrow = false, bool equal = false) {
+    Backend& on = *merge_backend;
     std::vector<int32_t> part_topk(static_cast<size_t>(Pt) * mrows * Km, -1);
     std::vector<float> part_scores(part_topk.size(), -INFINITY);
     for (int s = 0; s < Pt; ++s) {
@@ -1085,8 +1088,8 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
       }
     }
     std::vector<int32_t> merged_c(mrows * Km);
-    Dev d_pt = upload(gpu, part_topk), d_ps = upload(gpu, part_scores);
-    Dev d_m = upload(gpu, std::vector<int32_t>(mrows * Km, 7));
+    Dev d_pt = upload(on, part_topk), d_ps = upload(on, part_scores);
+    Dev d_m = upload(on, std::vector<int32_t>(mrows * Km, 7));
     TopkMergeParams mp;
     mp.num_parts = Pt;
     mp.num_rows = mrows;
@@ -1099,19 +1102,19 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
     mg.part_topk = d_pt.ptr<int32_t>();
     mg.part_scores = d_ps.ptr<float>();
     mg.topk = d_m.ptr<int32_t>();
-    Status sc = topk_merge_run(cpu, mc), sg = topk_merge_run(gpu, mg);
-    report(sc.ok() && sg.ok() && download<int32_t>(gpu, d_m, mrows * Km) == merged_c, name,
+    Status sc = topk_merge_run(cpu, mc), sg = topk_merge_run(on, mg);
+    report(sc.ok() && sg.ok() && download<int32_t>(on, d_m, mrows * Km) == merged_c, name,
            sg.ok() ? "identical to CPU" : sg.to_string() + " / " + sc.to_string());
     // With the fused remap to the last part's local positions (what the DCP local decodes read).
     std::vector<int32_t> local_c(merged_c.size());
-    Dev d_local = upload(gpu, std::vector<int32_t>(merged_c.size(), 0));
+    Dev d_local = upload(on, std::vector<int32_t>(merged_c.size(), 0));
     mc.local_topk = local_c.data();
     mg.local_topk = d_local.ptr<int32_t>();
     mc.local_part = mg.local_part = Pt - 1;
     sc = topk_merge_run(cpu, mc);
-    sg = topk_merge_run(gpu, mg);
-    report(sc.ok() && sg.ok() && download<int32_t>(gpu, d_m, mrows * Km) == merged_c &&
-               download<int32_t>(gpu, d_local, mrows * Km) == local_c,
+    sg = topk_merge_run(on, mg);
+    report(sc.ok() && sg.ok() && download<int32_t>(on, d_m, mrows * Km) == merged_c &&
+               download<int32_t>(on, d_local, mrows * Km) == local_c,
            name + ", with the local remap", sg.ok() ? "identical to CPU" : sg.to_string() + " / " + sc.to_string());
     // The parts given one buffer each (the DCP step's window exchange reads every rank's buffer in place).
     if (Pt <= kMaxPartBuffers) {
@@ -1121,35 +1124,44 @@ void test_cp_kernels(Backend& gpu, Backend& cpu) {
       mq.part_scores = nullptr;
       const size_t n1 = static_cast<size_t>(mrows) * Km;
       for (int s = 0; s < Pt; ++s) {
-        own_t.push_back(upload(gpu, std::vector<int32_t>(part_topk.begin() + s * n1, part_topk.begin() + (s + 1) * n1)));
-        own_s.push_back(upload(gpu, std::vector<float>(part_scores.begin() + s * n1, part_scores.begin() + (s + 1) * n1)));
+        own_t.push_back(upload(on, std::vector<int32_t>(part_topk.begin() + s * n1, part_topk.begin() + (s + 1) * n1)));
+        own_s.push_back(upload(on, std::vector<float>(part_scores.begin() + s * n1, part_scores.begin() + (s + 1) * n1)));
         mq.part_topk_of[s] = own_t.back().ptr<int32_t>();
         mq.part_scores_of[s] = own_s.back().ptr<float>();
       }
-      Dev d_m2 = upload(gpu, std::vector<int32_t>(mrows * Km, 7)), d_l2 = upload(gpu, std::vector<int32_t>(mrows * Km, 7));
+      Dev d_m2 = upload(on, std::vector<int32_t>(mrows * Km, 7)), d_l2 = upload(on, std::vector<int32_t>(mrows * Km, 7));
       mq.topk = d_m2.ptr<int32_t>();
       mq.local_topk = d_l2.ptr<int32_t>();
-      const Status sq = topk_merge_run(gpu, mq);
-      report(sq.ok() && download<int32_t>(gpu, d_m2, mrows * Km) == merged_c &&
-                 download<int32_t>(gpu, d_l2, mrows * Km) == local_c,
+      const Status sq = topk_merge_run(on, mq);
+      report(sq.ok() && download<int32_t>(on, d_m2, mrows * Km) == merged_c &&
+                 download<int32_t>(on, d_l2, mrows * Km) == local_c,
              name + ", parts in separate buffers", sq.ok() ? "identical to CPU" : sq.to_string());
     }
     mg.local_topk = nullptr;
     // An entry below -1 is an error, on the device as on the host.
     part_topk[part_topk.size() / 2] = -5;
-    Dev d_bad = upload(gpu, part_topk);
+    Dev d_bad = upload(on, part_topk);
     mg.part_topk = d_bad.ptr<int32_t>();
-    Status sb = topk_merge_run(gpu, mg);
+    Status sb = topk_merge_run(on, mg);
     report(sb.code() == StatusCode::kOutOfRange, name + ": entry -5 -> out_of_range", sb.to_string());
   };
   merge_case(3, K, rows, 4, 960, "topk_merge 3 parts K=100 with ties");
   merge_case(2, 2048, 64, 64, 970, "topk_merge 2 parts K=2048 (device)");
   merge_case(2, 2048, 64, 64, 975, "topk_merge 2 parts K=2048, distinct scores sharing leading bytes", false, true);
   merge_case(2, 2048, 64, 64, 976, "topk_merge 2 parts K=2048, scores all equal", false, false, true);
-  setenv("DSACP_TOPK_MERGE", "1", 1);  // the general kernel on the shapes the small one takes
-  merge_case(2, 2048, 64, 64, 971, "topk_merge 2 parts K=2048 (general kernel)");
-  merge_case(2, 512, 16, 3, 996, "topk_merge 2 parts K=512, positions not ascending (general kernel)", true);
-  unsetenv("DSACP_TOPK_MERGE");
+  {
+    CudaBackendOptions general;
+    general.topk_merge_general = true;  // the general kernel on the shapes the small one takes
+    auto gb = make_cuda_backend(0, general);
+    if (gb.ok()) {
+      merge_backend = gb->get();
+      merge_case(2, 2048, 64, 64, 971, "topk_merge 2 parts K=2048 (general kernel)");
+      merge_case(2, 512, 16, 3, 996, "topk_merge 2 parts K=512, positions not ascending (general kernel)", true);
+      merge_backend = &gpu;
+    } else {
+      report(false, "topk_merge: a backend with the general kernel", gb.status().to_string());
+    }
+  }
   merge_case(4, 2048, 16, 1, 977, "topk_merge 4 parts K=2048, distinct scores sharing leading bytes", false, true);
   merge_case(8, 2048, 9, 1, 980, "topk_merge 8 parts K=2048 (device, 192 KB shared)");
   merge_case(16, 2048, 5, 3, 990, "topk_merge 16 parts K=2048 (host fallback)");
@@ -1546,20 +1558,28 @@ int main(int argc, char** argv) {
   }
   for (const MlaCase& c : mla) {
     if (!selected(c.name)) continue;
-    if (c.splits > 0) setenv("DSACP_MLA_SPLITS", std::to_string(c.splits).c_str(), 1);
-    if (c.cluster_merge >= 0) setenv("DSACP_MLA_CLUSTER_MERGE", std::to_string(c.cluster_merge).c_str(), 1);
-    run_mla_case(*gpu, *cpu, c);  // default kernels (for 64-head groups: by tokens per request)
-    if (c.H >= 64 && (c.H / c.head_blocks) % 64 == 0) {
-      for (const char* k : {"ws", "ws32", "wgmma", "mma"}) {  // every kernel for 64-head groups
-        setenv("DSACP_MLA_KERNEL", k, 1);
-        MlaCase m = c;
-        m.name += std::string(" [") + k + "]";
-        run_mla_case(*gpu, *cpu, m);
-      }
-      unsetenv("DSACP_MLA_KERNEL");
+    CudaBackendOptions o;
+    o.mla_splits = c.splits;
+    if (c.cluster_merge >= 0) {
+      o.mla_cluster_merge = c.cluster_merge == 1 ? CudaBackendOptions::Choice::kOn : CudaBackendOptions::Choice::kOff;
     }
-    unsetenv("DSACP_MLA_SPLITS");
-    unsetenv("DSACP_MLA_CLUSTER_MERGE");
+    using K = CudaBackendOptions::MlaKernel;
+    std::vector<std::pair<K, const char*>> kernels = {{K::kAuto, ""}};  // default kernels (64-head groups: by
+                                                                         // tokens per request)
+    if (c.H >= 64 && (c.H / c.head_blocks) % 64 == 0) {  // every kernel for 64-head groups
+      kernels.insert(kernels.end(), {{K::kWgmmaWs, "ws"}, {K::kWgmmaWs32, "ws32"}, {K::kMmaSync, "mma"}});
+    }
+    for (const auto& [kernel, tag] : kernels) {
+      o.mla_kernel = kernel;
+      auto be = make_cuda_backend(0, o);
+      MlaCase m = c;
+      if (tag[0] != 0) m.name += std::string(" [") + tag + "]";
+      if (!be.ok()) {
+        report(false, m.name + ": backend", be.status().to_string());
+        continue;
+      }
+      run_mla_case(**be, *cpu, m);
+    }
   }
 
   std::vector<IdxCase> idx;
@@ -1584,7 +1604,7 @@ int main(int argc, char** argv) {
     idx.push_back({"decode, key offsets past 2^31", 2048, 64, {5000, 3000}, {1, 2}, (int64_t{1} << 31) / 128 / 64 + 10});
   }
   // The plan in the kernels' parameters (one chunk of at most 128 tokens) at its edge: 128 rows inline, 129 from
-  // device memory; and a small plan from device memory too (DSACP_INDEXER_INLINE_PLAN=0).
+  // device memory; and a small plan from device memory too (CudaBackendOptions::indexer_inline_plan off).
   for (const int b : {128, 129}) {
     IdxCase edge{b == 128 ? "decode b=128 (plan inline)" : "decode b=129 (plan in device memory)", 512, 64, {}, {}};
     for (int i = 0; i < b; ++i) {
@@ -1629,11 +1649,16 @@ int main(int argc, char** argv) {
   // the top-k on given scores: everything, or with --only topk_small the subset a sanitizer run takes
   if (only.empty() || only == "topk" || only == "topk_small") test_topk_rows(g_log, topk_seed, only == "topk_small");
   if (selected("decode b=4 ctx 5000 page64 (plan in device memory)")) {
-    setenv("DSACP_INDEXER_INLINE_PLAN", "0", 1);
+    CudaBackendOptions o;
+    o.indexer_inline_plan = false;
     IdxCase device_plan = idx[0];
     device_plan.name = "decode b=4 ctx 5000 page64 (plan in device memory)";
-    run_indexer_case(*gpu, *cpu, device_plan);
-    unsetenv("DSACP_INDEXER_INLINE_PLAN");
+    auto be = make_cuda_backend(0, o);
+    if (be.ok()) {
+      run_indexer_case(**be, *cpu, device_plan);
+    } else {
+      report(false, device_plan.name + ": backend", be.status().to_string());
+    }
   }
 
   std::printf("\n%d checks, %d failures\n", g_log.checks(), g_log.failures());

@@ -49,6 +49,7 @@ CommandSpec replay_spec() {
       {"--index-scale-mode", "fp32|ue8m0", "the FP8 scale rule used when quantizing (--index-dtype fp8)", "fp32"},
   };
   for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
+  for (const OptionSpec& o : cuda_diagnostic_options()) s.options.push_back(o);
   return s;
 }
 
@@ -126,7 +127,8 @@ Result<OwnedCpComms> nccl_rank_comms(const NcclId& id, const CpLayout& layout, i
 // meets alike (the world size, the case file) are reported by rank 0 and every process returns. CPU ranks talk
 // through MPI; GPU ranks through NCCL on GPU LOCAL_RANK (OMPI_COMM_WORLD_LOCAL_RANK), the NCCL id broadcast
 // over MPI.
-int replay_mpi(const std::string& case_path, const std::string& out_path, const ReplayOptions& options, int threads,
+int replay_mpi(const std::string& case_path, const std::string& out_path, const ReplayOptions& options,
+               const CudaBackendOptions& cuda_options, int threads,
                bool cuda) {
   auto fail = [](const Status& s) { return report_error("replay", s); };
   const CpLayout& layout = options.layout;
@@ -172,7 +174,7 @@ int replay_mpi(const std::string& case_path, const std::string& out_path, const 
     if (Status s = (*world)->broadcast(id.bytes.data(), id.bytes.size(), 0); !s.ok()) return fail(s);
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
     const int device = local != nullptr ? std::atoi(local) : cr;
-    auto backend = make_cuda_backend(device);
+    auto backend = make_cuda_backend(device, cuda_options);
     if (!backend.ok()) {
       (*world)->abort("rank " + std::to_string(cr) + ": " + backend.status().to_string());
       return fail(backend.status().with_context("CP rank " + std::to_string(cr)));
@@ -209,7 +211,7 @@ Result<int64_t> env_int(const char* name, int64_t lo, int64_t hi) {
 // --launcher env: one GPU rank per process, started by another launcher (RANK, WORLD_SIZE, LOCAL_RANK); NCCL
 // id through --nccl-id-file. Every process reports its own errors (prefixed with its rank).
 int replay_env(const std::string& case_path, const std::string& out_path, const ReplayOptions& options,
-               const std::string& id_path) {
+               const CudaBackendOptions& cuda_options, const std::string& id_path) {
   const CpLayout& layout = options.layout;
   auto rank = env_int("RANK", 0, 1 << 20);
   auto size = env_int("WORLD_SIZE", 1, 1 << 20);
@@ -228,7 +230,7 @@ int replay_env(const std::string& case_path, const std::string& out_path, const 
   if (id_path.empty()) return fail(invalid_argument("--launcher env needs --nccl-id-file PATH (shared by every rank)"));
   auto c = case_read(case_path);
   if (!c.ok()) return fail(c.status());
-  auto backend = make_cuda_backend(static_cast<int>(*local));
+  auto backend = make_cuda_backend(static_cast<int>(*local), cuda_options);
   if (!backend.ok()) return fail(backend.status().with_context("LOCAL_RANK " + std::to_string(*local)));
   NcclId id;
   if (*rank == 0) {
@@ -305,17 +307,20 @@ int cmd_replay(const std::vector<std::string>& argv) {
   if (*launcher != "env" && args.has("--nccl-id-file")) {
     return fail(invalid_argument("--nccl-id-file applies to --launcher env"));
   }
-  if (*launcher == "mpi") return replay_mpi(case_path, out_path, options, static_cast<int>(*threads), *device == "cuda");
+  const CudaBackendOptions cuda_options = read_cuda_options(args);
+  if (*launcher == "mpi") {
+    return replay_mpi(case_path, out_path, options, cuda_options, static_cast<int>(*threads), *device == "cuda");
+  }
   if (*launcher == "env") {
     if (*device != "cuda") {
       return fail(unsupported("--launcher env runs GPU ranks (--device cuda); CPU ranks as processes: --launcher mpi"));
     }
-    return replay_env(case_path, out_path, options, args.get("--nccl-id-file").value_or(""));
+    return replay_env(case_path, out_path, options, cuda_options, args.get("--nccl-id-file").value_or(""));
   }
 
   auto c = case_read(case_path);
   if (!c.ok()) return fail(c.status());
-  auto backends = make_rank_backends(*device, *gpus, *layout, static_cast<int>(*threads));
+  auto backends = make_rank_backends(*device, *gpus, *layout, static_cast<int>(*threads), cuda_options);
   if (!backends.ok()) return fail(backends.status());
   auto result = replay_case(backends->ranks, *c, options);
   if (!result.ok()) return fail(result.status().with_context(case_path));

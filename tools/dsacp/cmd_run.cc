@@ -61,6 +61,7 @@ CommandSpec run_spec() {
     if (o.name == "--pcp" || o.name == "--dcp") o.fallback = "2; 1 with --device cuda";
     s.options.push_back(o);
   }
+  for (const OptionSpec& o : cuda_diagnostic_options()) s.options.push_back(o);
   return s;
 }
 
@@ -77,6 +78,7 @@ struct RunConfig {
   bool cuda = false;  // --device cuda
   int64_t gpus = 0;   // --gpus (0 = default)
   uint64_t max_memory = 0;  // --max-memory (0 = what is available)
+  CudaBackendOptions cuda_options;  // --cuda-timeline, --cuda-trace
 };
 
 struct RequestState {
@@ -141,6 +143,7 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   c.seed = static_cast<uint64_t>(seed);
   c.threads = static_cast<int32_t>(threads);
   DSACP_ASSIGN_OR_RETURN(c.layout, read_layout(a, c.cuda ? 1 : 2, c.cuda ? 1 : 2));
+  c.cuda_options = read_cuda_options(a);
   c.json = a.has("--json");
   c.progress = !a.has("--no-progress") && isatty(2);
   return c;
@@ -213,7 +216,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   if (!cfg.cuda) {
     if (Status s = host_memory_check(need, "this workload", cfg.max_memory); !s.ok()) return fail(s);
   }
-  auto backends = make_rank_backends(cfg.cuda ? "cuda" : "cpu", cfg.gpus, cfg.layout, cfg.threads);
+  auto backends = make_rank_backends(cfg.cuda ? "cuda" : "cpu", cfg.gpus, cfg.layout, cfg.threads, cfg.cuda_options);
   if (!backends.ok()) return fail(backends.status());
   if (cfg.cuda) {
     if (Status s = device_memory_check(need, sharding.Pt, backends->ranks, "this workload"); !s.ok()) return fail(s);

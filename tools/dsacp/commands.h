@@ -32,8 +32,13 @@ OptionSpec gpus_option();
 // --max-memory BYTES (run, replay): the most host memory a job may plan to take (its estimate before any
 // allocation); without it, what the host has available.
 OptionSpec max_memory_option();
+// --cuda-timeline, --cuda-trace (run, replay): the CUDA backend's diagnostics (CudaBackendOptions), printed to
+// stderr when the backends go.
+std::vector<OptionSpec> cuda_diagnostic_options();
+CudaBackendOptions read_cuda_options(const ParsedArgs& args);
 // gpus = 0: the default (one per rank when the machine has enough GPUs).
-Result<RankBackends> make_rank_backends(const std::string& device, int64_t gpus, const CpLayout& layout, int threads);
+Result<RankBackends> make_rank_backends(const std::string& device, int64_t gpus, const CpLayout& layout, int threads,
+                                        const CudaBackendOptions& cuda_options = {});
 
 // Prints "dsacp <cmd>: error: <message>" to stderr and returns the exit code for the status
 // (2 for invalid arguments, 1 otherwise).

@@ -36,6 +36,23 @@ OptionSpec max_memory_option() {
           "what is available"};
 }
 
+std::vector<OptionSpec> cuda_diagnostic_options() {
+  return {
+      {"--cuda-timeline", "",
+       "--device cuda: print, for the last step on each GPU, when each backend call and collective was issued "
+       "and when the GPU ran it",
+       ""},
+      {"--cuda-trace", "", "--device cuda: print every backend call's count and host time", ""},
+  };
+}
+
+CudaBackendOptions read_cuda_options(const ParsedArgs& args) {
+  CudaBackendOptions o;
+  o.timeline = args.has("--cuda-timeline");
+  o.call_trace = args.has("--cuda-trace");
+  return o;
+}
+
 Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t default_D) {
   CpLayout layout;
   DSACP_ASSIGN_OR_RETURN(int64_t P, args.get_int("--pcp", default_P, 1, 1024));

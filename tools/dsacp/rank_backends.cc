@@ -14,7 +14,7 @@ OptionSpec gpus_option() {
 }
 
 Result<RankBackends> make_rank_backends(const std::string& device, int64_t gpus, const CpLayout& layout,
-                                        int threads) {
+                                        int threads, const CudaBackendOptions& cuda_options) {
   RankBackends rb;
   const int32_t Pt = std::max(layout.num_ranks(), 1);
   if (device == "cpu") {
@@ -47,7 +47,7 @@ Result<RankBackends> make_rank_backends(const std::string& device, int64_t gpus,
                             " CUDA devices");
   }
   for (int64_t g = 0; g < gpus; ++g) {
-    auto b = make_cuda_backend(static_cast<int>(g));
+    auto b = make_cuda_backend(static_cast<int>(g), cuda_options);
     if (!b.ok()) return b.status().with_context("--device cuda, GPU " + std::to_string(g));
     rb.owned.push_back(std::move(b).value());
   }

@@ -64,10 +64,10 @@ struct Scratch {
   }
 };
 
-// DSACP_CUDA_TRACE=1: every backend call's count and host wall time, printed to stderr when the backend goes
-// (a diagnostic of per-call overheads; calls made inside other calls are counted in both).
+// CudaBackendOptions::call_trace: every backend call's count and host wall time, printed to stderr when the backend
+// goes (a diagnostic of per-call overheads; calls made inside other calls are counted in both).
 struct CallTrace {
-  bool on = std::getenv("DSACP_CUDA_TRACE") != nullptr;
+  bool on = false;
   std::mutex mu;
   std::map<std::string, std::pair<int64_t, double>> calls;
   void add(const char* name, double ms) {
@@ -85,11 +85,6 @@ struct CallTrace {
     }
   }
 };
-
-bool inline_plan_wanted() {
-  const char* knob = std::getenv("DSACP_INDEXER_INLINE_PLAN");
-  return !(knob != nullptr && knob[0] == '0');
-}
 
 class TraceScope {
  public:
@@ -199,7 +194,7 @@ Status device_error_status(const std::string& k, int32_t code, int32_t row) {
       return out_of_range(k + ": row " + r + ": slot outside [0, num_pages*page_size) (and not -1)");
     case cuda::kDevSmemAlign:
       return internal_error(k + ": dynamic shared memory not 1024-byte aligned on this device/driver; "
-                                "DSACP_MLA_KERNEL=wgmma selects the kernel that does not need it");
+                                "CudaBackendOptions::MlaKernel::kMmaSync selects a kernel that does not need it");
     default:
       return internal_error(k + ": unknown device error code " + std::to_string(code));
   }
@@ -207,10 +202,13 @@ Status device_error_status(const std::string& k, int32_t code, int32_t row) {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, int num_sms, std::shared_ptr<StreamBox> box, int32_t* err_dev, int32_t* err_host)
-      : device_(device), num_sms_(num_sms), box_(std::move(box)), stream_(box_->stream), err_dev_(err_dev),
-        err_host_(err_host) {
+  CudaBackend(int device, int num_sms, const CudaBackendOptions& options, std::shared_ptr<StreamBox> box,
+              int32_t* err_dev, int32_t* err_host)
+      : device_(device), num_sms_(num_sms), options_(options), box_(std::move(box)), stream_(box_->stream),
+        err_dev_(err_dev), err_host_(err_host) {
     lanes_[0].set_stream(stream_);
+    trace_.on = options.call_trace;
+    if (options.timeline) cuda::timeline::enable();
     if (cudaMallocHost(&stage_, kStageBytes) != cudaSuccess) {
       (void)cudaGetLastError();
       stage_ = nullptr;  // small copies then use the pageable path
@@ -262,11 +260,10 @@ class CudaBackend final : public Backend {
     }
     if (lanes_[1].stream == nullptr) {
       // The side lane: the device's highest stream priority, so its blocks are scheduled first as SMs free up
-      // (DSACP_CUDA_LANE_PRIORITY=0: the default priority, a diagnostic).
+      // (CudaBackendOptions::side_lane_high_priority off: the default priority, a diagnostic).
       int lowest = 0, highest = 0;
       DSACP_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
-      const char* knob = std::getenv("DSACP_CUDA_LANE_PRIORITY");
-      if (knob != nullptr && std::string(knob) == "0") highest = 0;
+      if (!options_.side_lane_high_priority) highest = 0;
       cudaStream_t side = nullptr;
       DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, highest));
       lanes_[1].set_stream(side);
@@ -492,8 +489,8 @@ class CudaBackend final : public Backend {
       }
       DSACP_RETURN_IF_ERROR(ln.scores.reserve(std::max<size_t>(1, plan.max_score_floats) * sizeof(float)));
       // A small plan (a decode batch) goes in the kernels' parameters: no upload, no expansion launch
-      // (DSACP_INDEXER_INLINE_PLAN=0: always the device plan, an A/B switch).
-      if (cuda::inline_plan_fits(plan, T) && inline_plan_wanted()) {
+      // (CudaBackendOptions::indexer_inline_plan off: always the device plan, an A/B switch).
+      if (cuda::inline_plan_fits(plan, T) && options_.indexer_inline_plan) {
         dev.inl = cuda::make_inline_plan(plan);
       } else {
         TraceScope t3(trace_, "indexer_topk: plan upload");
@@ -527,9 +524,9 @@ class CudaBackend final : public Backend {
 
   Status sparse_mla(const SparseMlaParams& p) override {
     return run_kernel("sparse_mla", [&](const LaunchContext& c) -> Status {
-      DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p));
-      const int splits = cuda::sparse_mla_num_splits(p, num_sms_);
-      const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits);
+      DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p, options_));
+      const int splits = cuda::sparse_mla_num_splits(p, c);
+      const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits, options_);
       Scratch& mla_ws = lane().mla_ws;
       if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws.reserve(static_cast<size_t>(ws) * sizeof(float)));
       return cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws.ptr), c);
@@ -540,7 +537,7 @@ class CudaBackend final : public Backend {
     SparseMlaParams plain = p;
     plain.peer = {};
     DSACP_RETURN_IF_ERROR(Backend::check_sparse_mla(plain));
-    return cuda::sparse_mla_supported(p);
+    return cuda::sparse_mla_supported(p, options_);
   }
 
   Status gather_rows(const GatherRowsParams& p) override {
@@ -610,6 +607,7 @@ class CudaBackend final : public Backend {
     LaunchContext c;
     c.stream = lane().stream;
     c.num_sms = num_sms_;
+    c.options = options_;
     c.error.word = err_dev_;
     if (deferred_ > 0 && kernel != nullptr) {
       if (pending_.size() + 1 >= static_cast<size_t>(kErrorSlots)) {
@@ -715,6 +713,7 @@ class CudaBackend final : public Backend {
   mutable std::recursive_mutex mu_;
   int device_;
   int num_sms_;
+  CudaBackendOptions options_;
   std::shared_ptr<StreamBox> box_;
   cudaStream_t stream_;
   int32_t* err_dev_;   // [kErrorSlots][2] device
@@ -748,7 +747,7 @@ Result<int> cuda_device_count() {
   return count;
 }
 
-Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device, const CudaBackendOptions& options) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -793,7 +792,7 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
     if (err_host != nullptr) (void)cudaFreeHost(err_host);
     return cuda::cuda_status(e, failed, __FILE__, __LINE__);
   }
-  return std::unique_ptr<Backend>(new CudaBackend(device, prop.multiProcessorCount, std::move(box), err_dev, err_host));
+  return std::unique_ptr<Backend>(new CudaBackend(device, prop.multiProcessorCount, options, std::move(box), err_dev, err_host));
 }
 
 }  // namespace dsacp

@@ -3,8 +3,9 @@
 
 namespace dsacp {
 
-Result<std::unique_ptr<Backend>> make_cuda_backend(int device) {
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device, const CudaBackendOptions& options) {
   (void)device;
+  (void)options;
   return unsupported("this dsacp was built without CUDA (configure with -DDSACP_ENABLE_CUDA=ON and nvcc on PATH)");
 }
 

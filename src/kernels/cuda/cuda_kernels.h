@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dsacp/backend.h"
 #include "dsacp/kernel_params.h"
 #include "dsacp/status.h"
 #include "kernels/cuda/common/device_error.h"
@@ -18,6 +19,7 @@ struct LaunchContext {
   cudaStream_t stream = nullptr;
   int num_sms = 132;
   DeviceErrorWord error;  // where kernels record data-dependent errors
+  CudaBackendOptions options;  // the backend's kernel choices
 };
 
 // ---- cache write, fill, merge --------------------------------------------------------------------------------
@@ -52,23 +54,24 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx);
 
 // ---- sparse MLA ----------------------------------------------------------------------------------------------
 // "unsupported" with the supported set when the parameters are outside it.
-Status sparse_mla_supported(const SparseMlaParams& p);
-// How many key splits the launch uses (1 = no split-K): enough CTAs to fill the GPU for small batches.
-int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms);
+Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& o);
+// How many key splits the launch uses (1 = no split-K): enough CTAs to fill the GPU for small batches
+// (ctx.num_sms; ctx.options.mla_splits forces a count).
+int sparse_mla_num_splits(const SparseMlaParams& p, const LaunchContext& ctx);
 // The heads one sparse MLA CTA's tile holds for a head block of block_heads heads: 16 (1..16), 32 (17..32) or 64;
 // a block's last group is partial (masked) where block_heads is not a multiple.
 int mla_head_group(int block_heads);
 // Whether the splits are merged inside the kernel (a cluster of each token's splits: 2..8 splits, 64-head groups
-// unless DSACP_MLA_CLUSTER_MERGE says otherwise); else partials go to a workspace and a merge kernel follows.
-bool sparse_mla_cluster_merge(int splits, int head_group);
+// unless o.mla_cluster_merge says otherwise); else partials go to a workspace and a merge kernel follows.
+bool sparse_mla_cluster_merge(int splits, int head_group, const CudaBackendOptions& o);
 // f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1 or merged in the kernel).
-int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits);
+int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits, const CudaBackendOptions& o);
 Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx);
 // The kernel for 64-head groups (H = 64, 128), both warp-specialized wgmma kernels: 32-key tiles with two pairs in
-// flight for decode (num_tokens < 8 x num_requests), 64-key tiles refilled in parts for prefill; the two-warpgroup
-// wgmma kernel and mma.sync stay for comparison. DSACP_MLA_KERNEL = "ws", "ws32", "wgmma" or "mma" forces one.
-enum class MlaKernel { kWgmmaWs, kWgmmaWs32, kWgmma, kMmaSync };
-MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests);
+// flight for decode (num_tokens < 8 x num_requests), 64-key tiles refilled in parts for prefill; o.mla_kernel
+// forces one, or the mma.sync kernel (for comparison).
+enum class MlaKernel { kWgmmaWs, kWgmmaWs32, kMmaSync };
+MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests, const CudaBackendOptions& o);
 // How a launch covers p's heads (p.H in p.head_blocks blocks), chosen by one rule (sparse_mla_mma.cu): the head
 // group (mla_head_group of a block's heads), the groups a block and a token take, and the kernel (the mma.sync
 // kernel for 16 / 32-head groups and for partial 64-head groups, sparse_mla_kernel_choice for whole ones).
@@ -78,7 +81,7 @@ struct MlaShape {
   int groups = 1;
   MlaKernel kernel = MlaKernel::kMmaSync;
 };
-MlaShape sparse_mla_shape(const SparseMlaParams& p);
+MlaShape sparse_mla_shape(const SparseMlaParams& p, const CudaBackendOptions& o);
 
 // ---- indexer + top-k -----------------------------------------------------------------------------------------
 Status indexer_topk_supported(const IndexerTopkParams& p);

@@ -1,6 +1,7 @@
-// The DSACP_CUDA_TIMELINE diagnostic (timeline.h). Host code only.
+// The CUDA backend's timeline diagnostic (CudaBackendOptions::timeline, timeline.h). Host code only.
 #include "kernels/cuda/common/timeline.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -58,15 +59,13 @@ void recycle(Device& d) {
   d.entries.clear();
 }
 
+std::atomic<bool> g_enabled{false};
+
 }  // namespace
 
-bool enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("DSACP_CUDA_TIMELINE");
-    return v != nullptr && *v != '\0' && *v != '0';
-  }();
-  return on;
-}
+bool enabled() { return g_enabled.load(std::memory_order_relaxed); }
+
+void enable() { g_enabled.store(true, std::memory_order_relaxed); }
 
 void begin_step(int device, cudaStream_t stream) {
   if (!enabled()) return;
@@ -160,7 +159,7 @@ void print_last(int device) {
   std::lock_guard<std::mutex> lock(g_mu);
   Device& d = g_devices[device];
   if (d.last.empty()) return;
-  std::fprintf(stderr, "dsacp timeline of the last step on GPU %d (DSACP_CUDA_TIMELINE):\n%s", device, d.last.c_str());
+  std::fprintf(stderr, "dsacp timeline of the last step on GPU %d:\n%s", device, d.last.c_str());
 }
 
 }  // namespace dsacp::cuda::timeline

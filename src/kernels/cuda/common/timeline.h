@@ -1,7 +1,7 @@
-// DSACP_CUDA_TIMELINE=1: a diagnostic timeline of the last step (deferred-error scope) on each GPU: for every
+// CudaBackendOptions::timeline: a diagnostic timeline of the last step (deferred-error scope) on each GPU: for every
 // backend call and NCCL collective, when the host issued it and when the GPU ran it (CUDA events), on one
 // clock per device starting at the step's first call. Printed to stderr when the backend goes. Off (the
-// default), every function here returns at once.
+// default, until a backend enables it), every function here returns at once.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,6 +9,8 @@
 namespace dsacp::cuda::timeline {
 
 bool enabled();
+// Turns the timeline on for the process (a backend created with CudaBackendOptions::timeline).
+void enable();
 
 // A span being recorded: events around work enqueued on a stream, plus the host time it was issued.
 struct Span {

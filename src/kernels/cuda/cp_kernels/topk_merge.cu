@@ -137,19 +137,11 @@ Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx) {
   const int64_t n = int64_t{p.num_parts} * p.K;
   const int k2 = merge_keys_len(p.K);
   const int keys_len = static_cast<int>(std::max<int64_t>(n, k2));
-  const char* choice = std::getenv("DSACP_TOPK_MERGE");  // "1": the general kernel for every shape (an A/B switch)
-  if (n <= kSmallMax && !(choice != nullptr && choice[0] == '1')) {
+  if (n <= kSmallMax && !ctx.options.topk_merge_general) {
     const size_t small = static_cast<size_t>(k2) * sizeof(uint64_t) + static_cast<size_t>(n) * sizeof(int32_t);
-    // 1024 threads of 4 candidates: b=64, 2 x 2048 (bench_gpu, one H200, session 12) 19.9 us against 20.8 with
-    // 512 threads of 8 (DSACP_TOPK_MERGE_THREADS=512, an A/B switch)
-    const char* threads = std::getenv("DSACP_TOPK_MERGE_THREADS");
-    if (threads != nullptr && std::atoi(threads) == 512) {
-      DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<512, 8>, static_cast<int>(small)));
-      topk_merge_small_kernel<512, 8><<<static_cast<unsigned>(p.num_rows), 512, small, ctx.stream>>>(p, k2, ctx.error);
-    } else {
-      DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<1024, 4>, static_cast<int>(small)));
-      topk_merge_small_kernel<1024, 4><<<static_cast<unsigned>(p.num_rows), 1024, small, ctx.stream>>>(p, k2, ctx.error);
-    }
+    // 1024 threads of 4 candidates (b=64, 2 x 2048 on one H200: 19.9 us against 20.8 with 512 threads of 8)
+    DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(topk_merge_small_kernel<1024, 4>, static_cast<int>(small)));
+    topk_merge_small_kernel<1024, 4><<<static_cast<unsigned>(p.num_rows), 1024, small, ctx.stream>>>(p, k2, ctx.error);
     DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("topk_merge_small_kernel");
     return Status::ok_status();
   }

@@ -314,10 +314,9 @@ Status launch_radix_select_one_cta(const IndexerTopkParams& p, int64_t t0, int64
                                    const LaunchContext& ctx) {
   if (t1 <= t0) return Status::ok_status();
   // rows up to kMaxCacheElems keys keep their rank keys in shared memory after the first pass; longer rows get
-  // room for their boundary bin's keys and positions (DSACP_TOPK_FILTER=0: passes over the row, a diagnostic)
+  // room for their boundary bin's keys and positions
   const int32_t cache_elems = max_len <= kMaxCacheElems ? (max_len + 3) / 4 * 4 : 0;
-  const char* knob = std::getenv("DSACP_TOPK_FILTER");
-  const bool filter = max_len > kMaxCacheElems && !(knob != nullptr && knob[0] == '0');
+  const bool filter = max_len > kMaxCacheElems;
   const int32_t bin_elems = filter ? kMaxBinElems : 0;
   int bytes = std::max(cache_elems * 4, bin_elems * 8);
   if (p.merge.num_rows > 0) {

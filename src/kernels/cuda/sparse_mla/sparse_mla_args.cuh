@@ -56,9 +56,7 @@ __device__ __forceinline__ int64_t mla_head_row(const MlaArgs& a, int64_t t, int
 
 // The Hopper warpgroup-MMA kernels for 64-head groups (H = 64, 128): one CTA per (token, head group, split).
 // wgmma_ws: warp-specialized, a producer warpgroup and a pair of 64-key tiles per step (prefill); wgmma_ws32: the
-// same with 32-key tiles and two pairs in flight (decode); wgmma64: two warpgroups that gather and compute in turn
-// (kept for comparison). sparse_mla_kernel_choice picks.
-Status launch_sparse_mla_wgmma64(const MlaArgs& args, int groups, const LaunchContext& ctx);
+// same with 32-key tiles and two pairs in flight (decode). sparse_mla_kernel_choice picks.
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx);
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx);
 
@@ -301,7 +299,7 @@ __device__ __forceinline__ void mla_cluster_merge(const MlaArgs& a, int64_t t, i
 // mla_peer_merge's sum over the parts (rank order) of rows [row0, row0 + kRows) into a.out, from global memory,
 // by threads [0, kThreads) of the CTA: 8 columns a chunk, kBatch chunks a thread at a time, every load of a
 // part's batch issued before any of them is used (one dependent 8-byte load at a time took the merge 13 us of the
-// 2-GPU DCP decode step: session 15). A part whose weight is 0 is not read. The sums are the same, in the same
+// 2-GPU DCP decode step). A part whose weight is 0 is not read. The sums are the same, in the same
 // order, as one column at a time.
 template <int kRows, int kThreads>
 __device__ __forceinline__ void mla_peer_merge_rows(const MlaArgs& a, const SparseMlaParams::PeerMerge& pm,
@@ -431,7 +429,7 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t 
 // With `stage` (64 KiB of free shared memory, mla_peer_stage_offset; every call site of a kernel passes the same),
 // 2 ranks, bf16 parts and a bf16 out at 16-byte aligned addresses, the receiver copies the peer's rows into
 // `stage` (cp.async, while the weights are computed), merges in shared memory and stores the merged rows with one
-// bulk copy. (On 2 x H200, session 15, the merge of a 64-row block took 13 us with per-thread global loads one
+// bulk copy. (On 2 x H200 the merge of a 64-row block took 13 us with per-thread global loads one
 // at a time, 11.7 with 8 loads in flight a thread, ~6 staged.) Otherwise the rows are summed from global memory by threads
 // [0, kMergeThreads) of the call site (the warp-specialized kernels: their consumer warpgroups, 256 threads; their
 // producer's call site passes 0: it has 56 registers after setmaxnreg).

@@ -16,12 +16,12 @@
 //             HG = 64; 16x8 blocks on all 8 warps for HG <= 32, the 576-long reduction split in two for HG = 16),
 //             online softmax (exp2, running max and sum per row), P (bf16) to shared memory, then O += P V by
 //             mma with O [16, 512/CS] held in registers by each warp (warp = row tile x column slice).
-// Used for H = 16 and 32 (and for 64-head groups with DSACP_MLA_KERNEL=mma); sparse_mla_wgmma_ws32.cu (decode)
+// Used for H = 16 and 32 (and for 64-head groups with CudaBackendOptions::MlaKernel::kMmaSync); sparse_mla_wgmma_ws32.cu (decode)
 // and sparse_mla_wgmma_ws.cu (prefill) are the defaults for 64-head groups.
 //   epilogue  out = O / l, lse = m + ln l; with split-K, the normalized partials and their LSE are merged by the
 //             cluster of the token's splits through shared memory (mla_cluster_merge: up to 8 splits, the default
 //             for 64-head groups), or go to a workspace that launch_lse_merge combines (16 / 32-head groups, more
-//             than 8 splits; DSACP_MLA_CLUSTER_MERGE=1 / 0 forces either).
+//             than 8 splits; CudaBackendOptions::mla_cluster_merge forces either).
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
 // unused cache slots never reaches the result. A token with no used entry gives out = 0, lse = -inf.
 #include <cuda_bf16.h>
@@ -353,17 +353,17 @@ int split_len_for(int K, int splits) {
 
 }  // namespace
 
-MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests) {
-  const char* v = std::getenv("DSACP_MLA_KERNEL");
-  const std::string k = v == nullptr ? "" : v;
-  if (k == "mma") return MlaKernel::kMmaSync;
-  if (k == "wgmma") return MlaKernel::kWgmma;
-  if (k == "ws") return MlaKernel::kWgmmaWs;
-  if (k == "ws32") return MlaKernel::kWgmmaWs32;
+MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests, const CudaBackendOptions& o) {
+  switch (o.mla_kernel) {
+    case CudaBackendOptions::MlaKernel::kMmaSync: return MlaKernel::kMmaSync;
+    case CudaBackendOptions::MlaKernel::kWgmmaWs: return MlaKernel::kWgmmaWs;
+    case CudaBackendOptions::MlaKernel::kWgmmaWs32: return MlaKernel::kWgmmaWs32;
+    case CudaBackendOptions::MlaKernel::kAuto: break;
+  }
   // Decode (few tokens per request: every gather is new) runs the 32-key-tile kernel, whose two pairs of tiles in
   // flight hide the gathers; prefill (many tokens share a request's keys, the gathers hit L2) runs the 64-key-tile
-  // kernel, whose QK^T reads less shared memory per key (BENCHMARKS.md, session 7: decode h=128 0.1016 against
-  // 0.1060 ms, prefill 413 against 424 TFLOP/s).
+  // kernel, whose QK^T reads less shared memory per key (one H200: decode h=128 0.1016 against 0.1060 ms,
+  // prefill 413 against 424 TFLOP/s).
   return num_tokens >= 8 * std::max<int64_t>(1, num_requests) ? MlaKernel::kWgmmaWs : MlaKernel::kWgmmaWs32;
 }
 
@@ -374,7 +374,7 @@ MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests) {
 // partial ones (bh = 48, 96, ...: one key pass a 64-head group) the mma.sync kernel, whose rows are masked.
 int mla_head_group(int block_heads) { return block_heads <= 16 ? 16 : block_heads <= 32 ? 32 : 64; }
 
-MlaShape sparse_mla_shape(const SparseMlaParams& p) {
+MlaShape sparse_mla_shape(const SparseMlaParams& p, const CudaBackendOptions& o) {
   MlaShape s;
   const int bh = p.head_blocks >= 1 ? p.H / p.head_blocks : p.H;
   s.head_group = mla_head_group(bh);
@@ -382,11 +382,11 @@ MlaShape sparse_mla_shape(const SparseMlaParams& p) {
   s.groups = std::max(1, p.head_blocks) * s.block_groups;
   s.kernel = s.head_group < 64 || bh % 64 != 0
                  ? MlaKernel::kMmaSync
-                 : sparse_mla_kernel_choice(p.rows.num_tokens, p.block_table.num_requests);
+                 : sparse_mla_kernel_choice(p.rows.num_tokens, p.block_table.num_requests, o);
   return s;
 }
 
-Status sparse_mla_supported(const SparseMlaParams& p) {
+Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& o) {
   const std::string supported =
       " (CUDA sparse_mla supports H >= 1 in head blocks of any size, Dl = 512, Dr = 64, bf16 q_nope/q_rope/latent/"
       "rope, f32 or bf16 out, page_size 1..1024, num_pages * page_size < 2^31)";
@@ -412,7 +412,7 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
     return unsupported("sparse_mla: num_pages * page_size=" + std::to_string(p.latent.num_pages * p.latent.page_size) +
                        supported);
   }
-  const MlaShape shape = sparse_mla_shape(p);
+  const MlaShape shape = sparse_mla_shape(p, o);
   if (p.rows.num_tokens * shape.groups >= (int64_t{1} << 31)) {
     return unsupported("sparse_mla: T * head groups >= 2^31 (CUDA grid limit)" + supported);
   }
@@ -444,14 +444,15 @@ Status sparse_mla_supported(const SparseMlaParams& p) {
   return Status::ok_status();
 }
 
-int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
+int sparse_mla_num_splits(const SparseMlaParams& p, const LaunchContext& ctx) {
   if (p.peer.sync.active()) return 1;  // the merge across ranks runs in the CTA of the whole key list
-  const MlaShape shape = sparse_mla_shape(p);
+  const MlaShape shape = sparse_mla_shape(p, ctx.options);
+  const int num_sms = ctx.num_sms;
   const int64_t ctas = p.rows.num_tokens * shape.groups;
   const int64_t slots = static_cast<int64_t>(num_sms) * (shape.head_group == 16 ? ctas_per_sm_for<16>() : 1);  // CTAs at once
   int splits = 1;
   if (ctas > 0 && ctas * 3 / 2 < slots) splits = static_cast<int>((slots + ctas / 2) / ctas);
-  if (const char* v = std::getenv("DSACP_MLA_SPLITS")) splits = std::max(1, std::atoi(v));  // tuning override
+  if (ctx.options.mla_splits > 0) splits = ctx.options.mla_splits;
   // at least 64 keys per split, at most kMaxSplitKeys
   splits = std::max(1, std::min(splits, std::max(1, p.K / 64)));
   splits = std::min(splits, 64);
@@ -462,20 +463,22 @@ int sparse_mla_num_splits(const SparseMlaParams& p, int num_sms) {
 // Split-K merged inside the kernel by a cluster of the token's splits: by default for 64-head groups (the wgmma
 // kernels, one CTA an SM: decode h=64 0.0698 -> 0.0679 ms), not for the mma.sync kernel of 16 / 32-head groups
 // (two CTAs an SM for h=16, where clusters of 4 ran 0.063 -> 0.084 ms: the merge kernel stays). Never past a
-// portable cluster (8 splits). DSACP_MLA_CLUSTER_MERGE=1 / 0 forces it on / off (tests, comparisons).
-bool sparse_mla_cluster_merge(int splits, int head_group) {
+// portable cluster (8 splits). o.mla_cluster_merge forces it on / off (tests, comparisons).
+bool sparse_mla_cluster_merge(int splits, int head_group, const CudaBackendOptions& o) {
   if (splits < 2 || splits > kMlaMaxClusterSplits) return false;
-  if (const char* v = std::getenv("DSACP_MLA_CLUSTER_MERGE")) return std::string(v) != "0";
+  if (o.mla_cluster_merge != CudaBackendOptions::Choice::kAuto) {
+    return o.mla_cluster_merge == CudaBackendOptions::Choice::kOn;
+  }
   return head_group == 64;
 }
 
-int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits) {
-  if (splits <= 1 || sparse_mla_cluster_merge(splits, sparse_mla_shape(p).head_group)) return 0;
+int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits, const CudaBackendOptions& o) {
+  if (splits <= 1 || sparse_mla_cluster_merge(splits, sparse_mla_shape(p, o).head_group, o)) return 0;
   return static_cast<int64_t>(splits) * p.rows.num_tokens * p.H * (kDl + 1);
 }
 
 Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx) {
-  DSACP_RETURN_IF_ERROR(sparse_mla_supported(p));
+  DSACP_RETURN_IF_ERROR(sparse_mla_supported(p, ctx.options));
   if (p.rows.num_tokens == 0) return Status::ok_status();
   MlaArgs a{};
   a.request = p.rows.request;
@@ -491,7 +494,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   a.T = p.rows.num_tokens;
   a.H = p.H;
   a.block_heads = p.H / p.head_blocks;
-  const MlaShape shape = sparse_mla_shape(p);
+  const MlaShape shape = sparse_mla_shape(p, ctx.options);
   a.block_groups = shape.block_groups;
   a.groups = shape.groups;
   a.K = p.K;
@@ -504,7 +507,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   if (a.split_len > kMaxSplitKeys) return internal_error("sparse_mla: split of more than 2048 keys");
   a.scale_log2 = p.scale * kLog2e;
   a.out_bf16 = p.out_dtype == DType::kBF16;
-  a.cluster_merge = sparse_mla_cluster_merge(a.splits, shape.head_group);
+  a.cluster_merge = sparse_mla_cluster_merge(a.splits, shape.head_group, ctx.options);
   a.err = ctx.error;
   a.peer = p.peer;
   if (p.peer.sync.active() && a.splits != 1) {
@@ -525,7 +528,6 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
       switch (shape.kernel) {
         case MlaKernel::kWgmmaWs: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma_ws(a, groups, ctx)); break;
         case MlaKernel::kWgmmaWs32: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma_ws32(a, groups, ctx)); break;
-        case MlaKernel::kWgmma: DSACP_RETURN_IF_ERROR(launch_sparse_mla_wgmma64(a, groups, ctx)); break;
         case MlaKernel::kMmaSync: DSACP_RETURN_IF_ERROR(launch_hg<64>(a, groups, ctx)); break;
       }
       break;
