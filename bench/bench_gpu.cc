@@ -323,6 +323,18 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
         }
       },
       reps, g_ctx.stream);
+  // the persistent wgmma score kernel on the same plan, where it applies (off by default: side by side)
+  double ms_wgmma = -1;
+  if (indexer_scores_wgmma_applies(p, plan->chunks.front().max_group_tokens)) {
+    ms_wgmma = time_ms(
+        [&] {
+          for (const auto& ch : plan->chunks) {
+            CS(launch_indexer_scores_wgmma(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin,
+                                           ch.max_group_tokens, dev.score_offset, dev.scores, dev.inl, g_ctx));
+          }
+        },
+        reps, g_ctx.stream);
+  }
   // the top-k alone on the scores of the last chunk (all of them for one chunk; the scores stay as computed)
   const auto& last = plan->chunks.back();
   const double ms_topk = time_ms(
@@ -334,9 +346,13 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   const double key_row = fp8 ? Di + 4.0 : Di * 2.0;
   const double key_bytes = static_cast<double>(num_requests) * total * key_row;
   const double bytes = key_bytes + T * Hi * Di * (fp8 ? 1.0 : 2.0) + T * Hi * (fp8 ? 8.0 : 4.0) + T * K * 4.0;
-  char extra[200];
+  char extra[240];
   std::snprintf(extra, sizeof extra, "scores only %.4f ms, top-k alone %.4f ms (last chunk), chunks=%zu", ms_scores,
                 ms_topk, plan->chunks.size());
+  if (ms_wgmma >= 0) {
+    const size_t n = std::strlen(extra);
+    std::snprintf(extra + n, sizeof extra - n, ", wgmma scores kernel %.4f ms", ms_wgmma);
+  }
   record(name, ms, flops, bytes, extra);
   if (q_scale != nullptr) CK(cudaFree(q_scale));
   for (void* q : {const_cast<void*>(p.q), p.keys.data, static_cast<void*>(p.topk), static_cast<void*>(dev.scores),
@@ -550,7 +566,6 @@ int main(int argc, char** argv) {
       const std::string h = " Hi=" + std::to_string(hi);
       for (const int64_t ctx : {32768, 65536, 131072}) {
         for (const int nn : {1, 2, 4}) {
-          if (hi == 32 && nn > 1) continue;
           bench_indexer("indexer_fp8 decode b=64 ctx" + std::to_string(ctx / 1024) + "K next_n=" + std::to_string(nn) +
                             h,
                         64, ctx - nn, nn, reps, hi, true);
@@ -558,6 +573,10 @@ int main(int argc, char** argv) {
       }
       bench_indexer("indexer_fp8 prefill T=8192 causal" + h, 1, 0, 8192, std::max(3, reps / 4), hi, true);
     }
+  }
+  // One FP8 decode row alone (32K, next_n 1, Hi = 64), for a profiler run of the score kernel; only when asked for.
+  if (!only.empty() && want("fp8_score_probe")) {
+    bench_indexer("fp8_score_probe decode b=64 ctx32K next_n=1 Hi=64", 64, 32768 - 1, 1, reps, 64, true);
   }
   if (want("indexer_bf16_hi32")) {
     bench_indexer("indexer_bf16_hi32 decode b=64 ctx32K Hi=32", 64, 32768 - 1, 1, reps, 32);

@@ -290,6 +290,9 @@ Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,
                              const InlinePlan& inl, const LaunchContext& ctx) {
   if (num_items == 0) return Status::ok_status();
+  if (kScoresWgmmaByDefault && indexer_scores_wgmma_applies(p, max_group_tokens)) {
+    return launch_indexer_scores_wgmma(p, items, num_items, max_group_tokens, score_offset, scores, inl, ctx);
+  }
   ScoreArgs a{};  // (a.inl zeroed: the device plan)
   if (inl.num_groups > 0) a.inl = inl;
   a.items = items;
