@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -13,17 +12,6 @@
 
 namespace dsacp {
 namespace {
-
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // The value of an e4m3 (fn) code from its definition: bias 7, subnormals at exponent 0, S.1111.111 = NaN.
 double e4m3_value(int code) {
@@ -106,13 +94,13 @@ TEST(Fp8, ConversionMatchesBruteForceNearestEven) {
   for (uint64_t i = 0; i < 200000; ++i) {
     const uint32_t r = static_cast<uint32_t>(counter_hash(0xf8, 1, i));
     const uint32_t e = 100 + (r >> 24) % 40;  // 2^-27 .. 2^12
-    xs.push_back(from_bits((r & 0x807fffffu) | (e << 23)));
+    xs.push_back(fp8_bits_f32((r & 0x807fffffu) | (e << 23)));
   }
   int bad = 0;
   for (float x : xs) {
     const uint8_t want = brute_e4m3(x), got = f32_to_e4m3(x);
     if (want != got && ++bad < 10)
-      ADD_FAILURE() << "x=" << x << " (0x" << std::hex << bits(x) << "): want 0x" << int(want) << ", got 0x"
+      ADD_FAILURE() << "x=" << x << " (0x" << std::hex << fp8_f32_bits(x) << "): want 0x" << int(want) << ", got 0x"
                     << int(got);
   }
   EXPECT_EQ(bad, 0);
