@@ -407,7 +407,7 @@ Status launch_cluster_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, i
   return Status::ok_status();
 }
 
-// The default form: the cluster kernel with C CTAs a row, C the largest of 1, 2, 4, 8 that keeps rows x C within
+// The default form (kDefaultTopkForm, the cluster kernel) with C CTAs a row, C the largest of 1, 2, 4, 8 that keeps rows x C within
 // about four CTAs per SM and gives every CTA at least 2048 keys of the longest row.
 Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                         const int64_t* score_offset, const float* scores, const InlinePlan& inl,
@@ -423,6 +423,8 @@ Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int3
     c = 1;
     while (c < 8 && rows * (c * 2) <= slots && int64_t{max_len} >= int64_t{c} * 2 * 2048) c *= 2;
   }
+  const TopkForm form = opt.form == TopkForm::kAuto ? kDefaultTopkForm : opt.form;
+  if (form == TopkForm::kRegister) return launch_register_topk(p, t0, t1, max_len, score_offset, scores, inl, ctx, c);
   return launch_cluster_topk(p, t0, t1, max_len, score_offset, scores, inl, ctx, c, opt.cache);
 }
 
