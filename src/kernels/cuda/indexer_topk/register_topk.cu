@@ -19,11 +19,16 @@
 //   3. One block scan of the threads' (> u*, == u*) counts plus the CTAs' totals exchanged in the cluster give every
 //      thread its first output index; the thread walks its own chunk in position order and writes each taken
 //      position i at G(i) + min(E(i), need): ascending, front-packed, ties to the lower positions.
-// Rows with key_len <= K are 0..n-1 then -1.
+// Rows with key_len <= K are 0..n-1 then -1. The cluster size (register_topk_cluster) is the largest whose clusters
+// all fit one wave: every CTA's chain of passes and barriers is about as long whatever its slice, so a second wave
+// (64 rows of 8-CTA clusters: an H200 holds 62 at once) costs a whole chain again.
+// What bounds it (ncu, b = 64 x 32K, C = 8): not bytes (DRAM 3.5%) but each warp's serial chain of ~2K instructions
+// at ~14 cycles, a third of them waiting at CTA barriers (docs/design/2026-12-02-topk.md).
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <string>
 
 #include "kernels/cuda/common/cuda_check.h"
@@ -37,7 +42,8 @@ namespace cg = cooperative_groups;
 constexpr int kT = 256;
 constexpr int kW = kT / 32;
 constexpr int kBins = 2048;
-constexpr int kRegKeys = 16;  // keys a thread holds in registers (a slice of up to kT * kRegKeys keys)
+constexpr int kRegKeys = 32;  // rank keys a thread holds in registers (a slice of up to kT * kRegKeys keys)
+constexpr int kMinBlocks = 3;  // CTAs an SM (80 registers a thread): a b = 64 decode's 4-CTA clusters in one wave
 constexpr int kMaxC = 8;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kCap = kRegisterTopkCandidates;
@@ -50,10 +56,11 @@ __device__ __forceinline__ uint32_t rank_key(float s) {
   return u == 0u ? 1u : u;
 }
 
-// The first digit: monotone in rank_key (rounding toward zero is monotone; -0 is made +0 first), NaN alone in bin 0.
-__device__ __forceinline__ uint32_t first_digit(float s) {
-  if (s != s) return 0u;
-  if (s == 0.f) s = 0.f;
+// The first digit of rank key u: the fp16 order key of the float u stands for (NaN: u = 0, bin 0 alone; -0 is +0 in
+// u), rounded toward zero: monotone in u, since rounding is.
+__device__ __forceinline__ uint32_t first_digit(uint32_t u) {
+  if (u == 0u) return 0u;
+  const float s = __uint_as_float((u & 0x80000000u) ? (u ^ 0x80000000u) : ~u);
   uint32_t h = __half_as_ushort(__float2half_rz(s));
   h = (h & 0x8000u) ? (~h & 0xffffu) : (h | 0x8000u);
   return h >> 5;
@@ -68,10 +75,10 @@ __device__ __forceinline__ float4 load4(const float* p, int32_t avail) {
   return r;
 }
 
-// Calls f(s, i) for each key i < clen of the thread's chunk: from the registers v (REG), else read from `chunk` 16 at
-// a time (four 16-byte loads in flight).
+// Calls f(u, i) for each key i < clen of the thread's chunk, u its rank key: from the registers v (REG), else read
+// from `chunk` 16 at a time (four 16-byte loads in flight).
 template <bool REG, class F>
-__device__ __forceinline__ void walk(const float (&v)[kRegKeys], const float* chunk, int32_t clen, F&& f) {
+__device__ __forceinline__ void walk(const uint32_t (&v)[kRegKeys], const float* chunk, int32_t clen, F&& f) {
   if constexpr (REG) {
 #pragma unroll
     for (int i = 0; i < kRegKeys; ++i) {
@@ -85,10 +92,10 @@ __device__ __forceinline__ void walk(const float (&v)[kRegKeys], const float* ch
       for (int q = 0; q < 4; ++q) x[q] = load4(chunk + i0 + 4 * q, clen - i0 - 4 * q);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        if (i0 + 4 * q + 0 < clen) f(x[q].x, i0 + 4 * q + 0);
-        if (i0 + 4 * q + 1 < clen) f(x[q].y, i0 + 4 * q + 1);
-        if (i0 + 4 * q + 2 < clen) f(x[q].z, i0 + 4 * q + 2);
-        if (i0 + 4 * q + 3 < clen) f(x[q].w, i0 + 4 * q + 3);
+        if (i0 + 4 * q + 0 < clen) f(rank_key(x[q].x), i0 + 4 * q + 0);
+        if (i0 + 4 * q + 1 < clen) f(rank_key(x[q].y), i0 + 4 * q + 1);
+        if (i0 + 4 * q + 2 < clen) f(rank_key(x[q].z), i0 + 4 * q + 2);
+        if (i0 + 4 * q + 3 < clen) f(rank_key(x[q].w), i0 + 4 * q + 3);
       }
     }
   }
@@ -97,7 +104,7 @@ __device__ __forceinline__ void walk(const float (&v)[kRegKeys], const float* ch
 // As walk, but every thread of the CTA runs the same iterations (i < ch, the same in every thread; ok = i < clen), so
 // warp-wide votes inside f are safe.
 template <bool REG, class F>
-__device__ __forceinline__ void walk_all(const float (&v)[kRegKeys], const float* chunk, int32_t ch, int32_t clen,
+__device__ __forceinline__ void walk_all(const uint32_t (&v)[kRegKeys], const float* chunk, int32_t ch, int32_t clen,
                                          F&& f) {
   if constexpr (REG) {
 #pragma unroll
@@ -106,10 +113,10 @@ __device__ __forceinline__ void walk_all(const float (&v)[kRegKeys], const float
 #pragma unroll 1
     for (int32_t i0 = 0; i0 < ch; i0 += 4) {
       const float4 x = load4(chunk + i0, clen - i0);
-      f(x.x, i0 < clen);
-      f(x.y, i0 + 1 < clen);
-      f(x.z, i0 + 2 < clen);
-      f(x.w, i0 + 3 < clen);
+      f(rank_key(x.x), i0 < clen);
+      f(rank_key(x.y), i0 + 1 < clen);
+      f(rank_key(x.z), i0 + 2 < clen);
+      f(rank_key(x.w), i0 + 3 < clen);
     }
   }
 }
@@ -258,7 +265,7 @@ __device__ __forceinline__ int2 block_scan2(Smem& sm, int32_t a, int32_t b) {
 }
 
 template <bool REG>
-__global__ void __launch_bounds__(kT, 4)
+__global__ void __launch_bounds__(kT, kMinBlocks)
     register_topk_kernel(const float* __restrict__ scores, const int64_t* __restrict__ score_offset,
                          const int32_t* __restrict__ key_len, int64_t t0, int32_t K, int32_t* __restrict__ topk,
                          float* __restrict__ topk_scores, const __grid_constant__ InlinePlan inl) {
@@ -287,22 +294,22 @@ __global__ void __launch_bounds__(kT, 4)
   const int32_t c0 = min(len, tid * ch), clen = min(len, c0 + ch) - c0;
   const float* chunk = row + lo + c0;
 
-  float v[kRegKeys];
+  uint32_t v[kRegKeys];  // REG: the chunk's rank keys
   if constexpr (REG) {
 #pragma unroll
     for (int q = 0; q < kRegKeys / 4; ++q) {
       const float4 x = load4(chunk + 4 * q, clen - 4 * q);
-      v[4 * q] = x.x;
-      v[4 * q + 1] = x.y;
-      v[4 * q + 2] = x.z;
-      v[4 * q + 3] = x.w;
+      v[4 * q] = rank_key(x.x);
+      v[4 * q + 1] = rank_key(x.y);
+      v[4 * q + 2] = rank_key(x.z);
+      v[4 * q + 3] = rank_key(x.w);
     }
   }
   // 1. the first digit
 #pragma unroll 1
   for (int i = tid; i < kBins; i += kT) sm.hist[i] = 0;
   __syncthreads();
-  walk<REG>(v, chunk, clen, [&](float s, int32_t) { atomicAdd(&sm.hist[first_digit(s)], 1u); });
+  walk<REG>(v, chunk, clen, [&](uint32_t u, int32_t) { atomicAdd(&sm.hist[first_digit(u)], 1u); });
   __syncthreads();
   const Found f1 = cluster_find(sm, kBins, static_cast<uint32_t>(K), C, rank);
   const uint32_t b1 = f1.bin;
@@ -311,8 +318,8 @@ __global__ void __launch_bounds__(kT, 4)
 
   // 2. the thread's keys above b1, and its keys in b1 compacted (when they fit)
   int32_t g = 0, e = 0;
-  walk<REG>(v, chunk, clen, [&](float s, int32_t) {
-    const uint32_t d = first_digit(s);
+  walk<REG>(v, chunk, clen, [&](uint32_t u, int32_t) {
+    const uint32_t d = first_digit(u);
     g += d > b1;
     e += d == b1;
   });
@@ -321,8 +328,8 @@ __global__ void __launch_bounds__(kT, 4)
   if (compact) {
     my_off = block_scan2(sm, e, 0).x;
     int32_t w = my_off;
-    walk<REG>(v, chunk, clen, [&](float s, int32_t) {
-      if (first_digit(s) == b1) sm.cand[w++] = rank_key(s);
+    walk<REG>(v, chunk, clen, [&](uint32_t u, int32_t) {
+      if (first_digit(u) == b1) sm.cand[w++] = u;
     });
     if (tid == 0) sm.cnt = static_cast<uint32_t>(sm.tot[0]);
     cl.sync();  // every CTA's candidates and count are there
@@ -380,9 +387,8 @@ __global__ void __launch_bounds__(kT, 4)
 #pragma unroll 1
       for (int i = tid; i < nb; i += kT) sm.hist[i] = 0;
       __syncthreads();
-      walk_all<REG>(v, chunk, ch, clen, [&](float s, bool ok) {
-        const uint32_t u = rank_key(s);
-        const bool part = ok && first_digit(s) == b1 && (u & mask) == prefix;
+      walk_all<REG>(v, chunk, ch, clen, [&](uint32_t u, bool ok) {
+        const bool part = ok && first_digit(u) == b1 && (u & mask) == prefix;
         const uint32_t d = (u >> shift) & dm;
         const uint32_t peers = __match_any_sync(kFull, part ? d : 0x10000u + lane);  // equal digits: one atomic
         if (part && lane == __ffs(peers) - 1) atomicAdd(&sm.hist[d], __popc(peers));
@@ -395,8 +401,7 @@ __global__ void __launch_bounds__(kT, 4)
     }
     int32_t eq = 0;
     g = 0;
-    walk<REG>(v, chunk, clen, [&](float s, int32_t) {
-      const uint32_t u = rank_key(s);
+    walk<REG>(v, chunk, clen, [&](uint32_t u, int32_t) {
       g += u > prefix;
       eq += u == prefix;
     });
@@ -427,8 +432,7 @@ __global__ void __launch_bounds__(kT, 4)
   }
   int32_t G = base.x, E = base.y;
   const int32_t pos0 = lo + c0;
-  walk<REG>(v, chunk, clen, [&](float s, int32_t i) {
-    const uint32_t u = rank_key(s);
+  walk<REG>(v, chunk, clen, [&](uint32_t u, int32_t i) {
     int32_t at = -1;
     if (u > thr) {
       at = G + min(E, need);
@@ -439,13 +443,62 @@ __global__ void __launch_bounds__(kT, 4)
     }
     if (at >= 0) {
       out[at] = pos0 + i;
-      if (out_scores != nullptr) out_scores[at] = s;
+      if (out_scores != nullptr) out_scores[at] = __ldg(chunk + i);  // the score bit for bit (u has no -0, NaN bits)
     }
   });
   if (C > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");  // no CTA exits while read
 }
 
+// The launch of `rows` rows with `cluster` CTAs each (cfg's attribute array is attr).
+void make_config(cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attr, int64_t rows, int cluster, cudaStream_t stream) {
+  cfg = cudaLaunchConfig_t{};
+  cfg.gridDim = dim3(static_cast<unsigned>(rows * cluster));
+  cfg.blockDim = dim3(kT);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+}
+
+bool in_registers(int32_t max_len, int cluster) {
+  const int64_t slice = ((int64_t{max_len} + cluster - 1) / cluster + 3) / 4 * 4;
+  return slice <= int64_t{kT} * kRegKeys;
+}
+
+// How many clusters of `cluster` CTAs of the kernel the device holds at once (the placement of clusters on the
+// GPCs leaves fewer than SMs x CTAs an SM / cluster: 62 of 8 CTAs on an H200 at 4 CTAs an SM). Asked once a form.
+int max_active_clusters(bool reg, int cluster, cudaStream_t stream) {
+  static std::atomic<int> cache[2][4] = {{-1, -1, -1, -1}, {-1, -1, -1, -1}};
+  const int ci = cluster == 1 ? 0 : cluster == 2 ? 1 : cluster == 4 ? 2 : 3;
+  std::atomic<int>& n = cache[reg ? 1 : 0][ci];
+  if (n.load() < 0) {
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr[1];
+    make_config(cfg, attr, 1, cluster, stream);
+    int got = 0;
+    const cudaError_t e = reg ? cudaOccupancyMaxActiveClusters(&got, register_topk_kernel<true>, &cfg)
+                              : cudaOccupancyMaxActiveClusters(&got, register_topk_kernel<false>, &cfg);
+    n.store(e == cudaSuccess ? got : 0);
+  }
+  return n.load();
+}
+
 }  // namespace
+
+int register_topk_cluster(int64_t rows, int32_t max_len, const LaunchContext& ctx) {
+  // The largest C whose clusters all run in one wave, each CTA with at least 2048 keys of the longest row: every
+  // CTA's chain of passes and barriers is the same length whatever its slice, so a second wave doubles the time
+  // (measured at b = 64: C = 8 takes two waves and is slower than C = 4 at 32K, 64K and 128K).
+  for (int c = 8; c >= 2; c /= 2) {
+    if (int64_t{max_len} < int64_t{c} * 2048) continue;
+    if (rows <= max_active_clusters(in_registers(max_len, c), c, ctx.stream)) return c;
+  }
+  return 1;
+}
 
 Status launch_register_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                             const int64_t* score_offset, const float* scores, const InlinePlan& inl,
@@ -458,21 +511,10 @@ Status launch_register_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, 
   if (rows * cluster >= (int64_t{1} << 31)) {
     return unsupported("register top-k: rows x cluster=" + std::to_string(rows * cluster) + "; expected < 2^31");
   }
-  const int64_t slice = ((int64_t{max_len} + cluster - 1) / cluster + 3) / 4 * 4;
-  const bool reg = slice <= int64_t{kT} * kRegKeys;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows * cluster));
-  cfg.blockDim = dim3(kT);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = ctx.stream;
+  cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  auto kernel = reg ? register_topk_kernel<true> : register_topk_kernel<false>;
+  make_config(cfg, attr, rows, cluster, ctx.stream);
+  auto kernel = in_registers(max_len, cluster) ? register_topk_kernel<true> : register_topk_kernel<false>;
   DSACP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, scores, score_offset, p.rows.key_len, t0, p.K, p.topk,
                                                 p.topk_scores, inl));
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("register_topk_kernel");
