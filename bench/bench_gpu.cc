@@ -368,8 +368,8 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
 
 // ---- the top-k alone on given scores -------------------------------------------------------------------------
 // Rows of normal scores (an indexer score is a sum of many weighted ReLU terms: close to normal), laid out as the
-// indexer's score buffer, K = 2048; the default form, then the one-CTA kernel and the cluster kernel's sizes and
-// cache modes on the same scores. Bytes: the scores once, the rows out.
+// indexer's score buffer, K = 2048; the default form, then the one-CTA kernel, the cluster kernel's sizes and
+// cache modes, and the register form on the same scores. Bytes: the scores once, the rows out.
 void bench_topk(const std::string& name, const std::vector<int32_t>& lens, int K, int reps, bool variants) {
   const int64_t rows = static_cast<int64_t>(lens.size());
   std::vector<int64_t> offset(rows);
@@ -420,6 +420,12 @@ void bench_topk(const std::string& name, const std::vector<int32_t>& lens, int K
         o.cache = cache;
         vs.push_back({"C=" + std::to_string(c) + (cache < 0 ? " cache auto" : cache ? " cached" : " uncached"), o});
       }
+    }
+    for (int c : {0, 1, 2, 4, 8}) {  // the register form (register_topk.cu), its cluster chosen (0) or given
+      TopkLaunchOptions o;
+      o.form = dsacp::cuda::TopkForm::kRegister;
+      o.cluster = c;
+      vs.push_back({c == 0 ? std::string("register") : "register C=" + std::to_string(c), o});
     }
     for (const V& v : vs) {
       record(name + " [" + v.tag + "]", time_ms([&] { CS(launch_topk_rows(p, 0, rows, max_len, d_offset, d_scores, inl,

@@ -1,5 +1,6 @@
 // GPU top-k on given scores (launch_topk_rows): every form (the default pick, the cluster kernel with 1, 2, 4, 8 CTAs a
-// row, its slices cached in shared memory or read again, the one-CTA kernel) against a host reference of the
+// row, its slices cached in shared memory or read again, the one-CTA kernel, the register form with its cluster
+// chosen or 1, 2, 4, 8 CTAs and its candidate buffer's edge) against a host reference of the
 // contract's canonical rows (K highest by the CPU oracle's rank key: NaN lowest, -0 == +0, ties to the lower
 // position; ascending; -1 padded). Row lengths 0 .. 1M around every boundary (K +- 1, the cache and slice sizes),
 // K 1 .. 4096, random rows from a fresh seed, heavy ties, NaN / +-inf / -0 rows, 1, 64 and 4096 rows a launch,
@@ -25,7 +26,7 @@ namespace {
 
 using cuda::TopkLaunchOptions;
 
-enum class Kind { kRandom, kNarrow, kAllEqual, kSixty, kHostile, kAllNaN, kZeros };
+enum class Kind { kRandom, kNarrow, kAllEqual, kSixty, kHostile, kAllNaN, kZeros, kHalfTied };
 
 const char* kind_name(Kind k) {
   switch (k) {
@@ -36,6 +37,7 @@ const char* kind_name(Kind k) {
     case Kind::kHostile: return "nan-inf-zero";
     case Kind::kAllNaN: return "all-nan";
     case Kind::kZeros: return "+-0";
+    case Kind::kHalfTied: return "half-tied";
   }
   return "?";
 }
@@ -67,6 +69,8 @@ float score(Kind kind, uint64_t seed, uint64_t row, uint64_t i) {
       return std::numeric_limits<float>::quiet_NaN();
     case Kind::kZeros:
       return (h & 1) ? -0.f : 0.f;
+    case Kind::kHalfTied:  // every other key 0.375, the rest spread around it: a crowded boundary bin
+      return (h & 1) ? 0.375f : 0.25f + u * 0.25f;
   }
   return 0.f;
 }
@@ -156,6 +160,21 @@ std::vector<Form> all_forms() {
   TopkLaunchOptions one;
   one.one_cta = true;
   f.push_back({"one-CTA", one});
+  for (int c : {0, 1, 2, 4, 8}) {  // the register form, its cluster chosen (0) or given
+    TopkLaunchOptions o;
+    o.form = cuda::TopkForm::kRegister;
+    o.cluster = c;
+    f.push_back({c == 0 ? std::string("reg") : "reg C=" + std::to_string(c), o});
+  }
+  return f;
+}
+
+// The forms named (a subset of all_forms, in its order).
+std::vector<Form> pick_forms(const std::vector<Form>& all, const std::vector<std::string>& names) {
+  std::vector<Form> f;
+  for (const Form& x : all) {
+    if (std::find(names.begin(), names.end(), x.name) != names.end()) f.push_back(x);
+  }
   return f;
 }
 
@@ -264,7 +283,8 @@ void run_case(CheckLog& log, const std::string& name, int32_t K, const std::vect
 
 void test_topk_rows(CheckLog& log, uint64_t seed, bool small) {
   const std::vector<Form> forms = all_forms();
-  const std::vector<Form> main_forms = {forms[0], forms[2], forms[7], forms[8], forms.back()};  // default, C=1/8
+  const std::vector<Form> main_forms = pick_forms(
+      forms, {"default", "C=1 cached", "C=8 uncached", "C=8 cached", "one-CTA", "reg", "reg C=1", "reg C=8"});
   // Every K over the row lengths around its boundaries and the cache / slice sizes.
   const std::vector<int32_t> ks = small ? std::vector<int32_t>{7, 2048}
                                         : std::vector<int32_t>{1, 7, 512, 1000, 2048, 2049, 4096};
@@ -275,6 +295,17 @@ void test_topk_rows(CheckLog& log, uint64_t seed, bool small) {
     }
     lens.erase(std::remove_if(lens.begin(), lens.end(), [](int32_t n) { return n < 0; }), lens.end());
     run_case(log, "lengths", K, lens, {Kind::kRandom, Kind::kNarrow}, seed + K, small ? main_forms : forms);
+  }
+  // The register form's candidate buffer at its edge: a boundary bin of kRegisterTopkCandidates - 1, exactly that
+  // many, and more keys (the fallback), all tied or half tied around distinct keys.
+  {
+    const int32_t cap = cuda::kRegisterTopkCandidates;
+    const std::vector<Form> reg = pick_forms(forms, {"reg", "reg C=1", "reg C=2", "reg C=8"});
+    for (int32_t K : {7, 2048}) {
+      run_case(log, "candidates", K, {cap - 1, cap, cap + 1, 20000}, {Kind::kAllEqual}, seed + 10 + K, reg);
+      if (!small) run_case(log, "candidates", K, {2 * cap - 2, 2 * cap, 2 * cap + 2, 40001}, {Kind::kHalfTied},
+                           seed + 11 + K, reg);
+    }
   }
   if (small) {
     run_case(log, "ties", 512, {5000, 20000}, {Kind::kAllEqual, Kind::kSixty, Kind::kHostile}, seed + 1, main_forms);

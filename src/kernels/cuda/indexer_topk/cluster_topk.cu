@@ -407,8 +407,9 @@ Status launch_cluster_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, i
   return Status::ok_status();
 }
 
-// The default form: the cluster kernel with C CTAs a row, C the largest of 1, 2, 4, 8 that keeps rows x C within
-// about four CTAs per SM and gives every CTA at least 2048 keys of the longest row.
+// The default form (kDefaultTopkForm: the cluster kernel as set now, C CTAs a row, C the largest of 1, 2, 4, 8 that
+// keeps rows x C within about four CTAs per SM and gives every CTA at least 2048 keys of the longest row), or the
+// form the options name.
 Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                         const int64_t* score_offset, const float* scores, const InlinePlan& inl,
                         const LaunchContext& ctx, const TopkLaunchOptions& opt) {
@@ -416,6 +417,17 @@ Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int3
   // barrier, but that has not run across GPUs yet), take the one-CTA form.
   if (opt.one_cta || p.merge.num_rows > 0 || p.signal.active()) {
     return launch_radix_select_one_cta(p, t0, t1, max_len, score_offset, scores, inl, ctx);
+  }
+  TopkForm form = opt.form;
+  if (form == TopkForm::kAuto) {
+    form = kDefaultTopkForm == TopkForm::kRegister && (opt.cluster > 1 || (opt.cluster <= 0 &&
+                                                       register_topk_cluster(t1 - t0, max_len, ctx) > 1))
+               ? TopkForm::kRegister
+               : TopkForm::kCluster;
+  }
+  if (form == TopkForm::kRegister) {
+    const int c = opt.cluster > 0 ? opt.cluster : register_topk_cluster(t1 - t0, max_len, ctx);
+    return launch_register_topk(p, t0, t1, max_len, score_offset, scores, inl, ctx, c);
   }
   int c = opt.cluster;
   if (c <= 0) {

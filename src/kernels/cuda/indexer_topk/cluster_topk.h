@@ -8,6 +8,21 @@
 
 namespace dsacp::cuda {
 
+// The kernel family of the exact top-k: the cluster kernel (cluster_topk.cu: the slice walked once a digit, in
+// shared memory or L2) or the register form (register_topk.cu: each thread a contiguous chunk, one walk for the first
+// digit, the later digits over the boundary bin's candidates). kAuto = kDefaultTopkForm.
+enum class TopkForm { kAuto = 0, kCluster = 1, kRegister = 2 };
+
+// The form a launch with form = kAuto takes: the one place the default kernel is chosen. kRegister makes the
+// register form the default where its cluster is 2 CTAs or more (decode batches: fewer rows than the clusters the
+// device holds at once); launches of many rows (a prefill's, one CTA a row) keep the cluster kernel, measured faster
+// there.
+inline constexpr TopkForm kDefaultTopkForm = TopkForm::kCluster;
+
+// The register form's candidate buffer (keys of the boundary bin, for the whole cluster of a row); a row whose
+// boundary bin holds more (heavy ties) takes the form's fallback, which walks the chunks for the later digits.
+inline constexpr int kRegisterTopkCandidates = 8192;
+
 // How a top-k launch runs. The default (all fields as below) picks by the rows' count and length; the other
 // values exist for the benchmarks and the tests, which compare the forms on the same scores.
 struct TopkLaunchOptions {
@@ -16,6 +31,8 @@ struct TopkLaunchOptions {
                          // again from L2): -1 = the whole slice where every CTA of the launch stays resident with it
                          // (at most 4 an SM), else none; 0 = none; 1 = as many as one CTA holds
   bool one_cta = false;  // the one-CTA, 1024-thread radix select (the form the fused merge, kMerge, always takes)
+  TopkForm form = TopkForm::kAuto;  // the cluster kernel or the register form (its cluster 0 = register_topk_cluster;
+                                    // cache unused)
 };
 
 // Exact canonical top-k of tokens [t0, t1) (the contract of launch_radix_select_topk), in the form `opt` asks.
@@ -33,5 +50,13 @@ Status launch_radix_select_one_cta(const IndexerTopkParams& p, int64_t t0, int64
 Status launch_cluster_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                            const int64_t* score_offset, const float* scores, const InlinePlan& inl,
                            const LaunchContext& ctx, int cluster, int cache);
+
+// The register form's cluster size for `rows` rows of at most max_len keys (cluster = 0 in TopkLaunchOptions).
+int register_topk_cluster(int64_t rows, int32_t max_len, const LaunchContext& ctx);
+
+// The register form (register_topk.cu): `cluster` CTAs of 256 threads per row (1, 2, 4 or 8).
+Status launch_register_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
+                            const int64_t* score_offset, const float* scores, const InlinePlan& inl,
+                            const LaunchContext& ctx, int cluster);
 
 }  // namespace dsacp::cuda
