@@ -38,6 +38,10 @@ struct CaseFile {
   Tensor idx_k_scale;      // [T]
   Tensor ctx_idx_k_scale;  // [sum C]
   bool index_fp8() const { return idx_k.dtype() == DType::kF8E4M3 && idx_k.data() != nullptr; }
+  // The fp8_ds_mla latent cache: ctx_kv_latent F8_E4M3 with one F32 scale a 128-value tile (positive, finite;
+  // empty otherwise). The new tokens' kv_latent stays f32/bf16 (the step quantizes it into the cache).
+  Tensor ctx_kv_latent_scale;  // [sum C, Dl / 128]
+  bool latent_fp8() const { return ctx_kv_latent.dtype() == DType::kF8E4M3 && ctx_kv_latent.data() != nullptr; }
 
   int64_t num_tokens() const { return q_nope.numel() == 0 && q_nope.shape().empty() ? 0 : q_nope.dim(0); }
 };
@@ -65,6 +69,10 @@ Result<CaseFile> case_generate(const CaseGenSpec& spec);
 // idx_q per (token, head), each group with its own scale by `mode` (dsacp/fp8.h); the scale tensors are set.
 // A case already in FP8 is left as it is.
 Status case_quantize_index(CaseFile& c, Fp8ScaleMode mode = Fp8ScaleMode::kFp32);
+
+// Turns a case's f32/bf16 ctx_kv_latent into the fp8_ds_mla format in place: quantized per 128-value tile by
+// `mode`, ctx_kv_latent_scale set (Dl a multiple of 128). A case with an FP8 latent already is left as it is.
+Status case_quantize_latent(CaseFile& c, Fp8ScaleMode mode = Fp8ScaleMode::kFp32);
 
 struct StepResult {
   Tensor topk_indices;  // [T, K], I32

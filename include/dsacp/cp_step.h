@@ -57,7 +57,8 @@ PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheCo
 Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
                             const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
                             const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache,
-                            const Tensor* ctx_index_key_scales = nullptr);
+                            const Tensor* ctx_index_key_scales = nullptr,
+                            const Tensor* ctx_latent_scales = nullptr);
 // "unsupported": FP8 prefill rows under the sharded indexer without DSA-CP (the gathered view of FP8 pages).
 Status cp_fp8_unsupported();
 
@@ -108,7 +109,7 @@ class LocalCpCluster {
   // indexer key on every rank under the replicated indexer).
   Status load_context(const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
                       const Tensor& ctx_rope, const Tensor& ctx_index_keys,
-                      const Tensor* ctx_index_key_scales = nullptr);
+                      const Tensor* ctx_index_key_scales = nullptr, const Tensor* ctx_latent_scales = nullptr);
   // Runs one step on every rank; returns the full batch's results in token order. With `per_rank`, also
   // each rank's own output buffers as it returned them (plan.output_rows rows of its heads).
   Result<StepResult> step(const StepConfig& config, const std::vector<Request>& requests, const BlockTable& table,

@@ -114,4 +114,14 @@ DSACP_HD int64_t fp8_index_scale_offset(int64_t page, int32_t offset, int32_t pa
          static_cast<int64_t>(offset) * 4;
 }
 
+// The fp8_ds_mla latent record (contract section 6; vLLM's / FlashMLA's layout): one record of
+// fp8_ds_mla_record_bytes(Dl, Dr) bytes a token holds the latent and the rope key together: Dl e4m3 latent
+// values, then Dl / 128 f32 scales (value i uses scale i / 128), then Dr bf16 rope values. Dl = 512, Dr = 64:
+// 512 + 16 + 128 = 656 bytes. Records are contiguous in a page (record of slot s at s * record_bytes).
+inline constexpr int32_t kFp8DsMlaTile = 128;
+DSACP_HD int32_t fp8_ds_mla_record_bytes(int32_t Dl, int32_t Dr) { return Dl + 4 * (Dl / kFp8DsMlaTile) + 2 * Dr; }
+// Byte offsets inside a record: the scales, and the rope values.
+DSACP_HD int32_t fp8_ds_mla_scale_offset(int32_t Dl) { return Dl; }
+DSACP_HD int32_t fp8_ds_mla_rope_offset(int32_t Dl) { return Dl + 4 * (Dl / kFp8DsMlaTile); }
+
 }  // namespace dsacp

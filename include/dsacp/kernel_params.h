@@ -14,13 +14,24 @@ namespace dsacp {
 // One paged pool of one layer: [num_pages, page_size, dim], row-major. With dtype kF8E4M3 (the FP8 indexer keys)
 // each page is two planes: [page_size, dim] e4m3 values, then [page_size] f32 scales (dsacp/fp8.h,
 // fp8_index_page_bytes; 132 bytes a token for dim = 128).
+// With record_bytes > 0 the pool is one of fp8_ds_mla records (dsacp/fp8.h: latent and rope of a token in one
+// record of record_bytes bytes, slot s at byte s * record_bytes): the latent view has dtype kF8E4M3 and dim Dl
+// (values at byte 0 of the record, the Dl / 128 f32 scales after them), the rope view of the same records dtype
+// kBF16 and dim Dr (at byte record_bytes - 2 * Dr).
 struct PagedPoolView {
-  void* data = nullptr;  // [num_pages, page_size, dim], f32 or bf16; or FP8 two-plane pages
+  void* data = nullptr;  // [num_pages, page_size, dim], f32 or bf16; or FP8 two-plane pages; or records
   DType dtype = DType::kBF16;
   int64_t num_pages = 0;
   int32_t page_size = 0;
   int32_t dim = 0;
+  int32_t record_bytes = 0;  // 0: rows (or FP8 two-plane pages); > 0: fp8_ds_mla records
+  bool records() const { return record_bytes > 0; }
 };
+
+// The first byte of slot `slot`'s part in a record pool: the latent values (dtype kF8E4M3) or the rope (kBF16).
+DSACP_HD int64_t record_part_offset(const PagedPoolView& v, int64_t slot) {
+  return slot * v.record_bytes + (v.dtype == DType::kF8E4M3 ? 0 : v.record_bytes - 2 * v.dim);
+}
 
 // The most parts a merge takes as one buffer each (LseMergeParams::part_out_of, TopkMergeParams::part_topk_of):
 // a window exchange's messages, read in place from every rank's buffer (Communicator::window_next).
@@ -63,7 +74,7 @@ struct CacheWriteParams {
   // A pool of dtype kF8E4M3 stores quantized rows: f32/bf16 rows are quantized per row (dsacp/fp8.h) with this
   // scale rule; e4m3 rows are stored as they are, with their scales row_scales[T] (positive and finite).
   Fp8ScaleMode fp8_scale_mode = Fp8ScaleMode::kFp32;
-  const float* row_scales = nullptr;  // [T], f32, only with rows_dtype kF8E4M3
+  const float* row_scales = nullptr;  // [T], f32, only with rows_dtype kF8E4M3 ([T, dim / 128] into records)
   int64_t num_rows = 0;        // T
   const int64_t* slots = nullptr;  // [T]
   PagedPoolView pool;
@@ -90,6 +101,10 @@ struct CacheWriteParams {
     size_t bytes = 0;
   };
   Upload upload;
+  // A view of fp8_ds_mla latent records (pool.records(), dtype kF8E4M3) quantizes f32/bf16 rows per 128-value
+  // tile with this rule; e4m3 rows are stored as they are with their tiles' scales (row_scales [T, dim / 128]).
+  // A rope view of records stores bf16 (rounded from f32 rows).
+  Fp8ScaleMode record_scale_mode = Fp8ScaleMode::kFp32;
 };
 inline constexpr size_t kCacheWriteMaxUploadBytes = 3072;
 
@@ -104,6 +119,7 @@ inline CacheWriteParams cache_write_pool(const CacheWriteParams& p, int i) {
   CacheWriteParams one;
   one.rows_dtype = p.rows_dtype;
   one.fp8_scale_mode = p.fp8_scale_mode;
+  one.record_scale_mode = p.record_scale_mode;
   one.num_rows = p.num_rows;
   if (i == 0) {
     one.rows = p.rows;
@@ -203,8 +219,10 @@ struct SparseMlaParams {
   const void* q_nope = nullptr;  // [T, H, Dl]
   const void* q_rope = nullptr;  // [T, H, Dr]
   DType q_dtype = DType::kBF16;
-  PagedPoolView latent;          // [num_pages, page_size, Dl]
-  PagedPoolView rope;            // [num_pages, page_size, Dr]
+  // [num_pages, page_size, Dl] and [num_pages, page_size, Dr]; or the two views of one pool of fp8_ds_mla
+  // records (latent.records(): the latent dequantized as scale * value in f32 is the nope key and the value).
+  PagedPoolView latent;
+  PagedPoolView rope;
   BlockTableView block_table;
   const int32_t* topk = nullptr; // [T, K]
   void* out = nullptr;           // [T, H, Dl], f32 or bf16

@@ -57,6 +57,12 @@ Result<int64_t> slot_of(const BlockTable& table, int32_t request, int64_t pos, i
 Result<std::vector<int64_t>> new_token_slots(const std::vector<Request>& requests, const BlockTable& table,
                                              int32_t page_size);
 
+// How the latent and rope pools store a token: rows of the cache's dtype (two pools), or one pool of fp8_ds_mla
+// records (dsacp/fp8.h: 656 bytes a token for Dl = 512, Dr = 64; Dl a multiple of 128).
+enum class LatentFormat : uint8_t { kRows, kFp8DsMla };
+// CLI spelling: "bf16" (rows) and "fp8_ds_mla".
+const char* latent_format_name(LatentFormat f);
+
 struct PagedCacheConfig {
   int64_t num_pages = 0;
   int32_t page_size = 64;
@@ -70,6 +76,12 @@ struct PagedCacheConfig {
   std::optional<DType> index_dtype = std::nullopt;
   Fp8ScaleMode index_scale_mode = Fp8ScaleMode::kFp32;
   DType index_key_dtype() const { return index_dtype.value_or(dtype); }
+  // kFp8DsMla: the latent and rope of a token in one record (the cache write quantizes f32/bf16 latent rows per
+  // 128-value tile with latent_scale_mode; e4m3 rows are stored with their scales). `dtype` then names only the
+  // indexer pool's storage (unless index_dtype is set).
+  LatentFormat latent_format = LatentFormat::kRows;
+  Fp8ScaleMode latent_scale_mode = Fp8ScaleMode::kFp32;
+  bool fp8_latent() const { return latent_format == LatentFormat::kFp8DsMla; }
 };
 
 // The three pools of one layer, in a backend's memory.
@@ -79,8 +91,9 @@ class PagedKvCache {
   static Result<PagedKvCache> create(Backend& backend, const PagedCacheConfig& config, bool poison_unused = true);
 
   const PagedCacheConfig& config() const { return config_; }
-  PagedPoolView latent() const { return view(latent_, config_.Dl, config_.dtype); }
-  PagedPoolView rope() const { return view(rope_, config_.Dr, config_.dtype); }
+  // With fp8_ds_mla both are views of the one record pool (PagedPoolView::record_bytes).
+  PagedPoolView latent() const;
+  PagedPoolView rope() const;
   PagedPoolView index_keys() const {
     PagedPoolView v = view(index_keys_, config_.Di, config_.index_key_dtype());
     v.num_pages *= config_.index_page_factor;

@@ -29,6 +29,12 @@ struct ReplayOptions {
   // replay of the quantized case. A case in FP8 already replays in FP8 whatever this says.
   bool index_fp8 = false;
   Fp8ScaleMode index_scale_mode = Fp8ScaleMode::kFp32;
+  // The fp8_ds_mla latent cache for a case whose ctx_kv_latent is f32/bf16: it is quantized on load per 128-value
+  // tile by latent_scale_mode (case_quantize_latent), so the replay equals the replay of the quantized case. A case
+  // with an F8_E4M3 ctx_kv_latent replays over fp8_ds_mla whatever this says. The new tokens' latent is quantized
+  // by the step's cache write with the same rule.
+  bool latent_fp8 = false;
+  Fp8ScaleMode latent_scale_mode = Fp8ScaleMode::kFp32;
 };
 
 // The memory a replay of `c` plans to take on `ranks_here` ranks (every rank: replay_case; 1: replay_case_rank),

@@ -91,8 +91,16 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& config, con
 // Writes the requests' context rows (positions [0, context_len), request after request) into the cache.
 // Rows are [sum C, dim] host tensors of the cache's dims; their dtype is converted to the cache's. F8_E4M3
 // index keys come with their scales (ctx_index_key_scales, F32 [sum C]) and go into an F8_E4M3 pool as they are.
+// Into an fp8_ds_mla cache, f32/bf16 latent rows are quantized by the cache's latent_scale_mode, and an F8_E4M3
+// ctx_latent (only there) is stored as it is with its tile scales (ctx_latent_scales, F32 [sum C, Dl / 128]).
 Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vector<Request>& requests,
                           const BlockTable& table, const Tensor& ctx_latent, const Tensor& ctx_rope,
-                          const Tensor& ctx_index_keys, const Tensor* ctx_index_key_scales = nullptr);
+                          const Tensor& ctx_index_keys, const Tensor* ctx_index_key_scales = nullptr,
+                          const Tensor* ctx_latent_scales = nullptr);
+
+// The context latent's checks shared by every context load: ctx_latent [rows, Dl] F32/BF16, or F8_E4M3 with
+// ctx_latent_scales [rows, Dl / 128] F32, only into an fp8_ds_mla cache.
+Status check_context_latent(const PagedCacheConfig& cc, int64_t rows, const Tensor& ctx_latent,
+                            const Tensor* ctx_latent_scales);
 
 }  // namespace dsacp

@@ -23,6 +23,8 @@ constexpr std::array<const char*, 12> kCaseTensors = {"query_lens", "context_len
                                                       "idx_k",      "ctx_kv_latent", "ctx_k_rope", "ctx_idx_k"};
 // The FP8 indexer's scale tensors (contract section 6): present exactly when idx_q is F8_E4M3.
 constexpr std::array<const char*, 3> kFp8ScaleTensors = {"idx_q_scale", "idx_k_scale", "ctx_idx_k_scale"};
+// The fp8_ds_mla context latent's tile scales: present exactly when ctx_kv_latent is F8_E4M3.
+constexpr const char* kLatentScaleTensor = "ctx_kv_latent_scale";
 constexpr std::array<const char*, 3> kResultTensors = {"topk_indices", "out", "lse"};
 
 template <size_t N>
@@ -172,9 +174,19 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
   // The FP8 indexer's scale tensors are part of the case exactly when idx_q is F8_E4M3.
   const Tensor* idx_q_t = f.find("idx_q");
   const bool fp8 = idx_q_t != nullptr && idx_q_t->dtype() == DType::kF8E4M3;
+  // The fp8_ds_mla context latent (contract section 6) comes with its tile scales.
+  const Tensor* ctx_latent_t = f.find("ctx_kv_latent");
+  const bool fp8_latent = ctx_latent_t != nullptr && ctx_latent_t->dtype() == DType::kF8E4M3;
   {
     SafetensorsFile names_only;  // the names alone, without the FP8 scales: the plain check below
     for (const auto& [name, t] : f.tensors) {
+      if (name == kLatentScaleTensor) {
+        if (!fp8_latent) {
+          return invalid_argument("case: unexpected tensor " + json::quote(name) +
+                                  " (it comes with an F8_E4M3 ctx_kv_latent only)");
+        }
+        continue;
+      }
       if (fp8 && contains(kFp8ScaleTensors, name)) continue;
       if (!fp8 && contains(kFp8ScaleTensors, name)) {
         return invalid_argument("case: unexpected tensor " + json::quote(name) +
@@ -187,6 +199,10 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
       if (fp8 && f.find(n) == nullptr) {
         return invalid_argument(std::string("case: missing tensor \"") + n + "\" (idx_q is F8_E4M3)");
       }
+    }
+    if (fp8_latent && f.find(kLatentScaleTensor) == nullptr) {
+      return invalid_argument(std::string("case: missing tensor \"") + kLatentScaleTensor +
+                              "\" (ctx_kv_latent is F8_E4M3)");
     }
   }
   // Other __metadata__ keys (notes such as "format": "pt" that writers add) are allowed and not used.
@@ -244,8 +260,21 @@ Status check_case(const SafetensorsFile& f, CaseHeader* h) {
   DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_q", idx_q, index_types, {{"T", T}, {"Hi", -1}, {"Di", Di}}));
   const int64_t Hi = idx_q.dim(1);
   DSACP_RETURN_IF_ERROR(check_case_tensor("case", "idx_w", *f.find("idx_w"), {DType::kF32}, {{"T", T}, {"Hi", Hi}}));
-  DSACP_RETURN_IF_ERROR(
-      check_case_tensor("case", "ctx_kv_latent", *f.find("ctx_kv_latent"), floats, {{"sumC", sum_c}, {"Dl", Dl}}));
+  if (fp8_latent) {
+    if (Dl % kFp8DsMlaTile != 0) {
+      return invalid_argument("case: ctx_kv_latent is F8_E4M3 (fp8_ds_mla) but Dl=" + std::to_string(Dl) +
+                              " is not a multiple of 128 (one scale a 128-value tile)");
+    }
+    DSACP_RETURN_IF_ERROR(check_case_tensor("case", "ctx_kv_latent", *f.find("ctx_kv_latent"), {DType::kF8E4M3},
+                                            {{"sumC", sum_c}, {"Dl", Dl}}));
+    const Tensor& ls = *f.find(kLatentScaleTensor);
+    DSACP_RETURN_IF_ERROR(check_case_tensor("case", kLatentScaleTensor, ls, {DType::kF32},
+                                            {{"sumC", sum_c}, {"Dl/128", Dl / kFp8DsMlaTile}}));
+    DSACP_RETURN_IF_ERROR(check_scales(kLatentScaleTensor, ls));
+  } else {
+    DSACP_RETURN_IF_ERROR(
+        check_case_tensor("case", "ctx_kv_latent", *f.find("ctx_kv_latent"), floats, {{"sumC", sum_c}, {"Dl", Dl}}));
+  }
   DSACP_RETURN_IF_ERROR(
       check_case_tensor("case", "ctx_k_rope", *f.find("ctx_k_rope"), floats, {{"sumC", sum_c}, {"Dr", Dr}}));
   DSACP_RETURN_IF_ERROR(
@@ -333,6 +362,7 @@ Result<CaseFile> case_from_safetensors(SafetensorsFile file) {
     c.idx_k_scale = take(file, "idx_k_scale");
     c.ctx_idx_k_scale = take(file, "ctx_idx_k_scale");
   }
+  if (c.latent_fp8()) c.ctx_kv_latent_scale = take(file, kLatentScaleTensor);
   return c;
 }
 
@@ -366,6 +396,12 @@ Result<SafetensorsFile> case_to_safetensors(const CaseFile& c) {
       }
       DSACP_ASSIGN_OR_RETURN(f.tensors[name], t->clone());
     }
+  }
+  if (c.latent_fp8()) {
+    if (c.ctx_kv_latent_scale.data() == nullptr && c.ctx_kv_latent_scale.numel() > 0) {
+      return invalid_argument(std::string("case: tensor \"") + kLatentScaleTensor + "\" holds no data");
+    }
+    DSACP_ASSIGN_OR_RETURN(f.tensors[kLatentScaleTensor], c.ctx_kv_latent_scale.clone());
   }
   f.metadata["topk"] = std::to_string(c.topk);
   f.metadata["scale"] = float_to_string(c.scale);

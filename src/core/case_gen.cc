@@ -90,11 +90,14 @@ Result<CaseFile> case_generate(const CaseGenSpec& spec) {
 
 namespace {
 
-// rows [n, group] of t (f32 or bf16) -> e4m3 codes and one scale per row.
-Status quantize_rows(const Tensor& t, int64_t group, Fp8ScaleMode mode, Tensor* codes, Tensor* scales) {
+// rows [n, group] of t (f32 or bf16) -> e4m3 codes and one scale per row (with `tiles`, groups of a row's last
+// dim: the scales [..., last / group]).
+Status quantize_rows(const Tensor& t, int64_t group, Fp8ScaleMode mode, Tensor* codes, Tensor* scales,
+                     bool tiles = false) {
   const int64_t n = group > 0 ? t.numel() / group : 0;
   DSACP_ASSIGN_OR_RETURN(*codes, Tensor::zeros(DType::kF8E4M3, t.shape()));
   Shape sshape(t.shape().begin(), t.shape().end() - 1);
+  if (tiles && !t.shape().empty()) sshape.push_back(t.shape().back() / group);
   DSACP_ASSIGN_OR_RETURN(*scales, Tensor::zeros(DType::kF32, sshape));
   uint8_t* q = static_cast<uint8_t*>(codes->data());
   float* sc = scales->data_as<float>();
@@ -126,6 +129,18 @@ Status case_quantize_index(CaseFile& c, Fp8ScaleMode mode) {
   c.idx_q = std::move(q);
   c.idx_k = std::move(k);
   c.ctx_idx_k = std::move(ck);
+  return Status();
+}
+
+Status case_quantize_latent(CaseFile& c, Fp8ScaleMode mode) {
+  if (c.latent_fp8()) return Status();
+  if (c.dims.Dl % kFp8DsMlaTile != 0) {
+    return invalid_argument("fp8_ds_mla needs Dl a multiple of 128 (one scale a 128-value tile), the case has Dl=" +
+                            std::to_string(c.dims.Dl));
+  }
+  Tensor q;
+  DSACP_RETURN_IF_ERROR(quantize_rows(c.ctx_kv_latent, kFp8DsMlaTile, mode, &q, &c.ctx_kv_latent_scale, true));
+  c.ctx_kv_latent = std::move(q);
   return Status();
 }
 

@@ -126,12 +126,31 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
     return invalid_argument("index_page_factor must be >= 1 and keep the indexer pool under 2^31 pages, got " +
                             std::to_string(config.index_page_factor));
   }
+  if (config.latent_format != LatentFormat::kRows && config.latent_format != LatentFormat::kFp8DsMla) {
+    return invalid_argument("cache latent_format must be kRows or kFp8DsMla, got " +
+                            std::to_string(static_cast<int>(config.latent_format)));
+  }
+  if (config.fp8_latent() && config.Dl % kFp8DsMlaTile != 0) {
+    return invalid_argument("cache latent_format fp8_ds_mla needs Dl a multiple of 128 (one scale a 128-value tile), got Dl=" +
+                            std::to_string(config.Dl));
+  }
   PagedKvCache c;
   c.config_ = config;
   const int64_t rows = config.num_pages * config.page_size;
   const size_t elem = dtype_size(config.dtype);
-  DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(rows) * config.Dl * elem));
-  DSACP_ASSIGN_OR_RETURN(c.rope_, backend.allocate(static_cast<size_t>(rows) * config.Dr * elem));
+  const float fill = poison_unused ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  if (config.fp8_latent()) {
+    // One pool of records, filled bytewise: an unwritten record's latent values read as NaN (0x7f; its scales and
+    // rope bytes 0x7f too, finite), so attention over it shows. No rope pool of its own.
+    const int64_t bytes = rows * fp8_ds_mla_record_bytes(config.Dl, config.Dr);
+    DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(bytes)));
+    DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), DType::kF8E4M3, bytes, fill));
+  } else {
+    DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(rows) * config.Dl * elem));
+    DSACP_ASSIGN_OR_RETURN(c.rope_, backend.allocate(static_cast<size_t>(rows) * config.Dr * elem));
+    DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), config.dtype, rows * config.Dl, fill));
+    DSACP_RETURN_IF_ERROR(backend.fill(c.rope_.get(), config.dtype, rows * config.Dr, fill));
+  }
   const int64_t index_rows = rows * config.index_page_factor;
   // FP8: two-plane pages (values, then scales); filled bytewise, so an unwritten slot reads as NaN values.
   const int64_t index_elems = index_dtype == DType::kF8E4M3
@@ -140,11 +159,24 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
                                   : index_rows * config.Di;
   DSACP_ASSIGN_OR_RETURN(c.index_keys_,
                          backend.allocate(static_cast<size_t>(index_elems) * dtype_size(index_dtype)));
-  const float fill = poison_unused ? std::numeric_limits<float>::quiet_NaN() : 0.f;
-  DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), config.dtype, rows * config.Dl, fill));
-  DSACP_RETURN_IF_ERROR(backend.fill(c.rope_.get(), config.dtype, rows * config.Dr, fill));
   DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), index_dtype, index_elems, fill));
   return c;
+}
+
+const char* latent_format_name(LatentFormat f) { return f == LatentFormat::kFp8DsMla ? "fp8_ds_mla" : "bf16"; }
+
+PagedPoolView PagedKvCache::latent() const {
+  if (!config_.fp8_latent()) return view(latent_, config_.Dl, config_.dtype);
+  PagedPoolView v = view(latent_, config_.Dl, DType::kF8E4M3);
+  v.record_bytes = fp8_ds_mla_record_bytes(config_.Dl, config_.Dr);
+  return v;
+}
+
+PagedPoolView PagedKvCache::rope() const {
+  if (!config_.fp8_latent()) return view(rope_, config_.Dr, config_.dtype);
+  PagedPoolView v = view(latent_, config_.Dr, DType::kBF16);
+  v.record_bytes = fp8_ds_mla_record_bytes(config_.Dl, config_.Dr);
+  return v;
 }
 
 PagedPoolView PagedKvCache::view(const DeviceBuffer& b, int32_t dim, DType dtype) const {

@@ -47,14 +47,45 @@ Status check_value_dtype(const char* kernel, const char* field, DType dtype, boo
   return Status::ok_status();
 }
 
+// A view of fp8_ds_mla records: the latent part (F8_E4M3, dim a multiple of 128, values and scales) or the rope
+// part (BF16) inside records of record_bytes, and the pool's bytes fit int64.
+Status check_record_pool(const char* kernel, const std::string& n, const PagedPoolView& pool) {
+  const int64_t part = pool.dtype == DType::kF8E4M3 ? int64_t{pool.dim} + 4 * (pool.dim / kFp8DsMlaTile)
+                                                    : 2 * int64_t{pool.dim};
+  if (pool.dtype != DType::kF8E4M3 && pool.dtype != DType::kBF16) {
+    return invalid_argument(std::string(kernel) + ": " + n + ".dtype must be F8_E4M3 (latent) or BF16 (rope) in " +
+                            "fp8_ds_mla records, got " + dtype_name(pool.dtype));
+  }
+  if (pool.dtype == DType::kF8E4M3 && pool.dim % kFp8DsMlaTile != 0) {
+    return invalid_argument(std::string(kernel) + ": " + n + ".dim must be a multiple of 128 in fp8_ds_mla records, got " +
+                            str(pool.dim));
+  }
+  if (part > pool.record_bytes) {
+    return invalid_argument(std::string(kernel) + ": " + n + ".record_bytes=" + str(pool.record_bytes) +
+                            " cannot hold its " + str(part) + "-byte part (dim " + str(pool.dim) + ")");
+  }
+  if (pool.num_pages > std::numeric_limits<int64_t>::max() / pool.page_size / pool.record_bytes) {
+    return invalid_argument(std::string(kernel) + ": " + n + " has too many bytes: num_pages=" + str(pool.num_pages) +
+                            " x page_size=" + str(pool.page_size) + " x record_bytes=" + str(pool.record_bytes) +
+                            " overflows int64");
+  }
+  return Status::ok_status();
+}
+
 // A pool must be non-empty and its element count must fit int64 (slots and offsets are int64). fp8_ok: the pool
-// may hold FP8 two-plane pages (the indexer keys).
-Status check_pool(const char* kernel, const char* name, const PagedPoolView& pool, bool fp8_ok = false) {
+// may hold FP8 two-plane pages (the indexer keys); records_ok: it may be a view of fp8_ds_mla records.
+Status check_pool(const char* kernel, const char* name, const PagedPoolView& pool, bool fp8_ok = false,
+                  bool records_ok = false) {
   const std::string n(name);
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".num_pages").c_str(), pool.num_pages));
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".page_size").c_str(), pool.page_size));
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".dim").c_str(), pool.dim));
   DSACP_RETURN_IF_ERROR(check_pointer(kernel, (n + ".data").c_str(), pool.data));
+  if (pool.record_bytes < 0 || (pool.records() && !records_ok)) {
+    return invalid_argument(std::string(kernel) + ": " + n + ".record_bytes must be 0 here (fp8_ds_mla records are " +
+                            "the latent cache's format only), got " + str(pool.record_bytes));
+  }
+  if (pool.records()) return check_record_pool(kernel, n, pool);
   if (!fp8_ok && pool.dtype == DType::kF8E4M3) {
     return invalid_argument(std::string(kernel) + ": " + n + ".dtype must be F32 or BF16, got F8_E4M3 (FP8 pages " +
                             "are the indexer keys' format only)");
@@ -89,17 +120,20 @@ Status validate(const CacheWriteParams& p) {
   const char* k = "cache_write";
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
   DSACP_RETURN_IF_ERROR(check_value_dtype(k, "rows_dtype", p.rows_dtype, true));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool, true));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool, true, true));
   for (const CacheWriteParams::MorePool& m : p.more) {
     if (m.pool.data == nullptr) continue;
-    DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool, true));
+    DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool, true, true));
     if (m.rows_dtype != DType::kI32) {
       DSACP_RETURN_IF_ERROR(check_value_dtype(k, "more[].rows_dtype", m.rows_dtype, true));
     }
   }
-  if (p.fp8_scale_mode != Fp8ScaleMode::kFp32 && p.fp8_scale_mode != Fp8ScaleMode::kUe8m0) {
-    return invalid_argument(std::string(k) + ": fp8_scale_mode must be kFp32 or kUe8m0, got " +
-                            str(static_cast<int>(p.fp8_scale_mode)));
+  for (const Fp8ScaleMode m : {p.fp8_scale_mode, p.record_scale_mode}) {
+    if (m != Fp8ScaleMode::kFp32 && m != Fp8ScaleMode::kUe8m0) {
+      return invalid_argument(std::string(k) + ": " +
+                              (m == p.fp8_scale_mode ? "fp8_scale_mode" : "record_scale_mode") +
+                              " must be kFp32 or kUe8m0, got " + str(static_cast<int>(m)));
+    }
   }
   // e4m3 rows are stored as they are: only into an FP8 pool, and with their scales.
   for (int i = 0; i < cache_write_pools(p); ++i) {
@@ -174,8 +208,23 @@ Status validate(const SparseMlaParams& p) {
   }
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "q_dtype", p.q_dtype));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "out_dtype", p.out_dtype));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "latent", p.latent));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "rope", p.rope));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "latent", p.latent, false, true));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "rope", p.rope, false, true));
+  // fp8_ds_mla: the latent view (F8_E4M3) and the rope view (BF16) of one pool of records of exactly
+  // fp8_ds_mla_record_bytes(Dl, Dr) bytes; rows: neither is a record view.
+  if (p.latent.records() || p.rope.records()) {
+    const int32_t want = fp8_ds_mla_record_bytes(p.Dl, p.Dr);
+    if (!p.latent.records() || !p.rope.records() || p.latent.dtype != DType::kF8E4M3 ||
+        p.rope.dtype != DType::kBF16 || p.latent.data != p.rope.data || p.latent.record_bytes != want ||
+        p.rope.record_bytes != want) {
+      return invalid_argument(std::string(k) + ": an fp8_ds_mla cache needs latent (F8_E4M3) and rope (BF16) views " +
+                              "of one pool of " + str(want) + "-byte records (Dl=" + str(p.Dl) + ", Dr=" + str(p.Dr) +
+                              "); got latent " + dtype_name(p.latent.dtype) + " record_bytes=" +
+                              str(p.latent.record_bytes) + ", rope " + dtype_name(p.rope.dtype) +
+                              " record_bytes=" + str(p.rope.record_bytes) +
+                              (p.latent.data != p.rope.data ? " over different pools" : ""));
+    }
+  }
   DSACP_RETURN_IF_ERROR(check_equal(k, "latent.dim", "Dl", p.Dl, p.latent.dim));
   DSACP_RETURN_IF_ERROR(check_equal(k, "rope.dim", "Dr", p.Dr, p.rope.dim));
   // Both pools are addressed through one block table, so their paging must agree.

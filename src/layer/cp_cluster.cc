@@ -201,10 +201,10 @@ PagedCacheConfig cp_rank_cache_config(const CpLayout& layout, const PagedCacheCo
 Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSharding& sharding, int32_t cr,
                             const std::vector<Request>& requests, const BlockTable& table, const Tensor& ctx_latent,
                             const Tensor& ctx_rope, const Tensor& ctx_index_keys, PagedKvCache& cache,
-                            const Tensor* ctx_index_key_scales) {
+                            const Tensor* ctx_index_key_scales, const Tensor* ctx_latent_scales) {
   if (sharding.Pt == 1) {
     return cache_load_context(backend, cache, requests, table, ctx_latent, ctx_rope, ctx_index_keys,
-                              ctx_index_key_scales);
+                              ctx_index_key_scales, ctx_latent_scales);
   }
   const bool fp8 = ctx_index_keys.dtype() == DType::kF8E4M3;
   if (fp8 && ctx_index_key_scales == nullptr) return invalid_argument("ctx_idx_k is F8_E4M3 but ctx_idx_k_scale is missing");
@@ -224,7 +224,7 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
   int64_t rows = 0;
   for (const Request& r : requests) rows += r.context_len;
   const auto floats = {DType::kF32, DType::kBF16};
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cc.Dl}}));
+  DSACP_RETURN_IF_ERROR(check_context_latent(cc, rows, ctx_latent, ctx_latent_scales));
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cc.Dr}}));
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(),
                                      fp8 ? std::initializer_list<DType>{DType::kF8E4M3} : floats,
@@ -241,9 +241,12 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_latent, up(ctx_latent));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rope, up(ctx_rope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_idx, up(ctx_index_keys));
-  DeviceBuffer d_idx_scales;
+  DeviceBuffer d_idx_scales, d_latent_scales;
   if (fp8) {
     DSACP_ASSIGN_OR_RETURN(d_idx_scales, up(*ctx_index_key_scales));
+  }
+  if (ctx_latent.dtype() == DType::kF8E4M3) {
+    DSACP_ASSIGN_OR_RETURN(d_latent_scales, up(*ctx_latent_scales));
   }
   std::vector<int64_t> owned, all;
   for (size_t b = 0; b < requests.size(); ++b) {
@@ -271,7 +274,9 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
     p.slots = w.slots->as<const int64_t>();
     p.pool = w.pool;
     p.fp8_scale_mode = cc.index_scale_mode;
+    p.record_scale_mode = cc.latent_scale_mode;
     if (w.rows == &d_idx && fp8) p.row_scales = d_idx_scales.as<const float>();
+    if (w.rows == &d_latent && ctx_latent.dtype() == DType::kF8E4M3) p.row_scales = d_latent_scales.as<const float>();
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, p).with_context("context load on rank " + std::to_string(cr)));
   }
   return backend.synchronize();
@@ -279,10 +284,10 @@ Status cp_load_context_rank(Backend& backend, const CpLayout& layout, const KvSh
 
 Status LocalCpCluster::load_context(const std::vector<Request>& requests, const BlockTable& table,
                                     const Tensor& ctx_latent, const Tensor& ctx_rope, const Tensor& ctx_index_keys,
-                                    const Tensor* ctx_index_key_scales) {
+                                    const Tensor* ctx_index_key_scales, const Tensor* ctx_latent_scales) {
   auto load = [&](int32_t cr) {
     return cp_load_context_rank(*backends_[cr], layout_, sharding_, cr, requests, table, ctx_latent, ctx_rope,
-                                ctx_index_keys, caches_[cr], ctx_index_key_scales);
+                                ctx_index_keys, caches_[cr], ctx_index_key_scales, ctx_latent_scales);
   };
   if (!nccl_) {
     for (int32_t cr = 0; cr < sharding_.Pt; ++cr) DSACP_RETURN_IF_ERROR(load(cr));

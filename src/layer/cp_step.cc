@@ -62,6 +62,18 @@ Status gather(Backend& backend, const void* src, DType src_dtype, int64_t src_ro
                     static_cast<int64_t>(index.size()), dst, dst_dtype, what);
 }
 
+// How a pool's rows travel: as they are stored (dim values of its dtype), or, for fp8_ds_mla records, each
+// record's bytes whole (latent values, scales and rope together) as 4- or 2-byte units copied bit for bit.
+struct RowUnits {
+  DType dtype;
+  int32_t dim;
+};
+RowUnits row_units(const PagedPoolView& own) {
+  if (!own.records()) return {own.dtype, own.dim};
+  return own.record_bytes % 4 == 0 ? RowUnits{DType::kF32, own.record_bytes / 4}
+                                   : RowUnits{DType::kBF16, own.record_bytes / 2};
+}
+
 // Packs `own` rows for the view (reference-design 4.6: right after the cache write, so the gather overlaps
 // the indexer); its all-gather is started by the caller (alone, or grouped with another view's).
 Result<PendingView> pack_view(Backend& backend, Communicator& comm, const PagedPoolView& own,
@@ -70,17 +82,19 @@ Result<PendingView> pack_view(Backend& backend, Communicator& comm, const PagedP
   pv.plan = v;
   pv.own = own;
   pv.ranks = comm.size();
-  const size_t row_bytes = static_cast<size_t>(own.dim) * dtype_size(own.dtype);
+  const RowUnits u = row_units(own);
+  const size_t row_bytes = static_cast<size_t>(u.dim) * dtype_size(u.dtype);
   if (v.rows_per_rank < 1) return internal_error("gathered view with no rows");
   DSACP_ASSIGN_OR_RETURN(pv.pack, backend.allocate(v.rows_per_rank * row_bytes));
-  DSACP_RETURN_IF_ERROR(gather(backend, own.data, own.dtype, own.num_pages * own.page_size, own.dim, v.pack_slots,
-                               pv.pack.get(), own.dtype, "pack for a gathered view"));
+  DSACP_RETURN_IF_ERROR(gather(backend, own.data, u.dtype, own.num_pages * own.page_size, u.dim, v.pack_slots,
+                               pv.pack.get(), u.dtype, "pack for a gathered view"));
   DSACP_ASSIGN_OR_RETURN(pv.gathered, backend.allocate(pv.ranks * v.rows_per_rank * row_bytes));
   return pv;
 }
 
 Communicator::Part view_part(const PendingView& pv) {
-  const size_t row_bytes = static_cast<size_t>(pv.own.dim) * dtype_size(pv.own.dtype);
+  const RowUnits u = row_units(pv.own);
+  const size_t row_bytes = static_cast<size_t>(u.dim) * dtype_size(u.dtype);
   return {pv.pack.get(), pv.gathered.get(), pv.plan.rows_per_rank * row_bytes};
 }
 
@@ -97,7 +111,8 @@ Result<PendingView> start_view(Backend& backend, Communicator& comm, const Paged
 Result<View> finish_view(Backend& backend, PendingView& pv) {
   if (pv.handle) DSACP_RETURN_IF_ERROR(pv.handle->wait());
   const GatheredViewPlan& v = pv.plan;
-  const size_t row_bytes = static_cast<size_t>(pv.own.dim) * dtype_size(pv.own.dtype);
+  const RowUnits u = row_units(pv.own);
+  const size_t row_bytes = static_cast<size_t>(u.dim) * dtype_size(u.dtype);
   View out;
   out.pool = pv.own;
   out.pool.num_pages = v.view_num_pages;
@@ -105,8 +120,8 @@ Result<View> finish_view(Backend& backend, PendingView& pv) {
     out.storage = std::move(pv.gathered);
   } else {
     DSACP_ASSIGN_OR_RETURN(out.storage, backend.allocate(v.view_num_pages * pv.own.page_size * row_bytes));
-    DSACP_RETURN_IF_ERROR(gather(backend, pv.gathered.get(), pv.own.dtype, pv.ranks * v.rows_per_rank, pv.own.dim,
-                                 v.unpack_rows, out.storage.get(), pv.own.dtype, "unpack a gathered view"));
+    DSACP_RETURN_IF_ERROR(gather(backend, pv.gathered.get(), u.dtype, pv.ranks * v.rows_per_rank, u.dim,
+                                 v.unpack_rows, out.storage.get(), u.dtype, "unpack a gathered view"));
   }
   out.pool.data = out.storage.get();
   return out;
@@ -471,6 +486,11 @@ Result<PendingKvView> start_kv_view(RankStep& s, const std::vector<int32_t>& vie
   for (int32_t b : view_requests) lens.push_back(s.seq_lens[b]);
   DSACP_ASSIGN_OR_RETURN(kv.plan, gathered_view_plan(view_requests, lens, s.table, s.sharding, s.plan.cr, s.B()));
   DSACP_ASSIGN_OR_RETURN(kv.latent, pack_view(s.backend, *s.comms.world, s.cache.latent(), kv.plan));
+  if (s.cache.config().fp8_latent()) {
+    // fp8_ds_mla: the latent view's records carry the rope too (the 656-byte records travel, not bf16 rows).
+    DSACP_ASSIGN_OR_RETURN(kv.latent.handle, s.comms.world->all_gather_group_async({view_part(kv.latent)}));
+    return kv;
+  }
   DSACP_ASSIGN_OR_RETURN(kv.rope, pack_view(s.backend, *s.comms.world, s.cache.rope(), kv.plan));
   DSACP_ASSIGN_OR_RETURN(kv.handle, s.comms.world->all_gather_group_async({view_part(kv.latent), view_part(kv.rope)}));
   return kv;
@@ -480,7 +500,14 @@ Result<PendingKvView> start_kv_view(RankStep& s, const std::vector<int32_t>& vie
 Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& kv) {
   if (kv.handle) DSACP_RETURN_IF_ERROR(kv.handle->wait());
   DSACP_ASSIGN_OR_RETURN(View lat, finish_view(s.backend, kv.latent));
-  DSACP_ASSIGN_OR_RETURN(View rope, finish_view(s.backend, kv.rope));
+  View rope;
+  if (s.cache.config().fp8_latent()) {
+    rope.pool = s.cache.rope();  // the rope view of the gathered records
+    rope.pool.data = lat.pool.data;
+    rope.pool.num_pages = lat.pool.num_pages;
+  } else {
+    DSACP_ASSIGN_OR_RETURN(rope, finish_view(s.backend, kv.rope));
+  }
   if (n == 0) return Status();
   const GatheredViewPlan& vp = kv.plan;
   std::vector<int32_t> view_row(static_cast<size_t>(s.requests.size()), -1);
@@ -904,6 +931,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     w.rows_dtype = c.index_input_dtype();
     if (fp8) w.row_scales = static_cast<const float*>(kv[3].gathered);
     w.fp8_scale_mode = cc.index_scale_mode;
+    w.record_scale_mode = cc.latent_scale_mode;  // an fp8_ds_mla latent: the owners quantize their rows
     w.num_rows = gathered;
     w.slots = replicated ? d_all : d_owned;
     w.pool = cache.index_keys();

@@ -79,9 +79,25 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
   return r;
 }
 
+Status check_context_latent(const PagedCacheConfig& cc, int64_t rows, const Tensor& ctx_latent,
+                            const Tensor* ctx_latent_scales) {
+  if (ctx_latent.dtype() != DType::kF8E4M3) {
+    return check_tensor("ctx_kv_latent", ctx_latent.view(), {DType::kF32, DType::kBF16},
+                        {{"sum C", rows}, {"Dl", cc.Dl}});
+  }
+  if (!cc.fp8_latent()) {
+    return invalid_argument("ctx_kv_latent is F8_E4M3 but the cache's latent is not fp8_ds_mla");
+  }
+  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), {DType::kF8E4M3}, {{"sum C", rows}, {"Dl", cc.Dl}}));
+  if (ctx_latent_scales == nullptr) return invalid_argument("ctx_kv_latent is F8_E4M3 but ctx_kv_latent_scale is missing");
+  return check_tensor("ctx_kv_latent_scale", ctx_latent_scales->view(), {DType::kF32},
+                      {{"sum C", rows}, {"Dl/128", cc.Dl / kFp8DsMlaTile}});
+}
+
 Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vector<Request>& requests,
                           const BlockTable& table, const Tensor& ctx_latent, const Tensor& ctx_rope,
-                          const Tensor& ctx_index_keys, const Tensor* ctx_index_key_scales) {
+                          const Tensor& ctx_index_keys, const Tensor* ctx_index_key_scales,
+                          const Tensor* ctx_latent_scales) {
   const PagedCacheConfig& cc = cache.config();
   std::vector<int64_t> slots;
   for (size_t b = 0; b < requests.size(); ++b) {
@@ -92,7 +108,7 @@ Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vect
   }
   const int64_t rows = static_cast<int64_t>(slots.size());
   const auto floats = {DType::kF32, DType::kBF16};
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), floats, {{"sum C", rows}, {"Dl", cc.Dl}}));
+  DSACP_RETURN_IF_ERROR(check_context_latent(cc, rows, ctx_latent, ctx_latent_scales));
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_k_rope", ctx_rope.view(), floats, {{"sum C", rows}, {"Dr", cc.Dr}}));
   const bool fp8 = ctx_index_keys.dtype() == DType::kF8E4M3;
   DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k", ctx_index_keys.view(),
@@ -103,9 +119,12 @@ Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vect
     DSACP_RETURN_IF_ERROR(check_tensor("ctx_idx_k_scale", ctx_index_key_scales->view(), {DType::kF32}, {{"sum C", rows}}));
   }
   if (rows == 0) return Status();
-  DeviceBuffer d_scales;
+  DeviceBuffer d_scales, d_latent_scales;
   if (fp8) {
     DSACP_ASSIGN_OR_RETURN(d_scales, upload_tensor(backend, *ctx_index_key_scales));
+  }
+  if (ctx_latent.dtype() == DType::kF8E4M3) {
+    DSACP_ASSIGN_OR_RETURN(d_latent_scales, upload_tensor(backend, *ctx_latent_scales));
   }
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_slots, backend.allocate(slots.size() * sizeof(int64_t)));
   DSACP_RETURN_IF_ERROR(backend.copy_to_device(d_slots.get(), slots.data(), slots.size() * sizeof(int64_t)));
@@ -122,7 +141,9 @@ Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vect
     p.slots = d_slots.as<const int64_t>();
     p.pool = wr.pool;
     p.fp8_scale_mode = cc.index_scale_mode;
+    p.record_scale_mode = cc.latent_scale_mode;
     if (wr.rows == &ctx_index_keys && fp8) p.row_scales = d_scales.as<const float>();
+    if (wr.rows == &ctx_latent && ctx_latent.dtype() == DType::kF8E4M3) p.row_scales = d_latent_scales.as<const float>();
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, p));
   }
   return backend.synchronize();

@@ -33,6 +33,7 @@ struct ReplaySetup {
   Tensor q_nope, q_rope, kv_latent, k_rope, idx_q, idx_k;
   // The FP8 indexer's scales (the case's, or made by quantizing its f32/bf16 indexer tensors).
   Tensor idx_q_scale, idx_k_scale, ctx_idx_k_scale;
+  Tensor ctx_latent_scale;  // the fp8_ds_mla context latent's tile scales
   StepConfig config;
   bool device_block_table = false;
   HostStepInputs inputs(const CaseFile& c) const {
@@ -46,6 +47,7 @@ struct ReplaySetup {
   const Tensor* ctx_index_key_scales() const {
     return config.index_input_dtype() == DType::kF8E4M3 ? &ctx_idx_k_scale : nullptr;
   }
+  const Tensor* ctx_latent_scales() const { return cache_config.fp8_latent() ? &ctx_latent_scale : nullptr; }
 };
 
 Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options) {
@@ -77,7 +79,24 @@ Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options
 
   // Inputs converted (losslessly) to the compute dtype.
   auto conv = [&](const Tensor& t) { return t.to_dtype(dtype); };
-  DSACP_ASSIGN_OR_RETURN(s.ctx_latent, conv(c.ctx_kv_latent));
+  // The fp8_ds_mla latent: the case's e4m3 context latent as it is, or (options.latent_fp8) its f32/bf16 one
+  // quantized here exactly as `make-case --kv-dtype fp8_ds_mla` would (case_quantize_latent).
+  if (c.latent_fp8() || options.latent_fp8) {
+    CaseFile q;
+    const CaseFile* src = &c;
+    if (!c.latent_fp8()) {
+      DSACP_ASSIGN_OR_RETURN(q.ctx_kv_latent, c.ctx_kv_latent.clone());
+      q.dims = c.dims;
+      DSACP_RETURN_IF_ERROR(case_quantize_latent(q, options.latent_scale_mode));
+      src = &q;
+    }
+    DSACP_ASSIGN_OR_RETURN(s.ctx_latent, src->ctx_kv_latent.clone());
+    DSACP_ASSIGN_OR_RETURN(s.ctx_latent_scale, src->ctx_kv_latent_scale.clone());
+    cc.latent_format = LatentFormat::kFp8DsMla;
+    cc.latent_scale_mode = options.latent_scale_mode;
+  } else {
+    DSACP_ASSIGN_OR_RETURN(s.ctx_latent, conv(c.ctx_kv_latent));
+  }
   DSACP_ASSIGN_OR_RETURN(s.ctx_rope, conv(c.ctx_k_rope));
   DSACP_ASSIGN_OR_RETURN(s.q_nope, conv(c.q_nope));
   DSACP_ASSIGN_OR_RETURN(s.q_rope, conv(c.q_rope));
@@ -206,7 +225,8 @@ Result<StepResult> replay_case(const std::vector<Backend*>& rank_backends, const
   DSACP_ASSIGN_OR_RETURN(std::unique_ptr<LocalCpCluster> cluster,
                          LocalCpCluster::create(rank_backends, options.layout, s.cache_config));
   DSACP_RETURN_IF_ERROR(
-      cluster->load_context(c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k, s.ctx_index_key_scales()));
+      cluster->load_context(c.requests, s.table, s.ctx_latent, s.ctx_rope, s.ctx_idx_k, s.ctx_index_key_scales(),
+                            s.ctx_latent_scales()));
   return cluster->step(s.config, c.requests, s.table, s.inputs(c));
 }
 
@@ -233,7 +253,8 @@ Result<StepResult> replay_case_rank(Backend& backend, const CaseFile& c, const R
   DSACP_ASSIGN_OR_RETURN(PagedKvCache cache,
                          PagedKvCache::create(backend, cp_rank_cache_config(layout, s.cache_config)));
   DSACP_RETURN_IF_ERROR(cp_load_context_rank(backend, layout, s.sharding, cr, c.requests, s.table, s.ctx_latent,
-                                             s.ctx_rope, s.ctx_idx_k, cache, s.ctx_index_key_scales()));
+                                             s.ctx_rope, s.ctx_idx_k, cache, s.ctx_index_key_scales(),
+                                             s.ctx_latent_scales()));
   if (Pt == 1) return step_run_host(backend, s.config, c.requests, s.table, cache, s.inputs(c));
 
   DSACP_RETURN_IF_ERROR(validate_layout(layout, s.config.H));

@@ -109,6 +109,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   w.rows_dtype = config.index_input_dtype();
   w.row_scales = in.idx_k_scale;
   w.fp8_scale_mode = cache.config().index_scale_mode;
+  w.record_scale_mode = cache.config().latent_scale_mode;  // an fp8_ds_mla latent: quantized per 128-value tile
   w.num_rows = T;
   w.slots = UploadBatch::at<int64_t>(d_rows, at_slots);
   w.rows = in.idx_k;

@@ -30,6 +30,10 @@ CommandSpec make_case_spec() {
        "fp8: idx_q, idx_k, ctx_idx_k as F8_E4M3 with F32 scales (idx_q_scale [T, Hi], idx_k_scale [T], "
        "ctx_idx_k_scale [sumC]), quantized from the random values with the fp32 rule per token / (token, head)",
        "float"},
+      {"--kv-dtype", "float|fp8_ds_mla",
+       "fp8_ds_mla: ctx_kv_latent as F8_E4M3 with ctx_kv_latent_scale F32 [sumC, Dl/128], quantized per 128-value "
+       "tile with the fp32 rule (--latent-dim a multiple of 128); kv_latent stays float",
+       "float"},
   };
   return s;
 }
@@ -82,6 +86,8 @@ int cmd_make_case(const std::vector<std::string>& argv) {
   auto seed = args.get_int("--seed", 1, 0, INT64_MAX);
   auto index_dtype = args.get_choice("--index-dtype", "float", {"float", "fp8"});
   if (!index_dtype.ok()) return fail(index_dtype.status());
+  auto kv_dtype = args.get_choice("--kv-dtype", "float", {"float", "fp8_ds_mla"});
+  if (!kv_dtype.ok()) return fail(kv_dtype.status());
   for (const Status& s : {H.status(), Dl.status(), Dr.status(), Hi.status(), Di.status(), K.status(),
                           scale.status(), dtype.status(), seed.status()}) {
     if (!s.ok()) return fail(s);
@@ -96,6 +102,9 @@ int cmd_make_case(const std::vector<std::string>& argv) {
   if (!c.ok()) return fail(c.status());
   if (*index_dtype == "fp8") {
     if (Status s = case_quantize_index(*c, Fp8ScaleMode::kFp32); !s.ok()) return fail(s);
+  }
+  if (*kv_dtype == "fp8_ds_mla") {
+    if (Status s = case_quantize_latent(*c, Fp8ScaleMode::kFp32); !s.ok()) return fail(s);
   }
   if (Status s = case_write(args.positionals()[0], *c); !s.ok()) return fail(s);
   return 0;

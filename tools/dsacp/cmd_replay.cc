@@ -47,6 +47,12 @@ CommandSpec replay_spec() {
        "make-case --index-dtype fp8 does). A case in F8_E4M3 replays in FP8 either way",
        "float"},
       {"--index-scale-mode", "fp32|ue8m0", "the FP8 scale rule used when quantizing (--index-dtype fp8)", "fp32"},
+      {"--kv-dtype", "float|fp8_ds_mla",
+       "fp8_ds_mla: the latent cache as 656-byte records; a case with an f32/bf16 ctx_kv_latent is quantized on "
+       "load (as make-case --kv-dtype fp8_ds_mla does). A case with an F8_E4M3 ctx_kv_latent replays so either way",
+       "float"},
+      {"--kv-scale-mode", "fp32|ue8m0", "the tile scale rule of the latent's quantization (--kv-dtype fp8_ds_mla)",
+       "fp32"},
   };
   for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   for (const OptionSpec& o : cuda_diagnostic_options()) s.options.push_back(o);
@@ -288,6 +294,12 @@ int cmd_replay(const std::vector<std::string>& argv) {
   if (!scale_mode.ok()) return fail(scale_mode.status());
   options.index_fp8 = *index_dtype == "fp8";
   options.index_scale_mode = *scale_mode == "ue8m0" ? Fp8ScaleMode::kUe8m0 : Fp8ScaleMode::kFp32;
+  auto kv_dtype = args.get_choice("--kv-dtype", "float", {"float", "fp8_ds_mla"});
+  if (!kv_dtype.ok()) return fail(kv_dtype.status());
+  auto kv_scale_mode = args.get_choice("--kv-scale-mode", "fp32", {"fp32", "ue8m0"});
+  if (!kv_scale_mode.ok()) return fail(kv_scale_mode.status());
+  options.latent_fp8 = *kv_dtype == "fp8_ds_mla";
+  options.latent_scale_mode = *kv_scale_mode == "ue8m0" ? Fp8ScaleMode::kUe8m0 : Fp8ScaleMode::kFp32;
   const std::string case_path = args.positionals()[0];
   const std::string out_path = *args.get("--out");
   if (args.has("--max-memory")) {

@@ -48,6 +48,10 @@ CommandSpec run_spec() {
       {"--scale", "X", "softmax scale", "0.1352338"},
       {"--page-size", "N", "KV cache page size in tokens", "64"},
       {"--dtype", "bf16|f32", "storage dtype of activations and caches", "bf16"},
+      {"--kv-dtype", "float|fp8_ds_mla",
+       "fp8_ds_mla: the latent cache as 656-byte records (e4m3 latent with a f32 scale a 128-value tile, bf16 "
+       "rope; --latent-dim a multiple of 128), checked against the dequantized latent",
+       "float"},
       {"--samples", "N", "tokens checked against fp64 per step", "4"},
       {"--seed", "N", "workload seed", "1"},
       {"--threads", "N", "CPU threads (0 = all cores)", "0"},
@@ -76,6 +80,7 @@ struct RunConfig {
   bool json, progress;
   CpLayout layout;
   bool cuda = false;  // --device cuda
+  bool fp8_latent = false;  // --kv-dtype fp8_ds_mla
   int64_t gpus = 0;   // --gpus (0 = default)
   uint64_t max_memory = 0;  // --max-memory (0 = what is available)
   CudaBackendOptions cuda_options;  // --cuda-timeline, --cuda-trace
@@ -121,6 +126,8 @@ Result<RunConfig> read_config(const ParsedArgs& a) {
   DSACP_ASSIGN_OR_RETURN(double scale, a.get_double("--scale", 0.1352338));
   DSACP_ASSIGN_OR_RETURN(int64_t page_size, geti("--page-size", 64, 1, 1 << 20));
   DSACP_ASSIGN_OR_RETURN(std::string dtype, a.get_choice("--dtype", "bf16", {"bf16", "f32"}));
+  DSACP_ASSIGN_OR_RETURN(std::string kv_dtype, a.get_choice("--kv-dtype", "float", {"float", "fp8_ds_mla"}));
+  c.fp8_latent = kv_dtype == "fp8_ds_mla";
   DSACP_ASSIGN_OR_RETURN(int64_t samples, geti("--samples", 4, 0, 1 << 20));
   DSACP_ASSIGN_OR_RETURN(int64_t seed, geti("--seed", 1, 0, INT64_MAX));
   DSACP_ASSIGN_OR_RETURN(int64_t threads, geti("--threads", 0, 0, 1024));
@@ -197,6 +204,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   }
   PagedCacheConfig cc{pages_needed, cfg.page_size, d.Dl, d.Dr, d.Di, cfg.dtype};
   cc.index_page_factor = cfg.layout.indexer == IndexerMode::kReplicated ? cfg.layout.num_ranks() : 1;
+  if (cfg.fp8_latent) cc.latent_format = LatentFormat::kFp8DsMla;
   StepConfig sc;
   sc.H = d.H;
   sc.Dl = d.Dl;
@@ -308,7 +316,7 @@ int cmd_run(const std::vector<std::string>& argv) {
       const TokenCheck tc = verify_token(values, sl->request, pos, cfg.scale,
                                          result->topk_indices.data_as<int32_t>() + row * d.K,
                                          result->out.data_as<float>() + row * d.H * d.Dl,
-                                         result->lse.data_as<float>() + row * d.H, tol);
+                                         result->lse.data_as<float>() + row * d.H, tol, cfg.fp8_latent);
       check.tokens += 1;
       check.exact += tc.topk_exact;
       check.near_tie_swaps += tc.near_tie_swaps;

@@ -6,10 +6,12 @@
 #include <numeric>
 #include <vector>
 
+#include "dsacp/fp8.h"
+
 namespace dsacp::cli {
 
 TokenCheck verify_token(const WorkloadValues& v, int32_t request, int64_t pos, float scale, const int32_t* topk_row,
-                        const float* out, const float* lse, const CheckTolerance& tol) {
+                        const float* out, const float* lse, const CheckTolerance& tol, bool fp8_latent) {
   using W = WorkloadValues;
   const WorkloadDims& d = v.dims();
   TokenCheck c;
@@ -88,6 +90,16 @@ TokenCheck verify_token(const WorkloadValues& v, int32_t request, int64_t pos, f
   for (size_t e = 0; e < nk; ++e) {
     for (int32_t i = 0; i < d.Dl; ++i) lat[e * d.Dl + i] = v.value(W::kLatent, request, got[e], i);
     for (int32_t i = 0; i < d.Dr; ++i) rope[e * d.Dr + i] = v.value(W::kRope, request, got[e], i);
+    if (!fp8_latent) continue;
+    for (int32_t g = 0; g + kFp8DsMlaTile <= d.Dl; g += kFp8DsMlaTile) {
+      float amax = 0.f;
+      for (int32_t i = g; i < g + kFp8DsMlaTile; ++i) amax = std::max(amax, fp8_amax_term(static_cast<float>(lat[e * d.Dl + i])));
+      const float s = fp8_scale_from_amax(amax, Fp8ScaleMode::kFp32);
+      for (int32_t i = g; i < g + kFp8DsMlaTile; ++i) {
+        lat[e * d.Dl + i] = fp8_dequantize(fp8_quantize(static_cast<float>(lat[e * d.Dl + i]), s), s);
+      }
+    }
+    for (int32_t i = 0; i < d.Dr; ++i) rope[e * d.Dr + i] = round_to_bf16(static_cast<float>(rope[e * d.Dr + i]));
   }
   std::vector<double> qn(static_cast<size_t>(d.H) * d.Dl), qr(static_cast<size_t>(d.H) * d.Dr);
   for (size_t i = 0; i < qn.size(); ++i) qn[i] = v.value(W::kQNope, request, pos, static_cast<int64_t>(i));

@@ -24,7 +24,10 @@ struct CheckTolerance {
 };
 
 // topk_row [K], out [H, Dl] f32, lse [H] for the token at `pos` of `request` (it sees keys [0, pos]).
+// fp8_latent: the cache holds fp8_ds_mla records, so the keys' latent is the contract's dequantized one (each
+// 128-value tile quantized by the fp32 rule, scale * value) and their rope the bf16 it is stored as.
 TokenCheck verify_token(const WorkloadValues& values, int32_t request, int64_t pos, float scale,
-                        const int32_t* topk_row, const float* out, const float* lse, const CheckTolerance& tol);
+                        const int32_t* topk_row, const float* out, const float* lse, const CheckTolerance& tol,
+                        bool fp8_latent = false);
 
 }  // namespace dsacp::cli

@@ -1,5 +1,6 @@
 // Row gather (with f32/bf16 conversion) and the global-to-local top-k remap of context parallelism.
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -22,6 +23,11 @@ Status gather_rows(const GatherRowsParams& p, int num_threads) {
   parallel_for(p.num_rows, num_threads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t src = p.index[i];
+      if (src >= 0 && p.src_dtype == p.dst_dtype) {  // bytes as they are (packed fp8_ds_mla records too)
+        const size_t row = static_cast<size_t>(dim) * dtype_size(p.src_dtype);
+        std::memcpy(static_cast<char*>(p.dst) + i * row, static_cast<const char*>(p.src) + src * row, row);
+        continue;
+      }
       for (int64_t d = 0; d < dim; ++d) {
         const float v = src < 0 ? nan : load_as_f32(p.src, p.src_dtype, src * dim + d);
         store_from_f32(p.dst, p.dst_dtype, i * dim + d, v);

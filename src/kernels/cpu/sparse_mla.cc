@@ -5,6 +5,7 @@
 // halves, then the tail; see dot_block), so a (token, head, key) logit never depends on blocking or threads.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -70,6 +71,29 @@ void logits_heads(const float* qn, const float* qr, const float* lat, const floa
   }
 }
 
+// Key position j of request b as f32: a row of a plain pool, or the part of an fp8_ds_mla record (the latent
+// dequantized as scale * value in f32, each tile of 128 values with its own scale; the rope bf16 as stored).
+void load_key(const PagedPoolView& v, const BlockTableView& bt, int32_t b, int64_t j, float* dst) {
+  if (!v.records()) {
+    load_row_f32(v.data, v.dtype, key_row_offset(bt, b, j, v.page_size, v.dim), v.dim, dst);
+    return;
+  }
+  const int64_t slot = key_row_offset(bt, b, j, v.page_size, 1);
+  const uint8_t* src = static_cast<const uint8_t*>(v.data) + record_part_offset(v, slot);
+  if (v.dtype == DType::kBF16) {
+    for (int32_t d = 0; d < v.dim; ++d) {
+      const uint32_t u = static_cast<uint32_t>(src[2 * d] | (src[2 * d + 1] << 8)) << 16;
+      std::memcpy(dst + d, &u, 4);
+    }
+    return;
+  }
+  for (int32_t g = 0; g < v.dim / kFp8DsMlaTile; ++g) {
+    float scale;
+    std::memcpy(&scale, src + fp8_ds_mla_scale_offset(v.dim) + 4 * g, 4);
+    for (int32_t i = g * kFp8DsMlaTile; i < (g + 1) * kFp8DsMlaTile; ++i) dst[i] = fp8_dequantize(src[i], scale);
+  }
+}
+
 struct Scratch {
   std::vector<float> lat, rope, qn, qr, logits, acc;
 };
@@ -91,10 +115,8 @@ void attend(const SparseMlaParams& p, int64_t t, int32_t h0, int32_t h1, int32_t
   s.rope.resize(static_cast<size_t>(n * dr));
   const int32_t* row = p.topk + t * p.K;
   for (int32_t e = 0; e < n; ++e) {
-    load_row_f32(p.latent.data, p.latent.dtype, key_row_offset(p.block_table, b, row[e], p.latent.page_size, p.Dl), dl,
-                 s.lat.data() + e * dl);
-    load_row_f32(p.rope.data, p.rope.dtype, key_row_offset(p.block_table, b, row[e], p.rope.page_size, p.Dr), dr,
-                 s.rope.data() + e * dr);
+    load_key(p.latent, p.block_table, b, row[e], s.lat.data() + e * dl);
+    load_key(p.rope, p.block_table, b, row[e], s.rope.data() + e * dr);
   }
   s.qn.resize(static_cast<size_t>(nh * dl));
   s.qr.resize(static_cast<size_t>(nh * dr));

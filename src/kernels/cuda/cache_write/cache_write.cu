@@ -198,6 +198,10 @@ Status cache_write_supported(const CacheWriteParams& p) {
   for (int i = 0; i < cache_write_pools(p); ++i) {
     const CacheWriteParams one = cache_write_pool(p, i);
     const DType pool = one.pool.dtype;
+    if (one.pool.records()) {
+      return unsupported("cache_write: an fp8_ds_mla latent cache (CUDA cache_write writes rows and FP8 indexer "
+                         "pages only so far; the CPU backend writes fp8_ds_mla records)");
+    }
     const bool fp8_ok = pool == DType::kF8E4M3 && (ok(one.rows_dtype) || one.rows_dtype == DType::kF8E4M3);
     if (!fp8_ok && (!ok(one.rows_dtype) || !ok(pool))) {
       return unsupported(std::string("cache_write: rows ") + dtype_name(one.rows_dtype) + ", pool " + dtype_name(pool) +

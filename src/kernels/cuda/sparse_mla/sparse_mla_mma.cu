@@ -391,6 +391,10 @@ Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& 
       " (CUDA sparse_mla supports H >= 1 in head blocks of any size, Dl = 512, Dr = 64, bf16 q_nope/q_rope/latent/"
       "rope, f32 or bf16 out, page_size 1..1024, num_pages * page_size < 2^31)";
   if (p.H < 1) return unsupported("sparse_mla: H=" + std::to_string(p.H) + supported);
+  if (p.latent.records() || p.rope.records()) {
+    return unsupported("sparse_mla: an fp8_ds_mla latent cache (CUDA sparse_mla reads bf16 latent and rope pools "
+                       "only so far; the CPU backend attends over fp8_ds_mla)");
+  }
   if (p.head_blocks < 1 || p.H % p.head_blocks != 0) {
     return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +
                        " (H must be a multiple of head_blocks)");
