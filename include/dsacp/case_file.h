@@ -66,10 +66,26 @@ Result<CaseFile> case_generate(const CaseGenSpec& spec);
 // A case already in FP8 is left as it is.
 Status case_quantize_index(CaseFile& c, Fp8ScaleMode mode = Fp8ScaleMode::kFp32);
 
+// The forms a step's outputs come in (StepConfig::topk_form, lse_base).
+enum class TopkForm {
+  kCanonical,  // request-relative key positions (the contract's canonical rows)
+  kSlot,       // FlashMLA's global-slot form: page * page_size + offset in the KV cache, -1 padded
+};
+enum class LseBase {
+  kNatural,  // ln sum exp (the default)
+  kTwo,      // log2 sum 2^x over logits in log2 units, as FlashInfer returns it: the natural LSE * kLog2E
+};
+const char* topk_form_name(TopkForm f);  // "canonical", "slot"
+const char* lse_base_name(LseBase b);    // "e", "2"
+
 struct StepResult {
   Tensor topk_indices;  // [T, K], I32
   Tensor out;           // [T, H, Dl], F32 or BF16
   Tensor lse;           // [T, H], F32
+  // What topk_indices and lse hold. A result file records a form other than the default in its __metadata__
+  // ("topk_form": "slot", "lse_base": "2"); a default result has no metadata.
+  TopkForm topk_form = TopkForm::kCanonical;
+  LseBase lse_base = LseBase::kNatural;
 };
 Status result_write(const std::string& path, const StepResult& r);
 Result<StepResult> result_read(const std::string& path);

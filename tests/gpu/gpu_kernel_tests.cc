@@ -20,6 +20,7 @@
 #include "dsacp/dtype.h"
 #include "gpu/check_log.h"
 #include "gpu/crash_trace.h"
+#include "gpu/gpu_serving_checks.h"
 
 using namespace dsacp;
 
@@ -1617,6 +1618,8 @@ int main(int argc, char** argv) {
     if (selected("fp8 " + c.name)) run_fp8_indexer_case(*gpu, c);
   }
   if (only.empty()) test_cache_write_fp8_rows(*gpu);
+  // The serving options (slot top-k, base-2 LSE, a precomputed top-k) on one GPU and CP layouts on it.
+  if (selected("serving options")) dsacp::testing::gpu_serving_checks(*gpu, *cpu, 271, g_log);
   if (selected("decode b=4 ctx 5000 page64 (plan in device memory)")) {
     setenv("DSACP_INDEXER_INLINE_PLAN", "0", 1);
     IdxCase device_plan = idx[0];
