@@ -776,8 +776,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   const bool fp8 = c.index_input_dtype() == DType::kF8E4M3;
   // The sharded indexer's prefill rows read a gathered view of the indexer pool: not for FP8 pages yet. (Decided
   // from the batch, the same on every rank, so all of them refuse before any collective.)
-  // (A precomputed top-k reads no indexer keys.)
-  if (fp8 && !replicated && !layout.dsa_cp && plan.layout.num_prefills > 0 && !precomputed) return cp_fp8_unsupported();
+  if (fp8 && !replicated && !layout.dsa_cp && plan.layout.num_prefills > 0) return cp_fp8_unsupported();
   if (replicated && cc.index_page_factor != Pt) {
     return invalid_argument("the replicated indexer needs an indexer pool of " + std::to_string(Pt) +
                             " x the pages (index_page_factor), the cache has " + std::to_string(cc.index_page_factor));
