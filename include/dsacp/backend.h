@@ -108,6 +108,10 @@ class Backend {
   virtual Status gather_rows(const GatherRowsParams& p) = 0;
   virtual Status topk_remap(const TopkRemapParams& p) = 0;
   virtual Status topk_merge(const TopkMergeParams& p) = 0;
+  // The serving options' small kernels. The defaults run the host reference on copies (copy_to_host, then
+  // copy_to_device): right on any backend, with a host round trip; the CPU and CUDA backends override them.
+  virtual Status topk_input(const TopkInputParams& p);
+  virtual Status output_form(const OutputFormParams& p);
 
   // Whether sparse_mla would take these parameters (shapes, dtypes, options such as SparseMlaParams::peer),
   // without running anything: ok, or the Status sparse_mla would return (kUnsupported ...). For a caller that
@@ -194,6 +198,8 @@ Status lse_merge_run(Backend& backend, const LseMergeParams& p);
 Status gather_rows_run(Backend& backend, const GatherRowsParams& p);
 Status topk_remap_run(Backend& backend, const TopkRemapParams& p);
 Status topk_merge_run(Backend& backend, const TopkMergeParams& p);
+Status topk_input_run(Backend& backend, const TopkInputParams& p);
+Status output_form_run(Backend& backend, const OutputFormParams& p);
 
 Status validate(const CacheWriteParams& p);
 Status validate(const IndexerTopkParams& p);
@@ -202,5 +208,7 @@ Status validate(const LseMergeParams& p);
 Status validate(const GatherRowsParams& p);
 Status validate(const TopkRemapParams& p);
 Status validate(const TopkMergeParams& p);
+Status validate(const TopkInputParams& p);
+Status validate(const OutputFormParams& p);
 
 }  // namespace dsacp

@@ -73,11 +73,26 @@ Status case_quantize_index(CaseFile& c, Fp8ScaleMode mode = Fp8ScaleMode::kFp32)
 // Turns a case's f32/bf16 ctx_kv_latent into the fp8_ds_mla format in place: quantized per 128-value tile by
 // `mode`, ctx_kv_latent_scale set (Dl a multiple of 128). A case with an FP8 latent already is left as it is.
 Status case_quantize_latent(CaseFile& c, Fp8ScaleMode mode = Fp8ScaleMode::kFp32);
+// The forms a step's outputs come in (StepConfig::topk_form, lse_base).
+enum class TopkForm {
+  kCanonical,  // request-relative key positions (the contract's canonical rows)
+  kSlot,       // FlashMLA's global-slot form: page * page_size + offset in the KV cache, -1 padded
+};
+enum class LseBase {
+  kNatural,  // ln sum exp (the default)
+  kTwo,      // log2 sum 2^x over logits in log2 units, as FlashInfer returns it: the natural LSE * kLog2E
+};
+const char* topk_form_name(TopkForm f);  // "canonical", "slot"
+const char* lse_base_name(LseBase b);    // "e", "2"
 
 struct StepResult {
   Tensor topk_indices;  // [T, K], I32
   Tensor out;           // [T, H, Dl], F32 or BF16
   Tensor lse;           // [T, H], F32
+  // What topk_indices and lse hold. A result file records a form other than the default in its __metadata__
+  // ("topk_form": "slot", "lse_base": "2"); a default result has no metadata.
+  TopkForm topk_form = TopkForm::kCanonical;
+  LseBase lse_base = LseBase::kNatural;
 };
 Status result_write(const std::string& path, const StepResult& r);
 Result<StepResult> result_read(const std::string& path);

@@ -300,6 +300,42 @@ struct TopkRemapParams {
   int32_t Pt = 1, I = 1, cr = 0;
 };
 
+// A caller's top-k rows (StepInputs::topk: a layer that reuses another layer's top-k) checked and copied into the
+// step's top-k buffer. Row t must hold distinct positions in [0, key_len[t]) in ascending order, then -1 to the
+// end (a row may hold fewer than min(K, key_len[t]) positions); else the call fails naming the row (device
+// backends: at the step's end, naming the row).
+struct TopkInputParams {
+  int64_t num_rows = 0;
+  int32_t K = 0;
+  const int32_t* key_len = nullptr;  // [num_rows]
+  const int32_t* topk = nullptr;     // [num_rows, K] the caller's rows
+  int32_t* out = nullptr;            // [num_rows, K] the copy (not overlapping topk)
+};
+
+// The step's outputs in the forms a serving engine asks for (StepConfig::topk_form, lse_base), made from the
+// step's canonical top-k and natural-log LSE, in exact arithmetic:
+//   slots[t, i] = page * page_size + l % page_size, page = block_table[request[t], l / page_size], for each entry
+//     e = topk[t, i] >= 0, with l its local position on the rank that stores it (KV sharded over Pt ranks by
+//     interleave I: l = (e / (Pt * I)) * I + e mod I; l = e on one device); -1 stays -1 (FlashMLA's global-slot
+//     form). A page outside [0, num_pages) or past max_pages is an error naming the row.
+//   lse[i] = lse[i] * kLog2E (one f32 multiply: log2 of the sum of exp2 of the logits in log2 units) for
+//     i < lse_count.
+// slots may be null (no top-k conversion), lse null (none of the LSE); slots may not alias topk.
+inline constexpr float kLog2E = 1.44269504088896340736f;  // 1 / ln 2, rounded to f32
+struct OutputFormParams {
+  int64_t num_rows = 0;
+  int32_t K = 0;
+  const int32_t* topk = nullptr;     // [num_rows, K] canonical positions
+  const int32_t* request = nullptr;  // [num_rows] block table row of each row
+  BlockTableView block_table;
+  int32_t page_size = 0;
+  int64_t num_pages = 0;             // of the pool the slots address
+  int32_t Pt = 1, I = 1;
+  int32_t* slots = nullptr;          // [num_rows, K] out
+  float* lse = nullptr;              // [lse_count], in place
+  int64_t lse_count = 0;
+};
+
 // Part s's rows of a merge, whichever way its parts were given (row 0 of the part; rows are contiguous).
 inline const void* lse_merge_part_out(const LseMergeParams& p, int32_t s, size_t elem_bytes) {
   return p.part_out != nullptr ? static_cast<const char*>(p.part_out) + static_cast<size_t>(s) * p.num_rows * p.Dl * elem_bytes

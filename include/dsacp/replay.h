@@ -35,6 +35,11 @@ struct ReplayOptions {
   // by the step's cache write with the same rule.
   bool latent_fp8 = false;
   Fp8ScaleMode latent_scale_mode = Fp8ScaleMode::kFp32;
+  // Serving options (StepConfig): the result's top-k form and LSE base; a precomputed top-k (I32 [T, K],
+  // canonical rows in the case's token order, e.g. a canonical result's topk_indices) that replaces the indexer.
+  TopkForm topk_form = TopkForm::kCanonical;
+  LseBase lse_base = LseBase::kNatural;
+  const Tensor* topk = nullptr;
 };
 
 // The memory a replay of `c` plans to take on `ranks_here` ranks (every rank: replay_case; 1: replay_case_rank),

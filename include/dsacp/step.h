@@ -25,6 +25,11 @@ struct StepConfig {
   std::optional<DType> index_dtype = std::nullopt;
   DType index_input_dtype() const { return index_dtype.value_or(act_dtype); }
   int32_t decode_threshold = kMaxDecodeThreshold;
+  // Serving options: the form of StepOutputs::topk (the step's own top-k stays canonical; the slots are the
+  // KV cache's: under CP, each position's slot on the rank that stores it, through the shared block table) and
+  // the base of StepOutputs::lse.
+  TopkForm topk_form = TopkForm::kCanonical;
+  LseBase lse_base = LseBase::kNatural;
 };
 
 // The step's inputs, in the backend's memory, requests' tokens consecutive in request order.
@@ -44,6 +49,12 @@ struct StepInputs {
   const int32_t* block_table = nullptr;
   const float* idx_q_scale = nullptr;  // [T, Hi], f32: with F8_E4M3 idx_q (StepConfig::index_dtype)
   const float* idx_k_scale = nullptr;  // [T], f32: with F8_E4M3 idx_k (each positive and finite)
+  // Optional: a precomputed top-k ([T, K] int32, canonical request-relative positions: a layer that reuses another
+  // layer's top-k, an MTP draft that reuses its target's). The step then runs no indexer: idx_q and idx_w are not
+  // read and may be null, and idx_k, when null, leaves the indexer-key pool as it is. Each row must hold distinct
+  // positions visible to its token, ascending, then -1 (fewer than min(K, key_len) allowed); a row that does not
+  // fails the step, naming it. The step's top-k output is these rows (in config.topk_form).
+  const int32_t* topk = nullptr;
 };
 
 struct StepOutputs {
@@ -84,6 +95,8 @@ struct HostStepInputs {
   // With config.index_dtype F8_E4M3: F32 [T, Hi] and [T].
   const Tensor* idx_q_scale = nullptr;
   const Tensor* idx_k_scale = nullptr;
+  // Optional: a precomputed top-k, I32 [T, K] (StepInputs::topk); idx_q, idx_w and idx_k may then be null.
+  const Tensor* topk = nullptr;
 };
 Result<StepResult> step_run_host(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                                  const BlockTable& table, PagedKvCache& cache, const HostStepInputs& inputs);

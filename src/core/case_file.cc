@@ -314,9 +314,22 @@ std::string float_to_string(float v) {
 // A result, checked: topk_indices I32 [T, K], out F32/BF16 [T, H, Dl], lse F32 [T, H].
 Status check_result(const SafetensorsFile& f) {
   DSACP_RETURN_IF_ERROR(check_tensor_names("result", f, kResultTensors));
-  if (!f.metadata.empty()) {
-    return invalid_argument("result: unexpected __metadata__ key " + json::quote(f.metadata.begin()->first) +
-                            " (a result has no metadata)");
+  // The only metadata a result has: the forms of its top-k and LSE when they are not the default ones.
+  for (const auto& [key, value] : f.metadata) {
+    if (key == "topk_form") {
+      if (value != "slot") {
+        return invalid_argument("result: __metadata__ \"topk_form\" must be \"slot\" (canonical rows carry no key), got " +
+                                json::quote_name(value));
+      }
+    } else if (key == "lse_base") {
+      if (value != "2") {
+        return invalid_argument("result: __metadata__ \"lse_base\" must be \"2\" (a natural-log LSE carries no key), got " +
+                                json::quote_name(value));
+      }
+    } else {
+      return invalid_argument("result: unexpected __metadata__ key " + json::quote(key) +
+                              " (a result's metadata holds only \"topk_form\" and \"lse_base\")");
+    }
   }
   const Tensor& idx = *f.find("topk_indices");
   const Tensor& out = *f.find("out");
@@ -432,6 +445,8 @@ Status result_write(const std::string& path, const StepResult& r) {
     if (t->data() == nullptr) return invalid_argument(std::string("result: tensor \"") + name + "\" holds no data");
     DSACP_ASSIGN_OR_RETURN(f.tensors[name], t->clone());
   }
+  if (r.topk_form != TopkForm::kCanonical) f.metadata["topk_form"] = topk_form_name(r.topk_form);
+  if (r.lse_base != LseBase::kNatural) f.metadata["lse_base"] = lse_base_name(r.lse_base);
   DSACP_RETURN_IF_ERROR(check_result(f));
   return safetensors_write(path, f);
 }
@@ -444,7 +459,12 @@ Result<StepResult> result_read(const std::string& path) {
   r.topk_indices = take(f, "topk_indices");
   r.out = take(f, "out");
   r.lse = take(f, "lse");
+  if (f.metadata.count("topk_form") != 0) r.topk_form = TopkForm::kSlot;
+  if (f.metadata.count("lse_base") != 0) r.lse_base = LseBase::kTwo;
   return r;
 }
+
+const char* topk_form_name(TopkForm f) { return f == TopkForm::kSlot ? "slot" : "canonical"; }
+const char* lse_base_name(LseBase b) { return b == LseBase::kTwo ? "2" : "e"; }
 
 }  // namespace dsacp

@@ -349,6 +349,53 @@ Status gather_rows_run(Backend& backend, const GatherRowsParams& p) {
   return backend.gather_rows(p);
 }
 
+Status validate(const TopkInputParams& p) {
+  const char* k = "precomputed top-k";
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  if (p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "key_len", p.key_len));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "topk", p.topk));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "out", p.out));
+  const int64_t n = p.num_rows * p.K;
+  if (p.topk < p.out + n && p.out < p.topk + n) {
+    return invalid_argument(std::string(k) + ": the caller's rows and the step's top-k buffer overlap");
+  }
+  return Status::ok_status();
+}
+
+Status validate(const OutputFormParams& p) {
+  const char* k = "output form";
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
+  DSACP_RETURN_IF_ERROR(check_non_negative(k, "lse_count", p.lse_count));
+  if (p.lse_count > 0) DSACP_RETURN_IF_ERROR(check_pointer(k, "lse", p.lse));
+  if (p.slots == nullptr || p.num_rows == 0) return Status::ok_status();
+  DSACP_RETURN_IF_ERROR(check_positive(k, "K", p.K));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "page_size", p.page_size));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "Pt", p.Pt));
+  DSACP_RETURN_IF_ERROR(check_positive(k, "I", p.I));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "topk", p.topk));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "request", p.request));
+  DSACP_RETURN_IF_ERROR(check_pointer(k, "block_table", p.block_table.data));
+  const int64_t n = p.num_rows * p.K;
+  if (p.topk < p.slots + n && p.slots < p.topk + n) {
+    return invalid_argument(std::string(k) + ": topk and slots overlap (the conversion is not in place)");
+  }
+  return Status::ok_status();
+}
+
+Status topk_input_run(Backend& backend, const TopkInputParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if (p.num_rows == 0) return Status::ok_status();
+  return backend.topk_input(p);
+}
+
+Status output_form_run(Backend& backend, const OutputFormParams& p) {
+  DSACP_RETURN_IF_ERROR(validate(p));
+  if ((p.slots == nullptr || p.num_rows == 0) && (p.lse == nullptr || p.lse_count == 0)) return Status::ok_status();
+  return backend.output_form(p);
+}
+
 Status topk_remap_run(Backend& backend, const TopkRemapParams& p) {
   DSACP_RETURN_IF_ERROR(validate(p));
   if (p.num_rows == 0) return Status::ok_status();

@@ -309,34 +309,46 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(Tensor h_q_rope, select_rows_heads(*inputs.q_rope, token, plan.head_begin, plan.num_heads));
   DSACP_ASSIGN_OR_RETURN(Tensor h_kv_latent, select_rows(*inputs.kv_latent, token));
   DSACP_ASSIGN_OR_RETURN(Tensor h_k_rope, select_rows(*inputs.k_rope, token));
-  DSACP_ASSIGN_OR_RETURN(Tensor h_idx_q, select_rows(*inputs.idx_q, token));
-  DSACP_ASSIGN_OR_RETURN(Tensor h_idx_w, select_rows(*inputs.idx_w, token));
-  DSACP_ASSIGN_OR_RETURN(Tensor h_idx_k, select_rows(*inputs.idx_k, token));
-
   auto up = [&](const Tensor& t) -> Result<DeviceBuffer> {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, backend.allocate(std::max<size_t>(t.nbytes(), 1)));
     if (t.nbytes() > 0) DSACP_RETURN_IF_ERROR(backend.copy_to_device(b.get(), t.data(), t.nbytes()));
     return b;
   };
+  // The rank's rows of an input the step may go without (the indexer's, with a precomputed top-k): none for none.
+  auto up_rows = [&](const Tensor* t) -> Result<DeviceBuffer> {
+    if (t == nullptr) return DeviceBuffer{};
+    DSACP_ASSIGN_OR_RETURN(Tensor rows, select_rows(*t, token));
+    return up(rows);
+  };
+  // The precomputed top-k's rows; padding rows (no token) see no keys: -1 rows.
+  DeviceBuffer pre_topk;
+  if (inputs.topk != nullptr) {
+    DSACP_ASSIGN_OR_RETURN(Tensor h_topk, select_rows(*inputs.topk, token));
+    for (size_t i = 0; i < token.size(); ++i) {
+      if (token[i] < 0) std::fill_n(h_topk.data_as<int32_t>() + i * c.K, c.K, -1);
+    }
+    DSACP_ASSIGN_OR_RETURN(pre_topk, up(h_topk));
+  }
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_nope, up(h_q_nope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_rope, up(h_q_rope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer kv_latent, up(h_kv_latent));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer k_rope, up(h_k_rope));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up(h_idx_q));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up(h_idx_w));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up(h_idx_k));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, up_rows(inputs.idx_q));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, up_rows(inputs.idx_w));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, up_rows(inputs.idx_k));
   DeviceBuffer idx_q_scale, idx_k_scale;  // the FP8 indexer's scales of the rank's rows
   if (c.index_input_dtype() == DType::kF8E4M3) {
-    if (inputs.idx_q_scale == nullptr || inputs.idx_k_scale == nullptr) {
+    if ((inputs.idx_q != nullptr && inputs.idx_q_scale == nullptr) ||
+        (inputs.idx_k != nullptr && inputs.idx_k_scale == nullptr)) {
       return invalid_argument("F8_E4M3 indexer inputs need idx_q_scale and idx_k_scale");
     }
-    DSACP_ASSIGN_OR_RETURN(Tensor h_qs, select_rows(*inputs.idx_q_scale, token));
-    DSACP_ASSIGN_OR_RETURN(Tensor h_ks, select_rows(*inputs.idx_k_scale, token));
-    DSACP_ASSIGN_OR_RETURN(idx_q_scale, up(h_qs));
-    DSACP_ASSIGN_OR_RETURN(idx_k_scale, up(h_ks));
+    DSACP_ASSIGN_OR_RETURN(idx_q_scale, up_rows(inputs.idx_q != nullptr ? inputs.idx_q_scale : nullptr));
+    DSACP_ASSIGN_OR_RETURN(idx_k_scale, up_rows(inputs.idx_k != nullptr ? inputs.idx_k_scale : nullptr));
   }
   const int64_t rows = plan.output_rows, Hr = plan.num_heads;
   StepResult result;
+  result.topk_form = c.topk_form;
+  result.lse_base = c.lse_base;
   DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {rows, c.K}));
   DSACP_ASSIGN_OR_RETURN(result.out, Tensor::zeros(c.out_dtype, {rows, Hr, c.Dl}));
   DSACP_ASSIGN_OR_RETURN(result.lse, Tensor::zeros(DType::kF32, {rows, Hr}));
@@ -346,7 +358,7 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, inputs.device_block_table));
   StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
                 idx_k.get(), d_table.as<const int32_t>(), idx_q_scale.as<const float>(),
-                idx_k_scale.as<const float>()};
+                idx_k_scale.as<const float>(), pre_topk.as<const int32_t>()};
   StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
   DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, plan, layout, sharding, table, cache, in, out));
   if (rows > 0) {
@@ -379,6 +391,8 @@ Result<StepResult> cp_assemble_result(const StepConfig& c, const CpLayout& layou
   // Each (token, head) comes from one rank: a row shared by every PCP rank (a decode) from r = 0, any other row
   // from the rank that holds it; heads from the rank that computed them.
   StepResult result;
+  result.topk_form = c.topk_form;
+  result.lse_base = c.lse_base;
   DSACP_ASSIGN_OR_RETURN(result.topk_indices, Tensor::zeros(DType::kI32, {T, c.K}));
   DSACP_ASSIGN_OR_RETURN(result.out, Tensor::zeros(c.out_dtype, {T, c.H, c.Dl}));
   DSACP_ASSIGN_OR_RETURN(result.lse, Tensor::zeros(DType::kF32, {T, c.H}));

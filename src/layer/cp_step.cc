@@ -785,11 +785,16 @@ Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
 
 Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, const std::vector<Request>& requests,
                    const CpRankPlan& plan, const CpLayout& layout, const KvSharding& sharding, const BlockTable& table,
-                   PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
+                   PagedKvCache& cache, const StepInputs& in, const StepOutputs& caller_out) {
   PhaseClock clock(backend);
   const PagedCacheConfig& cc = cache.config();
   DSACP_RETURN_IF_ERROR(check_comms(comms, plan));
   DSACP_RETURN_IF_ERROR(check_step_config(c, cc));
+  // The step's own top-k is canonical: the caller's buffer, or (slot form) one that output_forms converts from.
+  DeviceBuffer canonical_topk;
+  StepOutputs out = caller_out;
+  DSACP_ASSIGN_OR_RETURN(out.topk, step_topk_buffer(backend, c, plan.num_rows, caller_out.topk, &canonical_topk));
+  const bool precomputed = in.topk != nullptr;
   DSACP_RETURN_IF_ERROR(validate_layout(layout, c.H));
   const int32_t Pt = layout.num_ranks();
   if (sharding.Pt != Pt) {
@@ -827,6 +832,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // kernels check every page they read.
   DSACP_RETURN_IF_ERROR(
       check_block_table_pages(table, pages, cc, in.block_table != nullptr ? first_new : std::vector<int64_t>{}));
+  DSACP_RETURN_IF_ERROR(check_indexer_inputs(c, in));
   const int32_t B = cc.page_size;
   const int64_t rows = plan.num_rows;
   const int64_t Hr = plan.num_heads;
@@ -909,7 +915,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
                {in.k_rope, c.Dr, act, {}},
                {in.idx_k, c.Di, dtype_size(c.index_input_dtype()), {}},
                {in.idx_k_scale, 1, sizeof(float), {}}};  // FP8: the keys' scales (else unused)
-    const int n_kv = fp8 ? 4 : 3;
+    // Without indexer keys (a precomputed top-k may come without them): latent and rope only.
+    const bool keys = in.idx_k != nullptr;
+    const int n_kv = !keys ? 2 : fp8 ? 4 : 3;
     std::unique_ptr<CollectiveHandle> handle;
     if (ex.size() == 1) {
       for (auto& e : kv) e.gathered = e.local;  // a group of one (DCP without PCP): the step's own rows
@@ -937,6 +945,15 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     w.pool = cache.index_keys();
     w.more[0] = {kv[0].gathered, d_owned, cache.latent(), c.act_dtype};
     w.more[1] = {kv[1].gathered, d_owned, cache.rope(), c.act_dtype};
+    if (!keys) {
+      w.rows = kv[0].gathered;
+      w.rows_dtype = c.act_dtype;
+      w.row_scales = nullptr;
+      w.slots = d_owned;
+      w.pool = cache.latent();
+      w.more[0] = {kv[1].gathered, d_owned, cache.rope(), c.act_dtype};
+      w.more[1] = {};
+    }
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("CP cache write"));
     for (auto& e : kv) s.kv_rows.push_back(std::move(e.rows));
   }
@@ -994,7 +1011,22 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     }
     DSACP_ASSIGN_OR_RETURN(d_all_request, upload_vector(backend, all_request));
   }
-  if (replicated) {
+  if (precomputed) {
+    // The caller's rows (this rank's rows, global positions), checked; no indexer, no candidates' exchange.
+    TopkInputParams tp;
+    tp.num_rows = rows;
+    tp.K = c.K;
+    tp.key_len = s.d_row_key_len;
+    tp.topk = in.topk;
+    tp.out = out.topk;
+    DSACP_RETURN_IF_ERROR(topk_input_run(backend, tp).with_context("CP rank " + std::to_string(plan.cr)));
+    clock.indexer_launched();
+    DSACP_RETURN_IF_ERROR(start_q_heads());
+    if (layout.dsa_cp && decode_only) {
+      DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
+      DSACP_RETURN_IF_ERROR(comms.dcp->all_gather(out.topk, all_topk.get(), rows * c.K * sizeof(int32_t)));
+    }
+  } else if (replicated) {
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rep, upload_vector(backend, rep_table.data));
     IndexerTopkParams ip;
     ip.rows = {rows, s.d_row_request, s.d_row_key_len};
@@ -1123,10 +1155,26 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
     DSACP_RETURN_IF_ERROR(run_local_decodes(s, *decodes));
   }
 
-  // 5. Graph-bucket rows past the local rows: topk -1, out 0, lse -inf.
+  // 5. The outputs in the caller's forms: each position's slot on the rank that stores it (the shared block table
+  //    at its local position), base-2 LSE.
+  OutputForms forms;
+  forms.rows = rows;
+  forms.topk = out.topk;
+  forms.request = s.d_row_request;
+  forms.block_table = {s.d_table, table.num_requests, table.max_pages};
+  forms.page_size = B;
+  forms.num_pages = cc.num_pages;
+  forms.Pt = sharding.Pt;
+  forms.I = sharding.I;
+  forms.out_topk = caller_out.topk;
+  forms.lse = out.lse;
+  forms.lse_count = rows * Hr;
+  DSACP_RETURN_IF_ERROR(output_forms(backend, c, forms));
+
+  // 6. Graph-bucket rows past the local rows: topk -1, out 0, lse -inf.
   const int64_t extra = plan.output_rows - rows;
   if (extra > 0) {
-    DSACP_RETURN_IF_ERROR(backend.fill(out.topk + rows * c.K, DType::kI32, extra * c.K, -1.f));
+    DSACP_RETURN_IF_ERROR(backend.fill(caller_out.topk + rows * c.K, DType::kI32, extra * c.K, -1.f));
     DSACP_RETURN_IF_ERROR(backend.fill(offset_bytes(out.out, rows * Hr * c.Dl * static_cast<int64_t>(dtype_size(c.out_dtype))),
                                        c.out_dtype, extra * Hr * c.Dl, 0.f));
     DSACP_RETURN_IF_ERROR(backend.fill(out.lse + rows * Hr, DType::kF32, extra * Hr, -std::numeric_limits<float>::infinity()));

@@ -13,6 +13,12 @@ Result<DeviceBuffer> upload_tensor(Backend& backend, const Tensor& t) {
   return buf;
 }
 
+// A tensor the step may go without (the indexer's inputs, with a precomputed top-k): an empty buffer for none.
+Result<DeviceBuffer> upload_optional(Backend& backend, const Tensor* t) {
+  if (t == nullptr) return DeviceBuffer{};
+  return upload_tensor(backend, *t);
+}
+
 Status check(const char* name, const Tensor* t, std::initializer_list<DType> dtypes,
              std::initializer_list<DimSpec> dims) {
   if (t == nullptr) return invalid_argument(std::string(name) + ": missing");
@@ -28,12 +34,20 @@ Status check_host_step_inputs(const StepConfig& c, int64_t T, const HostStepInpu
   DSACP_RETURN_IF_ERROR(check("kv_latent", in.kv_latent, {a}, {{"T", T}, {"Dl", c.Dl}}));
   DSACP_RETURN_IF_ERROR(check("k_rope", in.k_rope, {a}, {{"T", T}, {"Dr", c.Dr}}));
   const DType ia = c.index_input_dtype();
-  DSACP_RETURN_IF_ERROR(check("idx_q", in.idx_q, {ia}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
-  DSACP_RETURN_IF_ERROR(check("idx_w", in.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
-  if (ia == DType::kF8E4M3) {
-    DSACP_RETURN_IF_ERROR(check("idx_q_scale", in.idx_q_scale, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
-    DSACP_RETURN_IF_ERROR(check("idx_k_scale", in.idx_k_scale, {DType::kF32}, {{"T", T}}));
+  // With a precomputed top-k the indexer's inputs may be left out (each one given is checked).
+  const bool pre = in.topk != nullptr;
+  if (pre) DSACP_RETURN_IF_ERROR(check("topk", in.topk, {DType::kI32}, {{"T", T}, {"K", c.K}}));
+  if (!pre || in.idx_q != nullptr) {
+    DSACP_RETURN_IF_ERROR(check("idx_q", in.idx_q, {ia}, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}));
   }
+  if (!pre || in.idx_w != nullptr) DSACP_RETURN_IF_ERROR(check("idx_w", in.idx_w, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
+  if (ia == DType::kF8E4M3) {
+    if (!pre || in.idx_q != nullptr) {
+      DSACP_RETURN_IF_ERROR(check("idx_q_scale", in.idx_q_scale, {DType::kF32}, {{"T", T}, {"Hi", c.Hi}}));
+    }
+    if (!pre || in.idx_k != nullptr) DSACP_RETURN_IF_ERROR(check("idx_k_scale", in.idx_k_scale, {DType::kF32}, {{"T", T}}));
+  }
+  if (pre && in.idx_k == nullptr) return Status();
   return check("idx_k", in.idx_k, {ia}, {{"T", T}, {"Di", c.Di}});
 }
 
@@ -47,15 +61,16 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer q_rope, upload_tensor(backend, *in.q_rope));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer kv_latent, upload_tensor(backend, *in.kv_latent));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer k_rope, upload_tensor(backend, *in.k_rope));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, upload_tensor(backend, *in.idx_q));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, upload_tensor(backend, *in.idx_w));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, upload_tensor(backend, *in.idx_k));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_q, upload_optional(backend, in.idx_q));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_w, upload_optional(backend, in.idx_w));
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer idx_k, upload_optional(backend, in.idx_k));
   const bool fp8 = c.index_input_dtype() == DType::kF8E4M3;
   DeviceBuffer idx_q_scale, idx_k_scale;
   if (fp8) {
-    DSACP_ASSIGN_OR_RETURN(idx_q_scale, upload_tensor(backend, *in.idx_q_scale));
-    DSACP_ASSIGN_OR_RETURN(idx_k_scale, upload_tensor(backend, *in.idx_k_scale));
+    DSACP_ASSIGN_OR_RETURN(idx_q_scale, upload_optional(backend, in.idx_q != nullptr ? in.idx_q_scale : nullptr));
+    DSACP_ASSIGN_OR_RETURN(idx_k_scale, upload_optional(backend, in.idx_k != nullptr ? in.idx_k_scale : nullptr));
   }
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer pre_topk, upload_optional(backend, in.topk));
 
   StepResult r;
   DSACP_ASSIGN_OR_RETURN(r.topk_indices, Tensor::zeros(DType::kI32, {T, c.K}));
@@ -68,7 +83,9 @@ Result<StepResult> step_run_host(Backend& backend, const StepConfig& c, const st
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, in.device_block_table));
   StepInputs si{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
                 idx_k.get(), d_table.as<const int32_t>(), idx_q_scale.as<const float>(),
-                idx_k_scale.as<const float>()};
+                idx_k_scale.as<const float>(), pre_topk.as<const int32_t>()};
+  r.topk_form = c.topk_form;
+  r.lse_base = c.lse_base;
   StepOutputs so{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
   DSACP_RETURN_IF_ERROR(step_run(backend, c, requests, table, cache, si, so));
   if (T > 0) {

@@ -36,8 +36,10 @@ struct ReplaySetup {
   Tensor ctx_latent_scale;  // the fp8_ds_mla context latent's tile scales
   StepConfig config;
   bool device_block_table = false;
+  const Tensor* topk = nullptr;  // a precomputed top-k (ReplayOptions::topk)
   HostStepInputs inputs(const CaseFile& c) const {
     HostStepInputs in{&q_nope, &q_rope, &kv_latent, &k_rope, &idx_q, &c.idx_w, &idx_k, device_block_table};
+    in.topk = topk;
     if (config.index_input_dtype() == DType::kF8E4M3) {
       in.idx_q_scale = &idx_q_scale;
       in.idx_k_scale = &idx_k_scale;
@@ -142,6 +144,9 @@ Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options
   config.act_dtype = dtype;
   config.out_dtype = options.out_dtype;
   s.device_block_table = options.device_block_table;
+  config.topk_form = options.topk_form;
+  config.lse_base = options.lse_base;
+  s.topk = options.topk;
   return s;
 }
 

@@ -19,6 +19,31 @@ Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache);
 Status check_block_table_pages(const BlockTable& table, const std::vector<int64_t>& pages_per_request,
                                const PagedCacheConfig& cache, const std::vector<int64_t>& first_page = {});
 
+// The indexer's inputs are there unless the step has a precomputed top-k (StepInputs::topk).
+Status check_indexer_inputs(const StepConfig& c, const StepInputs& in);
+
+// The step's own (canonical) top-k buffer of `rows` rows: the caller's output when it asked for canonical rows,
+// else a buffer in *storage that output_forms converts into the caller's.
+Result<int32_t*> step_topk_buffer(Backend& backend, const StepConfig& c, int64_t rows, int32_t* out_topk,
+                                  DeviceBuffer* storage);
+
+// The outputs in the caller's forms (StepConfig::topk_form, lse_base): the canonical rows `topk` of `rows` rows
+// (requests `request`, device memory) as slots into out_topk, and lse_count LSE values of `lse` in base 2.
+// Nothing to do for the default forms. Pt, I: the KV sharding (1, 1 on one device).
+struct OutputForms {
+  int64_t rows = 0;
+  const int32_t* topk = nullptr;
+  const int32_t* request = nullptr;
+  BlockTableView block_table;
+  int32_t page_size = 0;
+  int64_t num_pages = 0;
+  int32_t Pt = 1, I = 1;
+  int32_t* out_topk = nullptr;
+  float* lse = nullptr;
+  int64_t lse_count = 0;
+};
+Status output_forms(Backend& backend, const StepConfig& c, const OutputForms& f);
+
 // The host tensors of a step's inputs: names, dtypes and shapes against the config and T.
 Status check_host_step_inputs(const StepConfig& c, int64_t T, const HostStepInputs& in);
 

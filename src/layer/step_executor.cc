@@ -71,6 +71,46 @@ Status check_block_table_pages(const BlockTable& table, const std::vector<int64_
   return Status();
 }
 
+Status check_indexer_inputs(const StepConfig& c, const StepInputs& in) {
+  if (in.topk != nullptr) return Status();
+  const std::pair<const char*, const void*> needed[] = {{"idx_q", in.idx_q}, {"idx_w", in.idx_w}, {"idx_k", in.idx_k}};
+  for (const auto& [name, ptr] : needed) {
+    if (ptr == nullptr) {
+      return invalid_argument(std::string("step inputs: ") + name +
+                              " is null (only a step with a precomputed top-k, StepInputs::topk, runs without the indexer)");
+    }
+  }
+  return Status();
+}
+
+Result<int32_t*> step_topk_buffer(Backend& backend, const StepConfig& c, int64_t rows, int32_t* out_topk,
+                                  DeviceBuffer* storage) {
+  if (c.topk_form == TopkForm::kCanonical) return out_topk;
+  DSACP_ASSIGN_OR_RETURN(*storage, backend.allocate(std::max<size_t>(static_cast<size_t>(rows * c.K) * sizeof(int32_t), 1)));
+  return storage->as<int32_t>();
+}
+
+Status output_forms(Backend& backend, const StepConfig& c, const OutputForms& f) {
+  if (c.topk_form == TopkForm::kCanonical && c.lse_base == LseBase::kNatural) return Status();
+  OutputFormParams p;
+  p.num_rows = f.rows;
+  p.K = c.K;
+  if (c.topk_form == TopkForm::kSlot) {
+    p.topk = f.topk;
+    p.request = f.request;
+    p.block_table = f.block_table;
+    p.page_size = f.page_size;
+    p.num_pages = f.num_pages;
+    p.Pt = f.Pt;
+    p.I = f.I;
+    p.slots = f.out_topk;
+  }
+  if (c.lse_base == LseBase::kTwo) {
+    p.lse = f.lse;
+    p.lse_count = f.lse_count;
+  }
+  return output_form_run(backend, p).with_context("step outputs (serving forms)");
+}
 
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
@@ -88,6 +128,7 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   // check every page they read.
   DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc, in.block_table != nullptr ? first_new
                                                                                            : std::vector<int64_t>{}));
+  DSACP_RETURN_IF_ERROR(check_indexer_inputs(config, in));
   const int64_t T = plan.layout.num_tokens;
   // Kernels and uploads only enqueue; errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
@@ -116,6 +157,15 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   w.pool = cache.index_keys();
   w.more[0] = {in.kv_latent, w.slots, cache.latent(), config.act_dtype};
   w.more[1] = {in.k_rope, w.slots, cache.rope(), config.act_dtype};
+  if (in.idx_k == nullptr) {
+    // A precomputed top-k without indexer keys: latent and rope only.
+    w.rows_dtype = config.act_dtype;
+    w.row_scales = nullptr;
+    w.rows = in.kv_latent;
+    w.pool = cache.latent();
+    w.more[0] = {in.k_rope, w.slots, cache.rope(), config.act_dtype};
+    w.more[1] = {};
+  }
   DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write"));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
 
@@ -125,22 +175,34 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   rows.key_len = UploadBatch::at<int32_t>(d_rows, at_key_len);
   BlockTableView bt{d_table, table.num_requests, table.max_pages};
 
-  // 2. Indexer scores and the exact top-k.
-  IndexerTopkParams ip;
-  ip.rows = rows;
-  ip.Hi = config.Hi;
-  ip.Di = config.Di;
-  ip.K = config.K;
-  ip.q = in.idx_q;
-  ip.q_dtype = config.index_input_dtype();
-  ip.q_scale = in.idx_q_scale;
-  ip.w = in.idx_w;
-  ip.keys = cache.index_keys();
-  ip.block_table = bt;
-  ip.topk = out.topk;
-  ip.host_request = plan.token_request.data();
-  ip.host_key_len = plan.token_key_len.data();
-  DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
+  // 2. Indexer scores and the exact top-k (or the caller's rows, checked), canonical.
+  DeviceBuffer canonical;
+  DSACP_ASSIGN_OR_RETURN(int32_t* topk, step_topk_buffer(backend, config, T, out.topk, &canonical));
+  if (in.topk != nullptr) {
+    TopkInputParams tp;
+    tp.num_rows = T;
+    tp.K = config.K;
+    tp.key_len = rows.key_len;
+    tp.topk = in.topk;
+    tp.out = topk;
+    DSACP_RETURN_IF_ERROR(topk_input_run(backend, tp));
+  } else {
+    IndexerTopkParams ip;
+    ip.rows = rows;
+    ip.Hi = config.Hi;
+    ip.Di = config.Di;
+    ip.K = config.K;
+    ip.q = in.idx_q;
+    ip.q_dtype = config.index_input_dtype();
+    ip.q_scale = in.idx_q_scale;
+    ip.w = in.idx_w;
+    ip.keys = cache.index_keys();
+    ip.block_table = bt;
+    ip.topk = topk;
+    ip.host_request = plan.token_request.data();
+    ip.host_key_len = plan.token_key_len.data();
+    DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
+  }
   clock.indexer_launched();
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
 
@@ -158,11 +220,23 @@ Status step_run(Backend& backend, const StepConfig& config, const std::vector<Re
   ap.latent = cache.latent();
   ap.rope = cache.rope();
   ap.block_table = bt;
-  ap.topk = out.topk;
+  ap.topk = topk;
   ap.out = out.out;
   ap.out_dtype = config.out_dtype;
   ap.lse = out.lse;
   DSACP_RETURN_IF_ERROR(sparse_mla_run(backend, ap).with_context("sparse MLA"));
+  // 4. The outputs in the caller's forms (slots, base-2 LSE).
+  OutputForms forms;
+  forms.rows = T;
+  forms.topk = topk;
+  forms.request = rows.request;
+  forms.block_table = bt;
+  forms.page_size = cc.page_size;
+  forms.num_pages = cc.num_pages;
+  forms.out_topk = out.topk;
+  forms.lse = out.lse;
+  forms.lse_count = T * config.H;
+  DSACP_RETURN_IF_ERROR(output_forms(backend, config, forms));
   DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("step"));
   DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
   clock.finish();

@@ -22,6 +22,7 @@
 #include "gpu/check_log.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
 #include "gpu/crash_trace.h"
+#include "gpu/gpu_serving_checks.h"
 
 using namespace dsacp;
 
@@ -1827,6 +1828,8 @@ int main(int argc, char** argv) {
       if (selected("scores side by side " + c.name)) run_scores_side_by_side(c);
     }
   }
+  // The serving options (slot top-k, base-2 LSE, a precomputed top-k) on one GPU and CP layouts on it.
+  if (selected("serving options")) dsacp::testing::gpu_serving_checks(*gpu, *cpu, 271, g_log);
   if (selected("decode b=4 ctx 5000 page64 (plan in device memory)")) {
     CudaBackendOptions o;
     o.indexer_inline_plan = false;

@@ -88,6 +88,37 @@ TEST(Cli, InvalidLayoutsAreRefusedInOneLine) {
   EXPECT_EQ(count_lines(r.output), 1) << r.output;
 }
 
+// The serving options on the command line: --topk-form slot and --lse-base 2 are recorded in the result file,
+// --topk-from replays with a precomputed top-k (the same result as the indexer's), a slot result is refused there.
+TEST(Cli, ReplayServingOptions) {
+  const std::string case_path = temp_path("serving_case.safetensors");
+  ASSERT_EQ(run_cli("make-case " + case_path + " --query-lens 1,3,9 --context-lens 70,20,0 --heads 4 --topk 16").code, 0);
+  const std::string plain = temp_path("serving_plain.safetensors"), forms = temp_path("serving_forms.safetensors"),
+                    pre = temp_path("serving_pre.safetensors");
+  CmdResult r = run_cli("replay " + case_path + " --out " + plain + " --page-size 16");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run_cli("replay " + case_path + " --out " + forms + " --page-size 16 --dcp 2 --topk-form slot --lse-base 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run_cli("replay " + case_path + " --out " + pre + " --page-size 16 --topk-from " + plain);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto a = result_read(plain), b = result_read(forms), p = result_read(pre);
+  ASSERT_TRUE(a.ok() && b.ok() && p.ok());
+  EXPECT_EQ(b->topk_form, TopkForm::kSlot);
+  EXPECT_EQ(b->lse_base, LseBase::kTwo);
+  for (int64_t i = 0; i < a->lse.numel(); ++i) {
+    EXPECT_NEAR(b->lse.get_f32(i), a->lse.get_f32(i) * kLog2E, 1e-5 * std::max(1.f, std::fabs(a->lse.get_f32(i))));
+  }
+  EXPECT_EQ(0, std::memcmp(p->topk_indices.data(), a->topk_indices.data(), a->topk_indices.nbytes()));
+  EXPECT_EQ(0, std::memcmp(p->out.data(), a->out.data(), a->out.nbytes()));
+  r = run_cli("replay " + case_path + " --out " + pre + " --topk-from " + forms);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("are slots"), std::string::npos) << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  r = run_cli("replay " + case_path + " --out " + pre + " --lse-base 10");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
 TEST(Cli, MpiLauncherChecksTheWorldSize) {
   // Outside mpirun the MPI world is this one process (an MPI singleton): a 2-rank layout is refused in one
   // line. Built without MPI, the launcher is refused as unsupported. Either way nothing waits.

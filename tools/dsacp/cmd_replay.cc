@@ -53,6 +53,13 @@ CommandSpec replay_spec() {
        "float"},
       {"--kv-scale-mode", "fp32|ue8m0", "the tile scale rule of the latent's quantization (--kv-dtype fp8_ds_mla)",
        "fp32"},
+      {"--topk-form", "canonical|slot",
+       "topk_indices as canonical positions, or as KV cache slots (FlashMLA's page * page_size + offset, -1 "
+       "padded; under CP the slot on the rank that stores the key); the result file records the form",
+       "canonical"},
+      {"--lse-base", "e|2", "lse as the natural log, or base 2 (FlashInfer's); the result file records it", "e"},
+      {"--topk-from", "RESULT",
+       "a precomputed top-k: the topk_indices of a canonical result of this case; the step runs no indexer", ""},
   };
   for (const OptionSpec& o : layout_options(1, 1)) s.options.push_back(o);
   for (const OptionSpec& o : cuda_diagnostic_options()) s.options.push_back(o);
@@ -300,6 +307,24 @@ int cmd_replay(const std::vector<std::string>& argv) {
   if (!kv_scale_mode.ok()) return fail(kv_scale_mode.status());
   options.latent_fp8 = *kv_dtype == "fp8_ds_mla";
   options.latent_scale_mode = *kv_scale_mode == "ue8m0" ? Fp8ScaleMode::kUe8m0 : Fp8ScaleMode::kFp32;
+  auto topk_form = args.get_choice("--topk-form", "canonical", {"canonical", "slot"});
+  if (!topk_form.ok()) return fail(topk_form.status());
+  auto lse_base = args.get_choice("--lse-base", "e", {"e", "2"});
+  if (!lse_base.ok()) return fail(lse_base.status());
+  options.topk_form = *topk_form == "slot" ? TopkForm::kSlot : TopkForm::kCanonical;
+  options.lse_base = *lse_base == "2" ? LseBase::kTwo : LseBase::kNatural;
+  StepResult topk_from;  // the precomputed top-k's result file (it lives until the replay is done)
+  if (args.has("--topk-from")) {
+    const std::string path = *args.get("--topk-from");
+    auto r = result_read(path);
+    if (!r.ok()) return fail(r.status());
+    if (r->topk_form != TopkForm::kCanonical) {
+      return fail(invalid_argument("--topk-from " + path + ": its topk_indices are slots (topk_form \"slot\"); a "
+                                   "precomputed top-k is canonical positions"));
+    }
+    topk_from = std::move(*r);
+    options.topk = &topk_from.topk_indices;
+  }
   const std::string case_path = args.positionals()[0];
   const std::string out_path = *args.get("--out");
   if (args.has("--max-memory")) {

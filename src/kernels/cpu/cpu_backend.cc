@@ -134,6 +134,8 @@ class CpuBackend final : public Backend {
   Status lse_merge(const LseMergeParams& p) override { return cpu::lse_merge(p, num_threads_); }
   Status gather_rows(const GatherRowsParams& p) override { return cpu::gather_rows(p, num_threads_); }
   Status topk_remap(const TopkRemapParams& p) override { return cpu::topk_remap(p, num_threads_); }
+  Status topk_input(const TopkInputParams& p) override { return cpu::topk_input(p); }
+  Status output_form(const OutputFormParams& p) override { return cpu::output_form(p); }
   Status topk_merge(const TopkMergeParams& p) override {
     DSACP_RETURN_IF_ERROR(no_window_rows(p.wait, "topk_merge"));
     return cpu::topk_merge(p, num_threads_);

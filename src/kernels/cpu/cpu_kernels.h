@@ -19,6 +19,8 @@ Status lse_merge(const LseMergeParams& p, int num_threads);
 Status gather_rows(const GatherRowsParams& p, int num_threads);
 Status topk_remap(const TopkRemapParams& p, int num_threads);
 Status topk_merge(const TopkMergeParams& p, int num_threads);
+Status topk_input(const TopkInputParams& p);
+Status output_form(const OutputFormParams& p);
 
 // Order key of a top-k candidate: larger = better. Score first (NaN below every number, -0 == +0), then the
 // lower position wins a tie. Distinct positions give distinct keys, so the order is strict and total.

@@ -192,6 +192,9 @@ Status device_error_status(const std::string& k, int32_t code, int32_t row) {
       return out_of_range(k + ": row " + r + ": an entry < -1 (entries are positions >= 0 or -1)");
     case cuda::kDevBadSlot:
       return out_of_range(k + ": row " + r + ": slot outside [0, num_pages*page_size) (and not -1)");
+    case cuda::kDevBadTopkRow:
+      return invalid_argument(k + ": row " + r + " is not a top-k row of canonical form (distinct positions below "
+                                  "the row's key length, ascending, then -1 to the end)");
     case cuda::kDevSmemAlign:
       return internal_error(k + ": dynamic shared memory not 1024-byte aligned on this device/driver; "
                                 "CudaBackendOptions::MlaKernel::kMmaSync selects a kernel that does not need it");
@@ -581,6 +584,14 @@ class CudaBackend final : public Backend {
       DSACP_RETURN_IF_ERROR(copy_to_device(p.local_topk, local.data(), local.size() * sizeof(int32_t)));
     }
     return copy_to_device(p.topk, topk.data(), topk.size() * sizeof(int32_t));
+  }
+
+  Status topk_input(const TopkInputParams& p) override {
+    return run_kernel("precomputed top-k", [&](const LaunchContext& c) { return cuda::launch_topk_input(p, c); });
+  }
+
+  Status output_form(const OutputFormParams& p) override {
+    return run_kernel("output form", [&](const LaunchContext& c) { return cuda::launch_output_form(p, c); });
   }
 
   Status lse_merge(const LseMergeParams& p) override {

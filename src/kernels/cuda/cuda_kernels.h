@@ -52,6 +52,10 @@ bool topk_merge_on_device(const TopkMergeParams& p);
 int64_t merge_row_max_candidates();
 Status launch_topk_merge(const TopkMergeParams& p, const LaunchContext& ctx);
 
+// ---- serving options (serving/output_form.cu) ----
+Status launch_topk_input(const TopkInputParams& p, const LaunchContext& ctx);
+Status launch_output_form(const OutputFormParams& p, const LaunchContext& ctx);
+
 // ---- sparse MLA ----------------------------------------------------------------------------------------------
 // "unsupported" with the supported set when the parameters are outside it.
 Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& o);

@@ -16,6 +16,7 @@ enum DeviceErrorCode : int32_t {
   kDevBadIndex = 5,     // gather_rows index outside [-1, src_rows)
   kDevBadEntry = 6,     // topk_remap entry < -1
   kDevSmemAlign = 7,    // a kernel's dynamic shared memory did not start 1024-byte aligned (nothing computed)
+  kDevBadTopkRow = 8,   // a precomputed top-k row not in canonical form (TopkInputParams)
 };
 
 // word[0] = first error code, word[1] = the row (token or cache row) it was found at.

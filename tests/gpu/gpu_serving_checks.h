@@ -1,0 +1,14 @@
+// The serving options on a GPU (StepConfig::topk_form, lse_base; StepInputs::topk): the CPU tests' checks
+// (tests/layer/test_serving_options.cc) on one GPU and on CP layouts with every rank on that GPU.
+#pragma once
+
+#include <cstdint>
+
+#include "dsacp/backend.h"
+#include "gpu/check_log.h"
+
+namespace dsacp::testing {
+
+void gpu_serving_checks(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log);
+
+}  // namespace dsacp::testing
