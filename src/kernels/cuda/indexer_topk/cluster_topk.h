@@ -17,7 +17,7 @@ enum class TopkForm { kAuto = 0, kCluster = 1, kRegister = 2 };
 // register form the default where its cluster is 2 CTAs or more (decode batches: fewer rows than the clusters the
 // device holds at once); launches of many rows (a prefill's, one CTA a row) keep the cluster kernel, measured faster
 // there.
-inline constexpr TopkForm kDefaultTopkForm = TopkForm::kCluster;
+inline constexpr TopkForm kDefaultTopkForm = TopkForm::kRegister;
 
 // The register form's candidate buffer (keys of the boundary bin, for the whole cluster of a row); a row whose
 // boundary bin holds more (heavy ties) takes the form's fallback, which walks the chunks for the later digits.
