@@ -131,8 +131,9 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
                             std::to_string(static_cast<int>(config.latent_format)));
   }
   if (config.fp8_latent() && config.Dl % kFp8DsMlaTile != 0) {
-    return invalid_argument("cache latent_format fp8_ds_mla needs Dl a multiple of 128 (one scale a 128-value tile), got Dl=" +
-                            std::to_string(config.Dl));
+    return invalid_argument(
+        "cache latent_format fp8_ds_mla needs Dl a multiple of 128 (one scale a 128-value tile), got Dl=" +
+        std::to_string(config.Dl));
   }
   PagedKvCache c;
   c.config_ = config;

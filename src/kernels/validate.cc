@@ -57,8 +57,8 @@ Status check_record_pool(const char* kernel, const std::string& n, const PagedPo
                             "fp8_ds_mla records, got " + dtype_name(pool.dtype));
   }
   if (pool.dtype == DType::kF8E4M3 && pool.dim % kFp8DsMlaTile != 0) {
-    return invalid_argument(std::string(kernel) + ": " + n + ".dim must be a multiple of 128 in fp8_ds_mla records, got " +
-                            str(pool.dim));
+    return invalid_argument(std::string(kernel) + ": " + n +
+                            ".dim must be a multiple of 128 in fp8_ds_mla records, got " + str(pool.dim));
   }
   if (part > pool.record_bytes) {
     return invalid_argument(std::string(kernel) + ": " + n + ".record_bytes=" + str(pool.record_bytes) +

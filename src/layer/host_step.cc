@@ -105,8 +105,11 @@ Status check_context_latent(const PagedCacheConfig& cc, int64_t rows, const Tens
   if (!cc.fp8_latent()) {
     return invalid_argument("ctx_kv_latent is F8_E4M3 but the cache's latent is not fp8_ds_mla");
   }
-  DSACP_RETURN_IF_ERROR(check_tensor("ctx_kv_latent", ctx_latent.view(), {DType::kF8E4M3}, {{"sum C", rows}, {"Dl", cc.Dl}}));
-  if (ctx_latent_scales == nullptr) return invalid_argument("ctx_kv_latent is F8_E4M3 but ctx_kv_latent_scale is missing");
+  DSACP_RETURN_IF_ERROR(
+      check_tensor("ctx_kv_latent", ctx_latent.view(), {DType::kF8E4M3}, {{"sum C", rows}, {"Dl", cc.Dl}}));
+  if (ctx_latent_scales == nullptr) {
+    return invalid_argument("ctx_kv_latent is F8_E4M3 but ctx_kv_latent_scale is missing");
+  }
   return check_tensor("ctx_kv_latent_scale", ctx_latent_scales->view(), {DType::kF32},
                       {{"sum C", rows}, {"Dl/128", cc.Dl / kFp8DsMlaTile}});
 }
@@ -160,7 +163,9 @@ Status cache_load_context(Backend& backend, PagedKvCache& cache, const std::vect
     p.fp8_scale_mode = cc.index_scale_mode;
     p.record_scale_mode = cc.latent_scale_mode;
     if (wr.rows == &ctx_index_keys && fp8) p.row_scales = d_scales.as<const float>();
-    if (wr.rows == &ctx_latent && ctx_latent.dtype() == DType::kF8E4M3) p.row_scales = d_latent_scales.as<const float>();
+    if (wr.rows == &ctx_latent && ctx_latent.dtype() == DType::kF8E4M3) {
+      p.row_scales = d_latent_scales.as<const float>();
+    }
     DSACP_RETURN_IF_ERROR(cache_write_run(backend, p));
   }
   return backend.synchronize();

@@ -118,11 +118,13 @@ TEST(Fp8DsMlaRecord, BuiltByteByByteFromTheContractAndReadBack) {
       const uint8_t c = static_cast<uint8_t>(counter_hash(test_seed(ps), 1, i));
       codes[i] = (c & 0x7f) == 0x7f ? 0x7e : c;
     }
-    for (size_t i = 0; i < scales.size(); ++i) scales[i] = std::ldexp(1.f + (i % 7) / 8.f, static_cast<int>(i % 21) - 10);
-    for (size_t i = 0; i < rope.size(); ++i) rope[i] = static_cast<uint16_t>(counter_hash(test_seed(ps), 2, i) & 0x7f7f);
-    ASSERT_TRUE(write_records(*backend, *cache, codes.data(), DType::kF8E4M3, scales.data(), rope.data(), DType::kBF16,
-                              slots)
-                    .ok());
+    for (size_t i = 0; i < scales.size(); ++i)
+      scales[i] = std::ldexp(1.f + (i % 7) / 8.f, static_cast<int>(i % 21) - 10);
+    for (size_t i = 0; i < rope.size(); ++i)
+      rope[i] = static_cast<uint16_t>(counter_hash(test_seed(ps), 2, i) & 0x7f7f);
+    ASSERT_TRUE(
+        write_records(*backend, *cache, codes.data(), DType::kF8E4M3, scales.data(), rope.data(), DType::kBF16, slots)
+            .ok());
     // "bytes 0..511 the e4m3 latent values, 512..527 four fp32 scales (value i uses scale i / 128), 528..655 the 64
     // bf16 rope values; records contiguous in a page": the expected pool from those words (unwritten: 0x7f).
     std::vector<uint8_t> want(static_cast<size_t>(layout.num_pages * ps * 656), 0x7f);
@@ -251,16 +253,16 @@ TEST(Fp8DsMlaCacheWrite, RefusesBadTileScalesNamingRowAndTile) {
   std::vector<float> rope(2 * 16, 1.f);
   for (const float bad : {0.f, -1.f, kNaN, kInf}) {
     std::vector<float> scales = {1.f, 1.f, 1.f, bad};
-    const Status st = write_records(*backend, *cache, codes.data(), DType::kF8E4M3, scales.data(), rope.data(),
-                                    DType::kF32, slots);
+    const Status st =
+        write_records(*backend, *cache, codes.data(), DType::kF8E4M3, scales.data(), rope.data(), DType::kF32, slots);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("row_scales[1, 1]"), std::string::npos) << st.message();
   }
   // e4m3 rows go into the latent view only (not the rope's bf16), and need their scales.
-  EXPECT_FALSE(write_records(*backend, *cache, codes.data(), DType::kF8E4M3, nullptr, rope.data(), DType::kF32, slots)
-                   .ok());
-  EXPECT_FALSE(write_records(*backend, *cache, rope.data(), DType::kF32, nullptr, codes.data(), DType::kF8E4M3, slots)
-                   .ok());
+  EXPECT_FALSE(
+      write_records(*backend, *cache, codes.data(), DType::kF8E4M3, nullptr, rope.data(), DType::kF32, slots).ok());
+  EXPECT_FALSE(
+      write_records(*backend, *cache, rope.data(), DType::kF32, nullptr, codes.data(), DType::kF8E4M3, slots).ok());
   // Dl must be a multiple of 128.
   const auto odd = PagedKvCache::create(*backend, fp8_config(2, 4, 200, 16));
   EXPECT_EQ(odd.status().code(), StatusCode::kInvalidArgument);
@@ -299,7 +301,8 @@ TEST(Fp8DsMlaAttention, MatchesFp64OverTheDequantizedLatent) {
     std::vector<float> lat = random_values(test_seed(c.dl + c.h), 1, nk * c.dl, 1.f, false);
     for (int64_t i = 0; i < nk * c.dl; ++i) lat[i] *= (i / 128) % 3 == 0 ? 4.f : 0.25f;  // tiles of their own scale
     const std::vector<float> rope = random_values(test_seed(c.dl + c.h), 2, nk * c.dr, 1.f, true);
-    ASSERT_TRUE(write_records(*backend, *cache, lat.data(), DType::kF32, nullptr, rope.data(), DType::kF32, slots).ok());
+    ASSERT_TRUE(
+        write_records(*backend, *cache, lat.data(), DType::kF32, nullptr, rope.data(), DType::kF32, slots).ok());
     // The dequantized latent from fp64 math: ref scale and the nearest code, value * scale (exact in fp64, then
     // rounded once to f32 as the f32 product is).
     std::vector<float> deq(lat.size());

@@ -64,7 +64,8 @@ TEST(Fp8KvCaseFile, QuantizedCaseRoundTripsAndBadScalesAreRefused) {
   for (int64_t r : {int64_t{0}, int64_t{78}}) {
     for (int64_t g = 0; g < 2; ++g) {
       float amax = 0.f;
-      for (int64_t i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(raw.ctx_kv_latent.get_f32(r * 256 + g * 128 + i)));
+      for (int64_t i = 0; i < 128; ++i)
+        amax = std::max(amax, std::fabs(raw.ctx_kv_latent.get_f32(r * 256 + g * 128 + i)));
       EXPECT_EQ(c.ctx_kv_latent_scale.data_as<float>()[r * 2 + g], fp8_scale_from_amax(amax, Fp8ScaleMode::kFp32));
     }
   }
@@ -72,7 +73,8 @@ TEST(Fp8KvCaseFile, QuantizedCaseRoundTripsAndBadScalesAreRefused) {
   EXPECT_TRUE(same_bytes(back.ctx_kv_latent, c.ctx_kv_latent));
   EXPECT_TRUE(same_bytes(back.ctx_kv_latent_scale, c.ctx_kv_latent_scale));
 
-  for (const float bad : {0.f, -2.f, std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+  for (const float bad :
+       {0.f, -2.f, std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
     SafetensorsFile g = case_to_safetensors(c).value();
     g.tensors["ctx_kv_latent_scale"].data_as<float>()[5 * 2 + 1] = bad;
     expect_refused(std::move(g), "ctx_kv_latent_scale[5, 1] = ");
@@ -116,7 +118,8 @@ TEST(Fp8KvReplay, EqualsTheDequantizedFloatCaseOnEveryPageSize) {
   for (int64_t t = 0; t < 6; ++t) {
     for (int64_t g = 0; g < 2; ++g) {
       float amax = 0.f;
-      for (int64_t i = 0; i < 128; ++i) amax = std::max(amax, fp8_amax_term(c.kv_latent.get_f32(t * 256 + g * 128 + i)));
+      for (int64_t i = 0; i < 128; ++i)
+        amax = std::max(amax, fp8_amax_term(c.kv_latent.get_f32(t * 256 + g * 128 + i)));
       const float s = fp8_scale_from_amax(amax, Fp8ScaleMode::kFp32);
       for (int64_t i = 0; i < 128; ++i) {
         const int64_t at = t * 256 + g * 128 + i;
@@ -178,10 +181,10 @@ TEST(CpLayoutFp8Kv, LayoutsMatchOneDevice) {
     bool dsa_cp, sharded, decode_only;
     int32_t page_size;
   };
-  for (const L& l : {L{2, 1, 0, false, false, false, 4}, L{2, 1, 0, false, true, false, 61},
-                     L{1, 2, 0, false, false, true, 3}, L{1, 2, 0, false, true, false, 1},
-                     L{2, 2, 1, false, true, false, 1}, L{2, 2, 1, false, false, false, 5},
-                     L{1, 2, 0, true, true, false, 5}, L{3, 1, 2, false, true, false, 64}}) {
+  for (const L& l :
+       {L{2, 1, 0, false, false, false, 4}, L{2, 1, 0, false, true, false, 61}, L{1, 2, 0, false, false, true, 3},
+        L{1, 2, 0, false, true, false, 1}, L{2, 2, 1, false, true, false, 1}, L{2, 2, 1, false, false, false, 5},
+        L{1, 2, 0, true, true, false, 5}, L{3, 1, 2, false, true, false, 64}}) {
     SCOPED_TRACE("P" + std::to_string(l.P) + " D" + std::to_string(l.D) + (l.dsa_cp ? " dsa_cp" : "") +
                  (l.sharded ? " sharded" : " replicated") + " ps" + std::to_string(l.page_size));
     const CaseFile c = cp_kv_case(seed + l.P * 10 + l.D + l.page_size, l.P, l.decode_only);

@@ -93,7 +93,9 @@ TokenCheck verify_token(const WorkloadValues& v, int32_t request, int64_t pos, f
     if (!fp8_latent) continue;
     for (int32_t g = 0; g + kFp8DsMlaTile <= d.Dl; g += kFp8DsMlaTile) {
       float amax = 0.f;
-      for (int32_t i = g; i < g + kFp8DsMlaTile; ++i) amax = std::max(amax, fp8_amax_term(static_cast<float>(lat[e * d.Dl + i])));
+      for (int32_t i = g; i < g + kFp8DsMlaTile; ++i) {
+        amax = std::max(amax, fp8_amax_term(static_cast<float>(lat[e * d.Dl + i])));
+      }
       const float s = fp8_scale_from_amax(amax, Fp8ScaleMode::kFp32);
       for (int32_t i = g; i < g + kFp8DsMlaTile; ++i) {
         lat[e * d.Dl + i] = fp8_dequantize(fp8_quantize(static_cast<float>(lat[e * d.Dl + i]), s), s);
