@@ -163,6 +163,13 @@ struct CpLayout {
   int64_t graph_bucket_tokens = 0;  // PCP output rows padded to this many (0 = none)
   // Longest wait in any collective before it fails with a timeout (a peer that died or hung).
   int64_t comm_timeout_ms = 600000;
+  // How the DCP decode exchanges its candidates and partials where the communicator has an exchange window: the
+  // kernels synchronize it row by row (kBoth, the default), for one exchange only, or never (kNone: a publish
+  // kernel per exchange and the LSE merge kernel).
+  enum class WindowRows : uint8_t { kBoth, kTopkOnly, kMlaOnly, kNone };
+  WindowRows window_rows = WindowRows::kBoth;
+  bool fused_topk_merge = true;  // the top-k merges the window's rows itself (else a merge kernel after it)
+  bool decode_head_blocks = true;  // local decodes read the head-gathered queries in place where they can
   int32_t num_ranks() const { return P * D; }
 };
 

@@ -218,13 +218,16 @@ Result<std::optional<Communicator::Window>> try_window(Communicator& comm, size_
 
 // The window exchange's synchronization by the kernels themselves, row by row (Communicator::window_rows), for
 // `rows` rows; inactive (seq 0: the caller publishes) where the communicator cannot. On by default for both
-// exchanges (the candidates and the partials); DSACP_WINDOW_ROWS=0 turns it off (a publish kernel per exchange
-// and the LSE merge kernel, as before), =topk or =mla keeps that exchange's only. On 2 x H200 (session 12) the
-// DCP 128K step took 0.685 / 0.667 ms with it against 0.693 / 0.693 without (docs/design/gpu-notes.md). Every
-// rank decides alike: the answer depends on the environment, the communicator and the shape only.
-Result<WindowRowSync> try_window_rows(Communicator& comm, int64_t rows, const char* which) {
-  const char* knob = std::getenv("DSACP_WINDOW_ROWS");
-  if (knob != nullptr && !(knob[0] == '1' || knob[0] == which[0])) return WindowRowSync{};
+// exchanges (the candidates and the partials); CpLayout::window_rows turns it off (a publish kernel per exchange
+// and the LSE merge kernel) or keeps one exchange's only. On 2 x H200 the DCP 128K step took 0.685 / 0.667 ms with
+// it against 0.693 / 0.693 without. Every rank decides alike: the answer depends on the layout, the communicator
+// and the shape only.
+Result<WindowRowSync> try_window_rows(const CpLayout& layout, Communicator& comm, int64_t rows, bool topk_exchange) {
+  using W = CpLayout::WindowRows;
+  const W want = layout.window_rows;
+  if (want == W::kNone || (want == W::kTopkOnly && !topk_exchange) || (want == W::kMlaOnly && topk_exchange)) {
+    return WindowRowSync{};
+  }
   Result<WindowRowSync> r = comm.window_rows(rows);
   if (r.ok() || r.status().code() != StatusCode::kUnsupported) return r;
   return WindowRowSync{};
@@ -234,7 +237,7 @@ Result<WindowRowSync> try_window_rows(Communicator& comm, int64_t rows, const ch
 // indexer keys is enqueued and its exchange over the world group started (written straight into the world's
 // exchange window and published, where it has one; else an all-gather); finish_merged_topk waits for the
 // candidates and merges them exactly. With the window synchronized row by row, the top-k merges each row itself
-// once the peers' rows came (fused; DSACP_TOPK_FUSED_MERGE=0: the merge kernel after it). All ranks must hold the
+// once the peers' rows came (fused; CpLayout::fused_topk_merge off: the merge kernel after it). All ranks must hold the
 // same rows in the same order.
 struct PendingTopk {
   int64_t n = 0;
@@ -278,13 +281,9 @@ TopkMergeParams candidate_merge_params(const RankStep& s, const PendingTopk& pt)
   return mp;
 }
 
-// The top-k merges the window's rows itself (IndexerTopkParams::merge) unless DSACP_TOPK_FUSED_MERGE=0: no merge
-// kernel, and the attention follows the top-k directly. On 2 x H200 (session 13, DCP 128K b=64, 5 alternating
-// rounds) 0.673 ms a step against 0.677 with the merge kernel: within the run-to-run spread, not worse.
-bool fused_merge_wanted() {
-  const char* knob = std::getenv("DSACP_TOPK_FUSED_MERGE");
-  return !(knob != nullptr && knob[0] == '0');
-}
+// The top-k merges the window's rows itself (IndexerTopkParams::merge) unless CpLayout::fused_topk_merge is off: no
+// merge kernel, and the attention follows the top-k directly. On 2 x H200 (DCP 128K b=64, 5 alternating rounds)
+// 0.673 ms a step against 0.677 with the merge kernel: within the run-to-run spread, not worse.
 
 // The rows' local key lengths are computed and uploaded here, unless the caller has them on the device and the
 // host already (d_local_len, h_local_len). With local_topk, the merge also writes the merged rows remapped to this
@@ -313,7 +312,7 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   const size_t topk_bytes = static_cast<size_t>(n * K) * sizeof(int32_t);
   // The window only under one PCP rank (the DCP decode: the world is the DCP group) and for the merge kernel's
   // small shape (at most 4096 candidates a row: 2 x 2048), what was run on the GPUs. P2 layouts stalled in a
-  // window publish in 2 of 5 test runs on 2 x H200 (not understood: docs/design/gpu-notes.md, session 10; D2
+  // window publish in 2 of 5 test runs on 2 x H200 (not understood; D2
   // layouts, whose prefill rows' views also go over the world, passed every run); they keep NCCL, as do larger
   // merges (whose host fallback would copy from the peers' memory).
   if (s.layout.P == 1 && Pt * K <= 4096) {
@@ -347,9 +346,9 @@ Result<PendingTopk> start_merged_topk(RankStep& s, int64_t n, const void* q, con
   ip.host_key_len = pt.local_len_host;
   if (pt.window) {
     // The top-k raises each row's flag in the peers as it stores the row; the merge waits for it.
-    DSACP_ASSIGN_OR_RETURN(pt.rows, try_window_rows(producing(s, world), n, "topk"));
+    DSACP_ASSIGN_OR_RETURN(pt.rows, try_window_rows(s.layout, producing(s, world), n, /*topk_exchange=*/true));
     ip.signal = pt.rows;
-    if (pt.rows.active() && fused_merge_wanted()) {
+    if (pt.rows.active() && s.layout.fused_topk_merge) {
       ip.merge = candidate_merge_params(s, pt);
       pt.fused = true;
     }
@@ -604,8 +603,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   d.qr = s.in.q_rope;
   d.q_heads = q_heads ? &*q_heads : nullptr;
   // Direct needs head slices the CUDA kernels take whole (a multiple of their 64-head group, or all heads).
-  const char* knob = std::getenv("DSACP_CP_HEAD_BLOCKS");
-  d.direct = q_heads && Pt == D && Hr % std::min<int64_t>(H, 64) == 0 && !(knob != nullptr && std::string(knob) == "0");
+  d.direct = q_heads && Pt == D && Hr % std::min<int64_t>(H, 64) == 0 && s.layout.decode_head_blocks;
   const int64_t block = n * Hr;
   d.part_dtype = c.out_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
   const size_t part = dtype_size(d.part_dtype);
@@ -662,7 +660,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
 // rank stores the other head blocks' partials straight into their owners' window buffers (rank k's buffer holds
 // [Pt senders' blocks of out][Pt senders' blocks of lse]) and raises each row's flag there; the CTAs of its own
 // block wait for the peers' rows and write the merged result into the step's out / lse. False (nothing enqueued,
-// no window exchange taken) where the backend cannot or DSACP_WINDOW_ROWS=0: the caller then publishes and runs
+// no window exchange taken) where the backend cannot or CpLayout::window_rows = kNone: the caller then publishes and runs
 // the LSE merge.
 Result<bool> attention_merged_in_window(RankStep& s, LocalDecodes& d) {
   const StepConfig& c = s.c;
@@ -691,7 +689,7 @@ Result<bool> attention_merged_in_window(RankStep& s, LocalDecodes& d) {
   pm.sync.size = static_cast<int32_t>(Pt);
   pm.sync.num_rows = n;
   if (!s.backend.check_sparse_mla(ap).ok()) return false;
-  DSACP_ASSIGN_OR_RETURN(pm.sync, try_window_rows(producing(s, world), n, "mla"));
+  DSACP_ASSIGN_OR_RETURN(pm.sync, try_window_rows(s.layout, producing(s, world), n, /*topk_exchange=*/false));
   if (!pm.sync.active()) return false;
   DSACP_RETURN_IF_ERROR(sparse_mla_run(s.backend, ap).with_context("local sparse MLA, merged across ranks"));
   check_rows_at_end(s, &world);
@@ -1181,7 +1179,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   }
   // The kernels' error read-back is enqueued before the collectives' waits (which come first: they are bounded),
   // so the synchronize after them does not add its own device round trip once the GPU is done (the DCP decode's
-  // timeline on 2 x H200, session 13: 7-9 us from the last wait to the step's end, 12-14 before).
+  // timeline on 2 x H200: 7-9 us from the last wait to the step's end, 12-14 before).
   DSACP_RETURN_IF_ERROR(backend.begin_synchronize());
   for (auto& h : s.in_flight) DSACP_RETURN_IF_ERROR(h->wait());
   Status end = backend.synchronize();

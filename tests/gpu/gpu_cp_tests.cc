@@ -552,10 +552,15 @@ struct Layout {
   CpLayout layout;
   bool one_gpu;  // every rank on GPU 0
   // NAME=VALUE set while the layout runs: DSACP_NCCL_WINDOW=0 (NCCL without its exchange window: the collectives
-  // only), DSACP_WINDOW_ROWS=0 (the window synchronized by publish kernels, not row by row by the step's kernels),
-  // DSACP_TOPK_FUSED_MERGE=0 (the candidate merge as its own kernel after the top-k, not inside it).
+  // only). The executor's own choices are CpLayout fields (window_rows, fused_topk_merge: with_choices).
   const char* env = nullptr;
 };
+
+CpLayout with_choices(CpLayout l, CpLayout::WindowRows rows, bool fused_topk_merge) {
+  l.window_rows = rows;
+  l.fused_topk_merge = fused_topk_merge;
+  return l;
+}
 
 CpLayout make_layout(int P, int D, IndexerMode indexer = IndexerMode::kSharded, int interleave = 0,
                      bool dsa_cp = false, DecodeMode decode = DecodeMode::kLocalMerge) {
@@ -608,9 +613,11 @@ void test_layouts(uint64_t seed, int num_gpus) {
       {"P2 gathered decodes (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 0, false, DecodeMode::kGathered), false},
       {"D2 DSA-CP (NCCL)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false},
       {"D2 sharded (NCCL, no window)", make_layout(1, 2), false, "DSACP_NCCL_WINDOW=0"},
-      {"D2 sharded (NCCL, window publishes)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=0"},
-      {"D2 sharded (NCCL, window rows: candidates only)", make_layout(1, 2), false, "DSACP_WINDOW_ROWS=topk"},
-      {"D2 sharded (NCCL, window rows, merge kernel)", make_layout(1, 2), false, "DSACP_TOPK_FUSED_MERGE=0"},
+      {"D2 sharded (NCCL, window publishes)", with_choices(make_layout(1, 2), CpLayout::WindowRows::kNone, true), false},
+      {"D2 sharded (NCCL, window rows: candidates only)",
+       with_choices(make_layout(1, 2), CpLayout::WindowRows::kTopkOnly, true), false},
+      {"D2 sharded (NCCL, window rows, merge kernel)", with_choices(make_layout(1, 2), CpLayout::WindowRows::kBoth, false),
+       false},
       {"D2 replicated (NCCL, no window)", make_layout(1, 2, IndexerMode::kReplicated), false, "DSACP_NCCL_WINDOW=0"},
       {"D2 DSA-CP (NCCL, no window)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false, "DSACP_NCCL_WINDOW=0"},
       {"P2xD2 on one GPU", make_layout(2, 2), true},

@@ -62,19 +62,19 @@ TEST_P(CpLayoutTest, SameResultsAsOneDevice) {
   testing::expect_same_as_one_device(*c, one, cp);
 }
 
-// The local decodes on the direct path (head blocks) and on the packed path (DSACP_CP_HEAD_BLOCKS=0), each
-// against one device.
+// The local decodes on the direct path (head blocks) and on the packed path (CpLayout::decode_head_blocks off),
+// each against one device.
 void expect_both_decode_paths_same_as_one_device(const CaseFile& c, const ReplayOptions& one, const ReplayOptions& cp,
                                                  double out_tol = 1e-5) {
   testing::expect_same_as_one_device(c, one, cp, out_tol);
-  setenv("DSACP_CP_HEAD_BLOCKS", "0", 1);
-  testing::expect_same_as_one_device(c, one, cp, out_tol);
-  unsetenv("DSACP_CP_HEAD_BLOCKS");
+  ReplayOptions packed = cp;
+  packed.layout.decode_head_blocks = false;
+  testing::expect_same_as_one_device(c, one, packed, out_tol);
 }
 
 // H = 128 over D = 2: 64 heads per rank, so the local decodes take the direct path (attention reads the
 // head-gathered queries in their block layout and writes its partials in the all-to-all's layout). Also with
-// the direct path off (DSACP_CP_HEAD_BLOCKS=0): both match one device.
+// the direct path off (CpLayout::decode_head_blocks off): both match one device.
 TEST(CpLayoutDirect, HeadBlockLayoutMatchesOneDeviceAndThePackedPath) {
   const uint64_t seed = testing::test_seed(977);
   auto c = cp_case(seed, 128, 1, /*decode_only=*/true, DType::kF32);
