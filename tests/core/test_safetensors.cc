@@ -402,7 +402,9 @@ TEST(SafetensorsRead, NamesTheRealCause) {
 // 150,000 keys take seconds with a quadratic check (about 5 s here) and a fraction of one with a linear one.
 TEST(SafetensorsRead, HeaderParseIsLinearInTheKeyCount) {
   std::string header = "{\"__metadata__\":{";
-  for (int i = 0; i < 150000; ++i) header += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":\"v\"";
+  // 300,000 keys: a quadratic parser took over 20 s on them, a linear one takes well under a second, so the bound
+  // below holds on a loaded machine and still tells the two apart.
+  for (int i = 0; i < 300000; ++i) header += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":\"v\"";
   header += "},";
   std::string entries;
   for (int i = 0; i < 20000; ++i) {
@@ -413,12 +415,12 @@ TEST(SafetensorsRead, HeaderParseIsLinearInTheKeyCount) {
   Result<SafetensorsFile> f = safetensors_parse(file);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(f.ok()) << f.status().message();
-  EXPECT_EQ(f->metadata.size(), 150000u);
+  EXPECT_EQ(f->metadata.size(), 300000u);
   EXPECT_EQ(f->tensors.size(), 20000u);
 #if defined(__SANITIZE_ADDRESS__)
-  const double bound = 12.0;  // everything runs several times slower under the sanitizers
+  const double bound = 30.0;  // everything runs several times slower under the sanitizers
 #else
-  const double bound = 2.0;
+  const double bound = 6.0;
 #endif
   EXPECT_LT(seconds, bound) << "parsing " << file.size() << " bytes";
 }
