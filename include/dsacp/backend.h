@@ -182,6 +182,10 @@ struct CudaBackendOptions {
   // timeline (when each call was issued and when the GPU ran it).
   bool call_trace = false;
   bool timeline = false;
+  // The caller's stream (a cudaStream_t on `device`; null = the backend creates its own). Every kernel, copy and
+  // allocation of the backend's main lane is issued on it in order with the caller's own work on it, and the
+  // backend never destroys it: the caller keeps it alive while the backend and the buffers it handed out live.
+  void* stream = nullptr;
 };
 
 // The CUDA backend on `device` (kernels built for sm_90a: H100/H200). Without a usable device, or in a build

@@ -1,8 +1,11 @@
 // The serving options on a GPU against the default path worked by hand: slot rows = the block table lookup of the
 // canonical rows (and the CPU oracle's slots), base-2 LSE = the natural LSE * kLog2E bit for bit, a precomputed
 // top-k equal to the indexer's gives its outputs bit for bit (with and without the indexer's inputs), a malformed
-// precomputed row refused at the step's end naming the row.
+// precomputed row refused at the step's end naming the row; a backend on the caller's stream gives the default
+// backend's results bit for bit and leaves the stream alive.
 #include "gpu/gpu_serving_checks.h"
+
+#include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstring>
@@ -207,6 +210,43 @@ void gpu_serving_checks(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log
                "serving options, one GPU: precomputed top-k without indexer inputs = the indexer's outputs",
                r.ok() ? "" : r.status().to_string());
   }
+}
+
+void gpu_external_stream_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
+  const std::string tag = "external stream: ";
+  cudaStream_t mine = nullptr;
+  if (cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking) != cudaSuccess) {
+    log.report(false, tag + "cudaStreamCreate", cudaGetErrorString(cudaGetLastError()));
+    return;
+  }
+  const CaseFile c = make_serving_case(seed);
+  ReplayOptions o;
+  o.page_size = 64;
+  auto want = replay_case(gpu, c, o);
+  {
+    CudaBackendOptions options;
+    options.stream = mine;
+    auto backend = make_cuda_backend(gpu.cuda_device(), options);
+    log.report(backend.ok() && (*backend)->native_stream() == static_cast<void*>(mine),
+               tag + "the backend issues its work on the caller's stream",
+               backend.ok() ? "" : backend.status().to_string());
+    if (backend.ok() && want.ok()) {
+      auto got = replay_case(**backend, c, o);
+      log.report(got.ok() && same_bytes(got->topk_indices, want->topk_indices) && same_bytes(got->out, want->out) &&
+                     same_bytes(got->lse, want->lse),
+                 tag + "a step on the caller's stream = the default backend's, bit for bit",
+                 got.ok() ? "" : got.status().to_string());
+      ReplayOptions p2 = o;
+      p2.layout = layout_of(2, 1, IndexerMode::kSharded, false, 0);
+      auto cp = replay_case(**backend, c, p2);
+      log.report(cp.ok() && same_bytes(cp->topk_indices, want->topk_indices),
+                 tag + "a P2 step (both ranks on the caller's stream's backend) = one device's top-k",
+                 cp.ok() ? "" : cp.status().to_string());
+    }
+  }
+  const cudaError_t alive = cudaStreamQuery(mine);
+  log.report(alive == cudaSuccess, tag + "the caller's stream outlives the backend, idle", cudaGetErrorName(alive));
+  (void)cudaStreamDestroy(mine);
 }
 
 }  // namespace dsacp::testing

@@ -10,5 +10,7 @@
 namespace dsacp::testing {
 
 void gpu_serving_checks(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log);
+// CudaBackendOptions::stream: a backend on the caller's stream against `gpu` (a default backend).
+void gpu_external_stream_checks(Backend& gpu, uint64_t seed, CheckLog& log);
 
 }  // namespace dsacp::testing

@@ -114,6 +114,7 @@ class TraceScope {
 struct StreamBox {
   int device = 0;
   cudaStream_t stream = nullptr;
+  bool owns_stream = true;  // false for the caller's stream (CudaBackendOptions::stream): never destroyed here
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_blocks;  // size class -> blocks
   // While a lane session is open (Backend::begin_lanes), a freed block may still be in use by the other lane's
@@ -168,7 +169,7 @@ struct StreamBox {
     (void)cudaSetDevice(device);
     release_cached();
     (void)cudaStreamSynchronize(stream);
-    (void)cudaStreamDestroy(stream);
+    if (owns_stream) (void)cudaStreamDestroy(stream);
   }
 };
 
@@ -784,7 +785,25 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device, const CudaBackend
   DSACP_CUDA_RETURN_IF_ERROR(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   auto box = std::make_shared<StreamBox>();
   box->device = device;
-  DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&box->stream, cudaStreamNonBlocking));
+  if (options.stream != nullptr) {
+    const auto caller = static_cast<cudaStream_t>(options.stream);
+    int stream_device = -1;
+    const cudaError_t se = cudaStreamGetDevice(caller, &stream_device);
+    if (se != cudaSuccess) {
+      (void)cudaGetLastError();
+      return invalid_argument(std::string("CUDA backend: CudaBackendOptions::stream is not a usable stream (") +
+                              cudaGetErrorName(se) + ")");
+    }
+    if (stream_device != device) {
+      return invalid_argument("CUDA backend: CudaBackendOptions::stream belongs to device " +
+                              std::to_string(stream_device) + ", expected the backend's device " +
+                              std::to_string(device));
+    }
+    box->stream = caller;
+    box->owns_stream = false;
+  } else {
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&box->stream, cudaStreamNonBlocking));
+  }
   int32_t* err_dev = nullptr;
   int32_t* err_host = nullptr;
   const size_t err_bytes = 2 * sizeof(int32_t) * kErrorSlots;
