@@ -37,6 +37,7 @@
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/smem_attribute.h"
 #include "kernels/cuda/indexer_topk/cluster_topk.h"
+#include "kernels/cuda/indexer_topk/topk_common.cuh"
 
 namespace dsacp::cuda {
 namespace {
@@ -48,57 +49,11 @@ constexpr int kW = kT / 32;
 constexpr int kBins = 2048;  // digits of 11, 11 and 10 bits: [21, 32) (sign, exponent, 2 mantissa bits), [10, 21), [0, 10)
 constexpr int kUnroll = 4;    // 16-byte loads in flight per thread in the first pass
 constexpr int kMaxCluster = 8;
-constexpr unsigned kFull = 0xffffffffu;
+constexpr unsigned kFull = topk::kFullMask;
 
-__device__ __forceinline__ uint32_t rank_key(float s) {
-  if (s != s) return 0u;
-  if (s == 0.f) s = 0.f;
-  uint32_t u = __float_as_uint(s);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return u == 0u ? 1u : u;
-}
-
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-
-// In bins h[0, m) (a higher bin holds larger keys; h may be a peer's shared memory), the bin b where the keys of the
-// bins above b are < rem and those plus h[b] are >= rem: s_found = {b, keys above b, h[b]}. Every thread calls it.
-// Not inlined, and the kernel's loops mostly rolled: the kernel's code is fetched cold from L2 / HBM in every
-// launch (the benchmarks flush L2, and a decode step's other kernels evict it), and each new line of code on the
-// critical path waits for that fetch.
-__device__ __noinline__ void find_bin(const uint32_t* h, int m, uint32_t rem, uint32_t* s_scan, uint32_t* s_found) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int per = m >= kT ? m / kT : 1;
-  const int b0 = tid * per;
-  uint32_t sum = 0;
-#pragma unroll 1
-  for (int k = 0; k < per && b0 + k < m; ++k) sum += h[b0 + k];
-  uint32_t incl = sum;  // this lane's and the higher lanes' bins
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t v = __shfl_down_sync(kFull, incl, off);
-    if (lane + off < 32) incl += v;
-  }
-  if (lane == 0) s_scan[warp] = incl;
-  __syncthreads();
-  uint32_t above = incl - sum;
-#pragma unroll 1
-  for (int w = warp + 1; w < kW; ++w) above += s_scan[w];
-  if (b0 < m && above < rem && above + sum >= rem) {
-#pragma unroll 1
-    for (int k = per - 1; k >= 0; --k) {
-      const uint32_t c = h[b0 + k];
-      if (above + c >= rem) {
-        s_found[0] = static_cast<uint32_t>(b0 + k);
-        s_found[1] = above;
-        s_found[2] = c;
-        break;
-      }
-      above += c;
-    }
-  }
-  __syncthreads();
-}
+using topk::cluster_arrive;
+using topk::cluster_wait;
+using topk::rank_key;
 
 // Row t's flag for the row-synchronized exchange, after every CTA of the cluster stored its part of the row.
 __device__ __noinline__ void signal_row(const WindowRowSync& signal, int64_t t, int C, int rank) {
@@ -224,53 +179,14 @@ __global__ void __launch_bounds__(kT, 4)
     uint32_t base_bin = 0, above = 0;
     int m = nb;
     if (C > 1) {
-      cl.sync();  // every CTA's histogram is complete
-      const int range = nb / C, rlo = rank * range;
-      uint32_t part = 0;
-#pragma unroll 1
-      for (int i = tid; i < range; i += kT) {
-        uint32_t s = 0;
-#pragma unroll
-        for (int q = 0; q < kMaxCluster; ++q) {  // the C loads in flight together
-          if (q < C) s += cl.map_shared_rank(hist, q)[rlo + i];
-        }
-        red[i] = s;
-        part += s;
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(kFull, part, off);
-      if (lane == 0) s_scan[warp] = part;
-      __syncthreads();
-      if (tid == 0) {
-        uint32_t s = 0;
-#pragma unroll 1
-        for (int w = 0; w < kW; ++w) s += s_scan[w];
-        s_range_total = s;
-      }
-      cl.sync();  // every range is summed; the histograms are free again
-      if (warp == 0) {
-        const uint32_t tot = lane < C ? *cl.map_shared_rank(&s_range_total, lane) : 0u;
-        uint32_t incl = tot;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-          const uint32_t v = __shfl_down_sync(kFull, incl, off);
-          if (lane + off < 32) incl += v;
-        }
-        const uint32_t above_r = incl - tot;
-        const uint32_t hit = __ballot_sync(kFull, lane < C && above_r < rem && above_r + tot >= rem);
-        if (lane == __ffs(hit) - 1) {
-          s_pick[0] = static_cast<uint32_t>(lane);
-          s_pick[1] = above_r;
-        }
-      }
-      __syncthreads();
-      const int r = static_cast<int>(s_pick[0]);
-      search = cl.map_shared_rank(red, r);
-      base_bin = static_cast<uint32_t>(r * range);
-      above = s_pick[1];
-      m = range;
+      const topk::ClusterRange cr = topk::cluster_reduce_scatter<kT, kMaxCluster>(hist, red, nb, rem, C, rank, s_scan,
+                                                                                  &s_range_total, s_pick);
+      search = cr.bins;
+      base_bin = cr.base_bin;
+      above = cr.above;
+      m = cr.m;
     }
-    find_bin(search, m, rem - above, s_scan, s_found);
+    topk::find_bin<kT>(search, m, rem - above, s_scan, s_found);
     prefix |= (base_bin + s_found[0]) << shift;
     mask |= static_cast<uint32_t>(nb - 1) << shift;
     rem -= above + s_found[1];
@@ -327,17 +243,7 @@ __global__ void __launch_bounds__(kT, 4)
     __syncthreads();
     if (C > 1) {
       cl.sync();  // every CTA's totals are there
-      if (tid == 0) {
-        int32_t g = 0, e = 0;
-#pragma unroll 1
-        for (int q = 0; q < rank; ++q) {
-          const int32_t* tot = cl.map_shared_rank(s_tot, q);
-          g += tot[0];
-          e += tot[1];
-        }
-        s_base[0] = g;
-        s_base[1] = e;
-      }
+      topk::cluster_exclusive_totals(s_tot, rank, s_base);
       __syncthreads();
       cluster_arrive();  // done reading the peers' shared memory (waited for before the CTA exits)
     }
@@ -388,18 +294,9 @@ Status launch_cluster_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, i
   }
   const int bytes = static_cast<int>(cache_elems * 4);
   DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(cluster_topk_kernel, bytes));
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows * cluster));
-  cfg.blockDim = dim3(kT);
-  cfg.dynamicSmemBytes = static_cast<size_t>(bytes);
-  cfg.stream = ctx.stream;
+  cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  topk::cluster_launch_config(cfg, attr, rows, cluster, kT, static_cast<size_t>(bytes), ctx.stream);
   DSACP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, cluster_topk_kernel, scores, score_offset, p.rows.key_len, t0,
                                                 p.K, static_cast<int32_t>(cache_elems), p.topk, p.topk_scores,
                                                 p.signal, inl));

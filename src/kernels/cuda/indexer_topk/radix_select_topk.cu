@@ -28,6 +28,7 @@
 #include "kernels/cuda/cp_kernels/topk_merge_row.cuh"
 #include "kernels/cuda/indexer_topk/cluster_topk.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
+#include "kernels/cuda/indexer_topk/topk_common.cuh"
 
 namespace dsacp::cuda {
 namespace {
@@ -37,13 +38,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int32_t kMaxCacheElems = 49152;  // 192 KiB of rank keys (+ 17.5 KiB static)
 constexpr int32_t kMaxBinElems = 24576;    // boundary-bin keys of a long row: 192 KiB of (key, position)
 
-__device__ __forceinline__ uint32_t rank_key(float s) {
-  if (s != s) return 0u;
-  if (s == 0.f) s = 0.f;
-  uint32_t u = __float_as_uint(s);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return u == 0u ? 1u : u;
-}
+using topk::rank_key;
 
 // Rank keys of elements [i, i + 4) of a row (16-byte aligned, as the plan aligns rows); past n: valid = false.
 __device__ __forceinline__ void load4(const float* __restrict__ row, const uint32_t* cache, bool cached, int32_t n,

@@ -33,6 +33,7 @@
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/indexer_topk/cluster_topk.h"
+#include "kernels/cuda/indexer_topk/topk_common.cuh"
 
 namespace dsacp::cuda {
 namespace {
@@ -45,16 +46,10 @@ constexpr int kBins = 2048;
 constexpr int kRegKeys = 32;  // rank keys a thread holds in registers (a slice of up to kT * kRegKeys keys)
 constexpr int kMinBlocks = 3;  // CTAs an SM (80 registers a thread): a b = 64 decode's 4-CTA clusters in one wave
 constexpr int kMaxC = 8;
-constexpr unsigned kFull = 0xffffffffu;
+constexpr unsigned kFull = topk::kFullMask;
 constexpr int kCap = kRegisterTopkCandidates;
 
-__device__ __forceinline__ uint32_t rank_key(float s) {
-  if (s != s) return 0u;
-  if (s == 0.f) s = 0.f;
-  uint32_t u = __float_as_uint(s);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return u == 0u ? 1u : u;
-}
+using topk::rank_key;
 
 // The first digit of rank key u: the fp16 order key of the float u stands for (NaN: u = 0, bin 0 alone; -0 is +0 in
 // u), rounded toward zero: monotone in u, since rounding is.
@@ -125,42 +120,6 @@ struct Found {
   uint32_t bin, above, count;  // the bin holding the rem-th key, the keys in bins above it, the keys in it
 };
 
-// In bins h[0, m) (higher bin = larger keys; h may be a peer's shared memory): the bin b where the bins above hold
-// < rem keys and those plus h[b] >= rem. Every thread calls it; every thread gets the answer.
-__device__ __noinline__ void find_bin(const uint32_t* h, int m, uint32_t rem, uint32_t* s_scan, uint32_t* s_found) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int per = m >= kT ? m / kT : 1;
-  const int b0 = tid * per;
-  uint32_t sum = 0;
-#pragma unroll 1
-  for (int k = 0; k < per && b0 + k < m; ++k) sum += h[b0 + k];
-  uint32_t incl = sum;  // this lane's and the higher lanes' bins
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t x = __shfl_down_sync(kFull, incl, off);
-    if (lane + off < 32) incl += x;
-  }
-  if (lane == 0) s_scan[warp] = incl;
-  __syncthreads();
-  uint32_t above = incl - sum;
-#pragma unroll 1
-  for (int w = warp + 1; w < kW; ++w) above += s_scan[w];
-  if (b0 < m && above < rem && above + sum >= rem) {
-#pragma unroll 1
-    for (int k = per - 1; k >= 0; --k) {
-      const uint32_t c = h[b0 + k];
-      if (above + c >= rem) {
-        s_found[0] = static_cast<uint32_t>(b0 + k);
-        s_found[1] = above;
-        s_found[2] = c;
-        break;
-      }
-      above += c;
-    }
-  }
-  __syncthreads();
-}
-
 struct Smem {
   uint32_t hist[kBins];  // this CTA's histogram of the pass
   uint32_t red[kBins / 2];  // C > 1: bin range `rank` of the cluster's sum
@@ -172,59 +131,18 @@ struct Smem {
 // The cluster's histogram `hist` (nb bins, every CTA's complete; the caller's __syncthreads done) searched for the
 // bin of the rem-th largest key. Leaves every CTA's hist free to clear again.
 __device__ Found cluster_find(Smem& sm, int nb, uint32_t rem, int C, int rank) {
-  cg::cluster_group cl = cg::this_cluster();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t* search = sm.hist;
   uint32_t base_bin = 0, above = 0;
   int m = nb;
   if (C > 1) {
-    cl.sync();  // every CTA's histogram is complete
-    const int range = nb / C, rlo = rank * range;
-    uint32_t part = 0;
-#pragma unroll 1
-    for (int i = tid; i < range; i += kT) {
-      uint32_t s = 0;
-#pragma unroll
-      for (int q = 0; q < kMaxC; ++q) {
-        if (q < C) s += cl.map_shared_rank(sm.hist, q)[rlo + i];
-      }
-      sm.red[i] = s;
-      part += s;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(kFull, part, off);
-    if (lane == 0) sm.scan[warp] = part;
-    __syncthreads();
-    if (tid == 0) {
-      uint32_t s = 0;
-#pragma unroll 1
-      for (int w = 0; w < kW; ++w) s += sm.scan[w];
-      sm.range_total = s;
-    }
-    cl.sync();  // every range is summed; the histograms are free again
-    if (warp == 0) {
-      const uint32_t tot = lane < C ? *cl.map_shared_rank(&sm.range_total, lane) : 0u;
-      uint32_t incl = tot;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const uint32_t x = __shfl_down_sync(kFull, incl, off);
-        if (lane + off < 32) incl += x;
-      }
-      const uint32_t above_r = incl - tot;
-      const uint32_t hit = __ballot_sync(kFull, lane < C && above_r < rem && above_r + tot >= rem);
-      if (lane == __ffs(hit) - 1) {
-        sm.pick[0] = static_cast<uint32_t>(lane);
-        sm.pick[1] = above_r;
-      }
-    }
-    __syncthreads();
-    const int r = static_cast<int>(sm.pick[0]);
-    search = cl.map_shared_rank(sm.red, r);
-    base_bin = static_cast<uint32_t>(r * range);
-    above = sm.pick[1];
-    m = range;
+    const topk::ClusterRange cr = topk::cluster_reduce_scatter<kT, kMaxC>(sm.hist, sm.red, nb, rem, C, rank, sm.scan,
+                                                                          &sm.range_total, sm.pick);
+    search = cr.bins;
+    base_bin = cr.base_bin;
+    above = cr.above;
+    m = cr.m;
   }
-  find_bin(search, m, rem - above, sm.scan, sm.found);
+  topk::find_bin<kT>(search, m, rem - above, sm.scan, sm.found);
   return Found{base_bin + sm.found[0], above + sm.found[1], sm.found[2]};
 }
 
@@ -362,7 +280,7 @@ __global__ void __launch_bounds__(kT, kMinBlocks)
         }
       }
       __syncthreads();
-      find_bin(sm.hist, nb, rem, sm.scan, sm.found);
+      topk::find_bin<kT>(sm.hist, nb, rem, sm.scan, sm.found);
       prefix |= sm.found[0] << shift;
       mask |= dm << shift;
       rem -= sm.found[1];
@@ -414,21 +332,11 @@ __global__ void __launch_bounds__(kT, kMinBlocks)
   int2 base = block_scan2(sm, g, e);
   if (C > 1) {
     cl.sync();  // every CTA's totals are there; every CTA is done reading the peers' candidates
-    if (tid == 0) {
-      int32_t bg = 0, be = 0;
-#pragma unroll 1
-      for (int q = 0; q < rank; ++q) {
-        const int32_t* tq = cl.map_shared_rank(sm.tot, q);
-        bg += tq[0];
-        be += tq[1];
-      }
-      sm.base[0] = bg;
-      sm.base[1] = be;
-    }
+    topk::cluster_exclusive_totals(sm.tot, rank, sm.base);
     __syncthreads();
     base.x += sm.base[0];
     base.y += sm.base[1];
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");  // done reading the peers' memory
+    topk::cluster_arrive();  // done reading the peers' memory
   }
   int32_t G = base.x, E = base.y;
   const int32_t pos0 = lo + c0;
@@ -446,22 +354,11 @@ __global__ void __launch_bounds__(kT, kMinBlocks)
       if (out_scores != nullptr) out_scores[at] = __ldg(chunk + i);  // the score bit for bit (u has no -0, NaN bits)
     }
   });
-  if (C > 1) asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");  // no CTA exits while read
+  if (C > 1) topk::cluster_wait();  // no CTA exits while read
 }
 
-// The launch of `rows` rows with `cluster` CTAs each (cfg's attribute array is attr).
 void make_config(cudaLaunchConfig_t& cfg, cudaLaunchAttribute* attr, int64_t rows, int cluster, cudaStream_t stream) {
-  cfg = cudaLaunchConfig_t{};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows * cluster));
-  cfg.blockDim = dim3(kT);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  topk::cluster_launch_config(cfg, attr, rows, cluster, kT, 0, stream);
 }
 
 bool in_registers(int32_t max_len, int cluster) {
