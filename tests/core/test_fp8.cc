@@ -9,36 +9,13 @@
 
 #include "dsacp/fp8.h"
 #include "dsacp/random.h"
+#include "support/reference_math.h"
 
 namespace dsacp {
 namespace {
 
-// The value of an e4m3 (fn) code from its definition: bias 7, subnormals at exponent 0, S.1111.111 = NaN.
-double e4m3_value(int code) {
-  const int s = (code >> 7) & 1, e = (code >> 3) & 15, m = code & 7;
-  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
-  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
-  return s ? -mag : mag;
-}
-
-// Nearest finite e4m3 code to x by exhaustive search; a tie goes to the code with an even mantissa; |x| >= 448
-// saturates; NaN -> 0x7f with the sign. -0 keeps its sign.
-uint8_t brute_e4m3(float x) {
-  const bool neg = std::signbit(x);
-  if (std::isnan(x)) return static_cast<uint8_t>((neg ? 0x80 : 0) | 0x7f);
-  const double a = std::fabs(static_cast<double>(x));
-  if (a >= 448.0) return static_cast<uint8_t>((neg ? 0x80 : 0) | 0x7e);
-  int best = 0;
-  double best_d = std::numeric_limits<double>::infinity();
-  for (int c = 0; c <= 0x7e; ++c) {
-    const double d = std::fabs(e4m3_value(c) - a);
-    if (d < best_d || (d == best_d && (c & 1) == 0)) {
-      best = c;
-      best_d = d;
-    }
-  }
-  return static_cast<uint8_t>((neg ? 0x80 : 0) | best);
-}
+using ref::brute_e4m3;
+using ref::e4m3_value;
 
 TEST(Fp8, EveryCodeDecodesToItsDefinition) {
   for (int c = 0; c < 256; ++c) {

@@ -116,4 +116,28 @@ double rel_norm_error(std::span<const float> got, std::span<const double> want) 
   return std::sqrt(num / den);
 }
 
+double e4m3_value(int code) {
+  const int s = (code >> 7) & 1, e = (code >> 3) & 15, m = code & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return s ? -mag : mag;
+}
+
+uint8_t brute_e4m3(float x) {
+  const bool neg = std::signbit(x);
+  if (std::isnan(x)) return static_cast<uint8_t>((neg ? 0x80 : 0) | 0x7f);
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= 448.0) return static_cast<uint8_t>((neg ? 0x80 : 0) | 0x7e);
+  int best = 0;
+  double best_d = std::numeric_limits<double>::infinity();
+  for (int c = 0; c <= 0x7e; ++c) {
+    const double d = std::fabs(e4m3_value(c) - a);
+    if (d < best_d || (d == best_d && (c & 1) == 0)) {
+      best = c;
+      best_d = d;
+    }
+  }
+  return static_cast<uint8_t>((neg ? 0x80 : 0) | best);
+}
+
 }  // namespace dsacp::ref

@@ -35,6 +35,12 @@ AttentionResult attention(std::span<const float> q_nope, std::span<const float> 
                           std::span<const float> rope, std::span<const int32_t> chosen, double scale, int32_t dl,
                           int32_t dr);
 
+// The value of an e4m3 (fn) code from its definition: bias 7, subnormals at exponent 0, S.1111.111 = NaN.
+double e4m3_value(int code);
+// The nearest finite e4m3 code to x by exhaustive search over the codes: a tie goes to the code with an even
+// mantissa; |x| >= 448 saturates to +-448; NaN -> 0x7f with the sign; -0 keeps its sign.
+uint8_t brute_e4m3(float x);
+
 // ||got - want|| / ||want|| (0 when both are zero; +inf when want is zero and got is not, or on NaN).
 double rel_norm_error(std::span<const float> got, std::span<const double> want);
 
