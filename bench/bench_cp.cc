@@ -10,6 +10,7 @@
 // core of its own. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
 //        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N] [--no-pin] [--timeout-ms N] [--batch N]
+//        [--nccl-window-mb N (0: none)] [--nccl-peer-exchange-mb N (0: off)] [--exchange-stamps]
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -43,6 +44,9 @@ namespace {
 
 int g_stagger_us = 0;  // --stagger-us
 long g_timeout_ms = 300000;  // --timeout-ms: the communicators' bound on every wait
+size_t g_window_bytes = NcclOptions{}.window_bytes;  // --nccl-window-mb (0: no exchange window)
+size_t g_peer_exchange_bytes = 0;                    // --nccl-peer-exchange-mb (0: off)
+bool g_exchange_stamps = false;                      // --exchange-stamps: the peer exchange's phase times
 
 void die_if(const Status& s, const char* what) {
   if (!s.ok()) {
@@ -341,6 +345,9 @@ std::vector<OwnedCpComms> make_comms(const std::vector<std::unique_ptr<Backend>>
     o.device = cr;
     o.producer_stream = gpus[cr]->native_stream();
     o.timeout = std::chrono::milliseconds(g_timeout_ms);
+    o.window_bytes = g_window_bytes;
+    o.peer_exchange_bytes = g_peer_exchange_bytes;
+    o.exchange_stamps = g_exchange_stamps;
     comms[cr] = take(nccl_cp_comms(id, layout, cr, o), "nccl communicators");
   });
   return comms;
@@ -604,6 +611,10 @@ int main(int argc, char** argv) {
     else if (a == "--cuda-timeline") cuda_options.timeline = true;
     else if (a == "--timeout-ms" && i + 1 < argc) g_timeout_ms = std::atol(argv[++i]);
     else if (a == "--batch" && i + 1 < argc) batch = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--nccl-window-mb" && i + 1 < argc) g_window_bytes = size_t(std::max(0L, std::atol(argv[++i]))) << 20;
+    else if (a == "--nccl-peer-exchange-mb" && i + 1 < argc) {
+      g_peer_exchange_bytes = size_t(std::max(0L, std::atol(argv[++i]))) << 20;
+    } else if (a == "--exchange-stamps") g_exchange_stamps = true;
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {

@@ -163,6 +163,11 @@ struct CpLayout {
   int64_t graph_bucket_tokens = 0;  // PCP output rows padded to this many (0 = none)
   // Longest wait in any collective before it fails with a timeout (a peer that died or hung).
   int64_t comm_timeout_ms = 600000;
+  // The NCCL communicators the CP cluster and the CLI make for the ranks: the exchange window's bytes
+  // (NcclOptions::window_bytes; 0 = none: every exchange through NCCL collectives) and the peer exchange's
+  // (NcclOptions::peer_exchange_bytes; 0 = off, the default).
+  size_t nccl_window_bytes = size_t{32} << 20;
+  size_t nccl_peer_exchange_bytes = 0;
   // How the DCP decode exchanges its candidates and partials where the communicator has an exchange window: the
   // kernels synchronize it row by row (kBoth, the default), for one exchange only, or never (kNone: a publish
   // kernel per exchange and the LSE merge kernel).

@@ -78,8 +78,7 @@ struct NcclOptions {
   // Device memory for the peer exchange: all-gathers and all-to-alls up to peer_exchange_bytes / (2 x ranks)
   // per rank moved by dsacp's own kernels straight into the peers' memory instead of by NCCL (GPUs of one host,
   // ranks as threads or processes). Off by default (0): on the H200 pair it measured no faster than NCCL in the
-  // DCP decode step. DSACP_NCCL_PEER_EXCHANGE=1 turns it on (32 MiB where
-  // this field is 0), =0 turns it off; below 8 KiB x ranks it stays off. It is used only when every rank has it
+  // DCP decode step. Below 8 KiB x ranks it stays off. It is used only when every rank has it
   // on and can reach every other rank's memory. An exchange runs on the producer stream: it starts after the
   // producer's work, not after this communicator's earlier NCCL collectives (a consumer of one collective's
   // output orders itself with CollectiveHandle::order_before, as always). Inherited by split communicators.
@@ -87,10 +86,13 @@ struct NcclOptions {
   // Device memory for the exchange window (Communicator::window_next): two buffers of window_bytes per rank,
   // registered with every peer at creation (GPUs of one host, ranks as threads or processes; used only when
   // every rank has it and reaches every other). The DCP decode step exchanges its candidates and its partial
-  // outputs through it. DSACP_NCCL_WINDOW=0 turns it off, DSACP_NCCL_WINDOW_MB=N sets the size. Inherited by
-  // split communicators. 32 MiB: the partials of a 2-rank decode batch of up to 255 rows at H = 128 (bf16) fit,
+  // outputs through it; 0 (below 4 KiB) goes without: every exchange through NCCL. Inherited by split
+  // communicators. 32 MiB: the partials of a 2-rank decode batch of up to 255 rows at H = 128 (bf16) fit,
   // so b = 128 merges them inside attention too (16 MiB fit b <= 127).
   size_t window_bytes = size_t{32} << 20;
+  // Diagnostic: with the peer exchange on, each exchange's phase times (put, wait, unpack: the kernels' global
+  // timer) printed to stderr when the communicator goes.
+  bool exchange_stamps = false;
 };
 
 class NcclCommunicator : public Communicator {

@@ -164,6 +164,8 @@ Status LocalCpCluster::make_nccl_comms() {
       o.producer_stream = backends_[cr]->native_stream();
       o.timeout = std::chrono::milliseconds(layout_.comm_timeout_ms);
       o.abort_signal = signal;
+      o.window_bytes = layout_.nccl_window_bytes;
+      o.peer_exchange_bytes = layout_.nccl_peer_exchange_bytes;
       DSACP_ASSIGN_OR_RETURN(comms_[cr], nccl_cp_comms(id, layout_, cr, o));
       return Status();
     };

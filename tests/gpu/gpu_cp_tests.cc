@@ -60,7 +60,7 @@ struct RankSetup {
 // Two ranks (GPU 0 and 1) as threads, one NCCL communicator each.
 // peer: the communicators' peer exchange on (32 MiB: 8 MiB slots) or off (every collective through NCCL).
 std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::shared_ptr<AbortSignal> signal,
-                                      bool peer = true) {
+                                      bool peer = true, size_t window_bytes = NcclOptions{}.window_bytes) {
   std::vector<RankSetup> ranks(2);
   auto id = nccl_make_id();
   if (!id.ok()) {
@@ -79,6 +79,7 @@ std::vector<RankSetup> make_rank_pair(std::chrono::milliseconds timeout, std::sh
     o.timeout = timeout;
     o.abort_signal = signal;
     o.peer_exchange_bytes = peer ? size_t{32} << 20 : 0;
+    o.window_bytes = window_bytes;
     auto c = NcclCommunicator::create(*id, 2, r, o);
     if (!c.ok()) {
       ranks[r].status = c.status();
@@ -315,7 +316,7 @@ void test_window_rows_timeout(bool via_check) {
 // after the publish, reading every rank's message in place with a kernel (gather_rows, as the step's merges read
 // them; a cudaMemcpy from a peer's memory is a peer copy with its own ordering rules, which the window does not
 // promise), then checking the copies on the host; a message past the window -> kUnsupported, and
-// DSACP_NCCL_WINDOW=0 -> no window (kUnsupported).
+// NcclOptions::window_bytes 0 -> no window (kUnsupported).
 void test_window(uint64_t seed) {
   auto ranks = make_rank_pair(std::chrono::seconds(20), nullptr, false);
   if (!pair_made(ranks, "window: create 2 ranks")) return;
@@ -403,12 +404,10 @@ void test_window(uint64_t seed) {
              too_big.status().message().find("the window holds") != std::string::npos,
          "window: a message past the window -> kUnsupported", too_big.ok() ? "accepted" : too_big.status().to_string());
   on_ranks(2, [&](int r) { ranks[r].comm.reset(); });
-  setenv("DSACP_NCCL_WINDOW", "0", 1);
-  auto off = make_rank_pair(std::chrono::seconds(60), nullptr, false);
-  unsetenv("DSACP_NCCL_WINDOW");
+  auto off = make_rank_pair(std::chrono::seconds(60), nullptr, false, 0);
   if (!pair_made(off, "window off: create 2 ranks")) return;
   auto none = off[0].comm->window_next(1024);
-  report(!none.ok() && none.status().code() == StatusCode::kUnsupported, "window: DSACP_NCCL_WINDOW=0 -> no window",
+  report(!none.ok() && none.status().code() == StatusCode::kUnsupported, "window: window_bytes 0 -> no window",
          none.ok() ? "a window" : none.status().to_string());
   on_ranks(2, [&](int r) { off[r].comm.reset(); });
 }
@@ -551,10 +550,13 @@ struct Layout {
   const char* name;
   CpLayout layout;
   bool one_gpu;  // every rank on GPU 0
-  // NAME=VALUE set while the layout runs: DSACP_NCCL_WINDOW=0 (NCCL without its exchange window: the collectives
-  // only). The executor's own choices are CpLayout fields (window_rows, fused_topk_merge: with_choices).
-  const char* env = nullptr;
 };
+
+// NCCL without its exchange window: every exchange through the collectives.
+CpLayout without_window(CpLayout l) {
+  l.nccl_window_bytes = 0;
+  return l;
+}
 
 CpLayout with_choices(CpLayout l, CpLayout::WindowRows rows, bool fused_topk_merge) {
   l.window_rows = rows;
@@ -612,14 +614,14 @@ void test_layouts(uint64_t seed, int num_gpus) {
       {"P2 interleave 1 (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 1), false},
       {"P2 gathered decodes (NCCL)", make_layout(2, 1, IndexerMode::kSharded, 0, false, DecodeMode::kGathered), false},
       {"D2 DSA-CP (NCCL)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false},
-      {"D2 sharded (NCCL, no window)", make_layout(1, 2), false, "DSACP_NCCL_WINDOW=0"},
+      {"D2 sharded (NCCL, no window)", without_window(make_layout(1, 2)), false},
       {"D2 sharded (NCCL, window publishes)", with_choices(make_layout(1, 2), CpLayout::WindowRows::kNone, true), false},
       {"D2 sharded (NCCL, window rows: candidates only)",
        with_choices(make_layout(1, 2), CpLayout::WindowRows::kTopkOnly, true), false},
       {"D2 sharded (NCCL, window rows, merge kernel)", with_choices(make_layout(1, 2), CpLayout::WindowRows::kBoth, false),
        false},
-      {"D2 replicated (NCCL, no window)", make_layout(1, 2, IndexerMode::kReplicated), false, "DSACP_NCCL_WINDOW=0"},
-      {"D2 DSA-CP (NCCL, no window)", make_layout(1, 2, IndexerMode::kSharded, 0, true), false, "DSACP_NCCL_WINDOW=0"},
+      {"D2 replicated (NCCL, no window)", without_window(make_layout(1, 2, IndexerMode::kReplicated)), false},
+      {"D2 DSA-CP (NCCL, no window)", without_window(make_layout(1, 2, IndexerMode::kSharded, 0, true)), false},
       {"P2xD2 on one GPU", make_layout(2, 2), true},
       {"P4 on one GPU", make_layout(4, 1), true},
       {"D4 replicated on one GPU", make_layout(1, 4, IndexerMode::kReplicated), true},
@@ -657,11 +659,7 @@ void test_layouts(uint64_t seed, int num_gpus) {
       std::vector<Backend*> ranks;
       for (int32_t cr = 0; cr < l.layout.num_ranks(); ++cr) ranks.push_back(gpus[l.one_gpu ? 0 : cr].get());
       const auto t0 = Clock::now();
-      const std::string env = l.env != nullptr ? l.env : "";
-      const std::string env_name = env.substr(0, env.find('='));
-      if (!env.empty()) setenv(env_name.c_str(), env.substr(env.find('=') + 1).c_str(), 1);
       auto got = replay_case(ranks, c, o);
-      if (!env.empty()) unsetenv(env_name.c_str());
       if (!got.ok()) {
         report(false, tag + l.name, got.status().to_string());
         continue;

@@ -230,6 +230,16 @@ TEST(CliBadInput, MessagesNameTheRealCause) {
   EXPECT_TRUE(has(r, "\"threads\":3,")) << r.output;
   r = cli("run " + small + " --json");
   EXPECT_FALSE(has(r, "\"threads\":0,")) << r.output;
+  // The NCCL transport's sizes are options with bounds (no environment variables): out of range is refused.
+  r = cli("run " + small + " --nccl-window-mb -1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(has(r, "--nccl-window-mb")) << r.output;
+  EXPECT_EQ(lines(r.output), 1) << r.output;
+  r = cli("run " + small + " --nccl-peer-exchange-mb 5000");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(has(r, "--nccl-peer-exchange-mb")) << r.output;
+  r = cli("run " + small + " --nccl-window-mb 0 --nccl-peer-exchange-mb 16");
+  EXPECT_EQ(r.code, 0) << r.output;
   // A FIFO as the case blocked forever; /dev/zero said "internal error: std::bad_alloc".
   const std::string fifo = dir() + "/case.fifo";
   std::filesystem::remove(fifo);

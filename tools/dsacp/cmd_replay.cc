@@ -133,6 +133,8 @@ Result<OwnedCpComms> nccl_rank_comms(const NcclId& id, const CpLayout& layout, i
   o.device = backend.cuda_device();
   o.producer_stream = backend.native_stream();
   o.timeout = std::chrono::milliseconds(layout.comm_timeout_ms);
+  o.window_bytes = layout.nccl_window_bytes;
+  o.peer_exchange_bytes = layout.nccl_peer_exchange_bytes;
   return nccl_cp_comms(id, layout, rank, o);
 }
 

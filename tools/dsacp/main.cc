@@ -26,6 +26,11 @@ std::vector<OptionSpec> layout_options(int32_t default_P, int32_t default_D) {
       {"--comm-timeout", "S", "seconds a rank waits in a collective before failing (a dead or hung peer)", "600"},
       {"--pcp-decode", "local|gathered",
        "decodes: local attention + LSE merge, or over the gathered KV (reference design; D = 1 only)", "local"},
+      {"--nccl-window-mb", "N",
+       "NCCL ranks: MiB of each rank's exchange window (the DCP decode's zero-copy exchanges); 0 = none, every "
+       "exchange through NCCL collectives", "32"},
+      {"--nccl-peer-exchange-mb", "N",
+       "NCCL ranks: MiB of device memory for dsacp's own peer exchange of small collectives; 0 = off", "0"},
   };
 }
 
@@ -69,6 +74,10 @@ Result<CpLayout> read_layout(const ParsedArgs& args, int32_t default_P, int32_t 
   layout.decode_mode = mode == "local" ? DecodeMode::kLocalMerge : DecodeMode::kGathered;
   DSACP_ASSIGN_OR_RETURN(int64_t timeout_s, args.get_int("--comm-timeout", 600, 1, 86400));
   layout.comm_timeout_ms = timeout_s * 1000;
+  DSACP_ASSIGN_OR_RETURN(int64_t window_mb, args.get_int("--nccl-window-mb", 32, 0, 4096));
+  DSACP_ASSIGN_OR_RETURN(int64_t exchange_mb, args.get_int("--nccl-peer-exchange-mb", 0, 0, 4096));
+  layout.nccl_window_bytes = static_cast<size_t>(window_mb) << 20;
+  layout.nccl_peer_exchange_bytes = static_cast<size_t>(exchange_mb) << 20;
   return layout;
 }
 

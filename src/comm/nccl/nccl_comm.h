@@ -288,13 +288,11 @@ class NcclComm final : public NcclCommunicator {
   int32_t* peer_words_dev_ = nullptr;
   int32_t* failed_dev_ = nullptr;  // in area_: 1 once a wait of this rank's exchanges failed (peer_sync.cuh)
   uint64_t peer_seq_ = 0;
-  unsigned long long* peer_stamps_ = nullptr;  // DSACP_PEER_STAMPS=1
-  int32_t peer_fence_mode_ = 0;                // DSACP_PEER_FENCE (a diagnostic), read once at setup
+  unsigned long long* peer_stamps_ = nullptr;  // NcclOptions::exchange_stamps
   InOrder peer_order_;  // the peer exchanges run one after another
   // The exchange window (after the slots in the area): its buffers' size, the window exchanges published so far,
   // the size of the message of the next one, where the last publish ran and its end.
   size_t window_bytes_ = 0;
-  int32_t window_sync_mode_ = 0;  // DSACP_WINDOW_SYNC (a diagnostic), read once at setup
   uint64_t window_seq_ = 0;
   size_t window_message_bytes_ = 0;
   InOrder window_order_;  // the window exchanges run one after another

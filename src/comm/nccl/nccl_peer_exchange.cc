@@ -3,7 +3,7 @@
 // (setup_peer_exchange) and released before NCCL goes (quiesce_peer_exchange, release_peer_exchange); an
 // all-gather or all-to-all whose message fits a slot run by dsacp's own kernels instead of NCCL (peer_fits,
 // peer_collective); the window (window_next, window_publish, window_rows, window_rows_done, window_rows_check); the diagnostic
-// stamps (DSACP_PEER_STAMPS=1).
+// stamps (NcclOptions::exchange_stamps).
 #include "comm/nccl/nccl_comm.h"
 
 #include <algorithm>
@@ -59,16 +59,8 @@ struct NcclComm::PeerInfo {
 // error is a failed exchange of the areas' details.
 Status NcclComm::setup_peer_exchange() {
   if (size_ < 2 || size_ > cuda::peer::kMaxRanks) return Status();
-  const char* env = std::getenv("DSACP_NCCL_PEER_EXCHANGE");
-  if (env != nullptr && std::string(env) == "1" && options_.peer_exchange_bytes == 0) {
-    options_.peer_exchange_bytes = size_t{32} << 20;
-  }
-  const bool exchange_wanted = options_.peer_exchange_bytes >= 4096 * static_cast<size_t>(2 * size_) &&
-                               !(env != nullptr && std::string(env) == "0");
-  const char* window_env = std::getenv("DSACP_NCCL_WINDOW");
-  const char* window_mb = std::getenv("DSACP_NCCL_WINDOW_MB");
-  if (window_mb != nullptr && std::atoll(window_mb) > 0) options_.window_bytes = size_t(std::atoll(window_mb)) << 20;
-  const bool window_wanted = options_.window_bytes >= 4096 && !(window_env != nullptr && std::string(window_env) == "0");
+  const bool exchange_wanted = options_.peer_exchange_bytes >= 4096 * static_cast<size_t>(2 * size_);
+  const bool window_wanted = options_.window_bytes >= 4096;
   const bool wanted = exchange_wanted || window_wanted;
   slot_bytes_ = exchange_wanted ? options_.peer_exchange_bytes / (2 * static_cast<size_t>(size_)) / 256 * 256 : 0;
   window_bytes_ = window_wanted ? options_.window_bytes / 256 * 256 : 0;
@@ -152,12 +144,7 @@ Status NcclComm::setup_peer_exchange() {
     return Status();
   }
   peer_ready_ = true;
-  const char* fence = std::getenv("DSACP_PEER_FENCE");
-  peer_fence_mode_ = fence != nullptr ? std::atoi(fence) : 0;
-  const char* window_sync = std::getenv("DSACP_WINDOW_SYNC");
-  window_sync_mode_ = window_sync != nullptr ? std::atoi(window_sync) : 0;
-  const char* stamps = std::getenv("DSACP_PEER_STAMPS");
-  if (stamps != nullptr && std::string(stamps) == "1") {
+  if (options_.exchange_stamps) {
     const size_t bytes = sizeof(unsigned long long) * cuda::peer::kStampRing * cuda::peer::kStamps;
     if (cudaMalloc(&peer_stamps_, bytes) != cudaSuccess) peer_stamps_ = nullptr;
     reset_stamps();
@@ -165,7 +152,7 @@ Status NcclComm::setup_peer_exchange() {
   return Status();
 }
 
-// DSACP_PEER_STAMPS=1: each exchange's phases (put, wait, unpack) from the kernels' global timer.
+// NcclOptions::exchange_stamps: each exchange's phases (put, wait, unpack) from the kernels' global timer.
 void NcclComm::reset_stamps() {
   if (peer_stamps_ == nullptr) return;
   std::vector<unsigned long long> init(cuda::peer::kStampRing * cuda::peer::kStamps);
@@ -274,7 +261,6 @@ Result<std::unique_ptr<CollectiveHandle>> NcclComm::peer_collective(const char* 
   a.timeout_ns = timeout_ns();
   a.abort_word = peer_words_dev_;
   a.stamps = peer_stamps_;
-  a.fence_mode = peer_fence_mode_;
   a.error_word = peer_words_dev_ + 1;  // [1]: the host reads it after the exchange ([0] is the abort word)
   a.failed_word = failed_dev_;
   // On the producer's stream: in line with the kernels that make the inputs and use the outputs. The
@@ -306,12 +292,12 @@ Status NcclComm::window_usable() const {
 Result<NcclComm::Window> NcclComm::window_next(size_t bytes) {
   DSACP_RETURN_IF_ERROR(usable());
   if (!peer_ready_ || window_bytes_ == 0) {
-    return unsupported("NCCL communicator: no exchange window (DSACP_NCCL_WINDOW=0, window_bytes 0, or a rank "
+    return unsupported("NCCL communicator: no exchange window (NcclOptions::window_bytes 0, or a rank "
                        "that cannot reach the others' memory)");
   }
   if (bytes > window_bytes_) {
     return unsupported("NCCL communicator: a window message of " + std::to_string(bytes) + " bytes, the window holds " +
-                       std::to_string(window_bytes_) + " (NcclOptions::window_bytes, DSACP_NCCL_WINDOW_MB)");
+                       std::to_string(window_bytes_) + " (NcclOptions::window_bytes)");
   }
   // A producer stream other than the last exchange's: this exchange's producers (enqueued after this call) and
   // its publish wait for all the old stream's work so far (the last publish and the reads after it), as the
@@ -338,7 +324,6 @@ Result<std::unique_ptr<CollectiveHandle>> NcclComm::window_publish() {
   a.abort_word = peer_words_dev_;
   a.error_word = peer_words_dev_ + 1;
   a.failed_word = failed_dev_;
-  a.sync_mode = window_sync_mode_;
   const cudaStream_t on = exchange_stream();
   // Window exchanges run one after another (the parity argument): one on another stream than the last waits
   // for the last one's end (window_next has moved the sequence to this stream already, unless it changed since).

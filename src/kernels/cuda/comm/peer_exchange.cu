@@ -117,13 +117,8 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const ExchangeArgs a
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    // The CTA's stores above (ordered by the barrier) before the flags. fence_mode (a diagnostic): 0 fence.sc.sys,
-    // 1 fence.acq_rel.sys, 2 only the flags' release.
-    if (a.fence_mode == 0) {
-      __threadfence_system();
-    } else if (a.fence_mode == 1) {
-      asm volatile("fence.acq_rel.sys;" ::: "memory");
-    }
+    // The CTA's stores above (ordered by the barrier) before the flags.
+    __threadfence_system();
     for (int k = 0; k < a.size; ++k) {
       if (k != a.rank) st_release_sys(flag_at(a.areas[k], a.rank, c), a.seq);
     }
@@ -180,23 +175,15 @@ __global__ void __launch_bounds__(32) window_publish_kernel(const WindowArgs a) 
     return;
   }
   if (threadIdx.x == 0) {
-    if (a.sync_mode == 0) __threadfence_system();
-    if (a.sync_mode == 2) __threadfence();
+    __threadfence_system();
     for (int k = 0; k < a.size; ++k) {
-      if (k == a.rank) continue;
-      uint64_t* f = reinterpret_cast<uint64_t*>(a.windows[k]) + a.rank;
-      if (a.sync_mode == 2) {
-        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(f), "l"(a.seq) : "memory");
-      } else {
-        st_release_sys(f, a.seq);
-      }
+      if (k != a.rank) st_release_sys(reinterpret_cast<uint64_t*>(a.windows[k]) + a.rank, a.seq);
     }
   }
   const int k = threadIdx.x;
   if (k >= a.size || k == a.rank) return;
   const uint64_t* flag = reinterpret_cast<const uint64_t*>(a.windows[a.rank]) + k;
-  if (!wait_flag(flag, a.seq, global_timer_ns(), a.timeout_ns, words, k, a.sync_mode == 2)) return;
-  if (a.sync_mode == 2) __threadfence();
+  (void)wait_flag(flag, a.seq, global_timer_ns(), a.timeout_ns, words, k);
 }
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }

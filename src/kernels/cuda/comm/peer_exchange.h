@@ -55,10 +55,9 @@ struct ExchangeArgs {
   const volatile int32_t* abort_word = nullptr;  // mapped host memory, raised by the host on failure
   int32_t* error_word = nullptr;                 // mapped host memory: 1 + the rank that did not deliver, or -1
   int32_t* failed_word = nullptr;                // device memory: 1 once a wait of this rank failed
-  // Diagnostic (DSACP_PEER_STAMPS=1): device memory [kStampRing][kStamps] of global-timer ns for exchanges
-  // seq < kStampRing: put first start / last end, wait start / end, unpack first start / last end.
+  // Diagnostic (NcclOptions::exchange_stamps): device memory [kStampRing][kStamps] of global-timer ns for
+  // exchanges seq < kStampRing: put first start / last end, wait start / end, unpack first start / last end.
   unsigned long long* stamps = nullptr;
-  int32_t fence_mode = 0;  // diagnostic (DSACP_PEER_FENCE): 0 fence.sc.sys, 1 fence.acq_rel.sys, 2 release only
 };
 constexpr int kStampRing = 64, kStamps = 6;
 
@@ -93,9 +92,6 @@ struct WindowArgs {
   const volatile int32_t* abort_word = nullptr;  // as in ExchangeArgs
   int32_t* error_word = nullptr;
   int32_t* failed_word = nullptr;
-  // Diagnostic (DSACP_WINDOW_SYNC): 0 fence.sc.sys, release and acquire at system scope; 1 the flag's release and
-  // the polls' acquire only; 2 relaxed system-scope flag and polls, a GPU-scope fence on each side.
-  int32_t sync_mode = 0;
 };
 
 // Bytes of the window region: flags, row flags, then two buffers.

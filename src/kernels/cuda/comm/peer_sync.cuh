@@ -68,17 +68,12 @@ __device__ __forceinline__ void record_wait_failure(const PeerWords& w, int peer
 // had come sat up to ~0.1 ms behind its own read. An abort ends the waits within ~1 ms.
 constexpr uint64_t kWaitWordsEveryNs = 1000000;
 
-// Spins (one thread) until *flag reaches seq, with acquire at system scope (relaxed: a relaxed load, for the
-// publish's diagnostic mode), bounded by timeout_ns from t0 and the communicator's words; false, with the failure
-// recorded, when it gave up. A rank whose earlier wait failed gives up at once.
+// Spins (one thread) until *flag reaches seq, with acquire at system scope, bounded by timeout_ns from t0 and the
+// communicator's words; false, with the failure recorded, when it gave up. A rank whose earlier wait failed gives
+// up at once.
 __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t seq, uint64_t t0, uint64_t timeout_ns,
-                                          const PeerWords& w, int peer, bool relaxed = false) {
-  auto seen = [&]() -> uint64_t {
-    if (!relaxed) return ld_acquire_sys(flag);
-    uint64_t v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-    return v;
-  };
+                                          const PeerWords& w, int peer) {
+  auto seen = [&]() -> uint64_t { return ld_acquire_sys(flag); };
   if (seen() >= seq) return true;
   if (w.failed_word != nullptr && *reinterpret_cast<const volatile int32_t*>(w.failed_word) != 0) {
     record_wait_failure(w, peer);
