@@ -137,8 +137,12 @@ LaunchContext g_ctx;
 // gather_ctas > 0: time the gather ceiling (bench/gather_ceiling.cu) on the same pages and entries instead.
 // used < 2048: only each row's first `used` entries are keys, the rest -1 (a DCP rank's rows: its own keys of
 // the merged top-k, then -1).
+// fp8: the keys as one pool of fp8_ds_mla records (656 B a key: e4m3 latent, 4 tile scales, bf16 rope), from
+// dev_random_records; `extra` goes into the row (the issue's target and FlashMLA's FP8 time for the shape).
+void* dev_random_records(int64_t n);
 void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_per_token, int64_t num_requests,
-                      int reps, int gather_ctas = 0, int used = 2048) {
+                      int reps, int gather_ctas = 0, int used = 2048, bool fp8 = false,
+                      const std::string& extra = "") {
   const int K = 2048, page = 64, Dl = 512, Dr = 64;
   // request b owns keys_per_token keys; tokens are spread over requests evenly (decode: one token each)
   const int64_t pages_per_req = (keys_per_token + page - 1) / page;
@@ -172,8 +176,16 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
   p.q_nope = dev_random_bf16(T * H * Dl);
   p.q_rope = dev_random_bf16(T * H * Dr);
   p.q_dtype = DType::kBF16;
-  p.latent = {dev_random_bf16(num_pages * page * Dl), DType::kBF16, num_pages, page, Dl};
-  p.rope = {dev_random_bf16(num_pages * page * Dr), DType::kBF16, num_pages, page, Dr};
+  const int32_t rec = fp8_ds_mla_record_bytes(Dl, Dr);
+  if (fp8) {
+    void* records = dev_random_records(num_pages * page);
+    p.latent = {records, DType::kF8E4M3, num_pages, page, Dl, rec};
+    p.rope = {records, DType::kBF16, num_pages, page, Dr, rec};
+  } else {
+    p.latent = {dev_random_bf16(num_pages * page * Dl), DType::kBF16, num_pages, page, Dl};
+    p.rope = {dev_random_bf16(num_pages * page * Dr), DType::kBF16, num_pages, page, Dr};
+  }
+  const double key_bytes = fp8 ? rec : 576 * 2;
   p.block_table = {dev_copy(bt), static_cast<int32_t>(num_requests), static_cast<int32_t>(pages_per_req)};
   p.topk = dev_copy(topk);
   CK(cudaMalloc(&p.out, T * H * Dl * 2));
@@ -193,17 +205,34 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
     record(name, ms, 0, kv_rows * 576 * 2, "ctas/token=" + std::to_string(gather_ctas));
     CK(cudaFree(sink));
   } else {
-    const int splits = sparse_mla_num_splits(p, g_ctx);
-    const int64_t wsf = sparse_mla_workspace_floats(p, splits, g_ctx.options);
+    // a prefill over records runs as the backend runs it: the pages dequantized into scratch, then the bf16
+    // kernels (both timed)
+    void* fp8_scratch = nullptr;
+    const bool via_bf16 = sparse_mla_fp8_via_bf16(p);
+    if (via_bf16) CK(cudaMalloc(&fp8_scratch, static_cast<size_t>(sparse_mla_fp8_scratch_bytes(p))));
+    const SparseMlaParams run = via_bf16 ? sparse_mla_fp8_bf16_view(p, fp8_scratch) : p;
+    const int splits = sparse_mla_num_splits(run, g_ctx);
+    const int64_t wsf = sparse_mla_workspace_floats(run, splits, g_ctx.options);
     if (wsf > 0) CK(cudaMalloc(&ws, wsf * 4));
-    const double ms = time_ms([&] { CS(launch_sparse_mla(p, splits, ws, g_ctx)); }, reps, g_ctx.stream);
+    const double ms = time_ms(
+        [&] {
+          if (via_bf16) CS(launch_fp8_records_to_bf16(p, fp8_scratch, g_ctx));
+          CS(launch_sparse_mla(run, splits, ws, g_ctx));
+        },
+        reps, g_ctx.stream);
+    if (via_bf16) {
+      const double dms = time_ms([&] { CS(launch_fp8_records_to_bf16(p, fp8_scratch, g_ctx)); }, reps, g_ctx.stream);
+      std::printf("  of which the dequantization into bf16 pages: %.4f ms\n", dms);
+      CK(cudaFree(fp8_scratch));
+    }
     const double flops = 2.0 * T * H * used * (576 + 512);
     // unique bytes: the KV rows, q, out (bf16), lse, top-k
-    const double bytes = kv_rows * 576 * 2 + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
+    const double bytes = kv_rows * key_bytes + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
     const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H), g_ctx.options);
     record(name, ms, flops, bytes,
            "splits=" + std::to_string(splits) +
-               (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : ""));
+               (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : "") +
+               (extra.empty() ? "" : " " + extra));
     if (splits > 1 && !merged_in_kernel) {  // the split-K combine alone (part of the time above)
       LseMergeParams m;
       m.num_parts = splits;
@@ -217,6 +246,7 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
       std::printf("  of which the split-K combine: %.4f ms\n", mms);
     }
   }
+  if (fp8) p.rope.data = nullptr;  // the latent view's pool
   for (void* q : {const_cast<void*>(p.q_nope), const_cast<void*>(p.q_rope), p.latent.data, p.rope.data, p.out,
                   static_cast<void*>(p.lse), static_cast<void*>(ws), static_cast<void*>(const_cast<int32_t*>(p.topk)),
                   static_cast<void*>(const_cast<int32_t*>(p.block_table.data)),
@@ -224,6 +254,42 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
                   static_cast<void*>(const_cast<int32_t*>(p.rows.key_len))}) {
     if (q != nullptr) CK(cudaFree(q));
   }
+}
+
+// n fp8_ds_mla records: a block of 4096 random ones (latent quantized from values of a few magnitudes per tile
+// with the fp32 rule, bf16 rope) tiled over the pool.
+void* dev_random_records(int64_t n) {
+  const int Dl = 512, Dr = 64, rec = fp8_ds_mla_record_bytes(Dl, Dr);
+  const int64_t block_n = 4096;
+  std::vector<uint8_t> block(static_cast<size_t>(block_n * rec));
+  for (int64_t r = 0; r < block_n; ++r) {
+    uint8_t* dst = block.data() + r * rec;
+    for (int g = 0; g < Dl / kFp8DsMlaTile; ++g) {
+      float x[kFp8DsMlaTile];
+      float amax = 0.f;
+      const float amp = 0.1f + static_cast<float>(mix(900 + r * 4 + g) % 16);
+      for (int i = 0; i < kFp8DsMlaTile; ++i) {
+        x[i] = amp * static_cast<float>((mix(1000 + r * Dl + g * 128 + i) >> 40) * (2.0 / 16777216.0) - 1.0);
+        amax = std::max(amax, fp8_amax_term(x[i]));
+      }
+      const float scale = fp8_scale_from_amax(amax, Fp8ScaleMode::kFp32);
+      for (int i = 0; i < kFp8DsMlaTile; ++i) dst[g * kFp8DsMlaTile + i] = fp8_quantize(x[i], scale);
+      std::memcpy(dst + fp8_ds_mla_scale_offset(Dl) + 4 * g, &scale, 4);
+    }
+    for (int d = 0; d < Dr; ++d) {
+      const uint16_t b =
+          f32_to_bf16(static_cast<float>((mix(5000 + r * Dr + d) >> 40) * (2.0 / 16777216.0) - 1.0)).bits;
+      std::memcpy(dst + fp8_ds_mla_rope_offset(Dl) + 2 * d, &b, 2);
+    }
+  }
+  void* p = nullptr;
+  const size_t bytes = static_cast<size_t>(n) * rec;
+  CK(cudaMalloc(&p, bytes));
+  for (size_t off = 0; off < bytes; off += block.size()) {
+    CK(cudaMemcpy(static_cast<char*>(p) + off, block.data(), std::min(block.size(), bytes - off),
+                  cudaMemcpyHostToDevice));
+  }
+  return p;
 }
 
 // ---- indexer + top-k ---------------------------------------------------------------------------------------
@@ -517,6 +583,18 @@ int main(int argc, char** argv) {
       bench_sparse_mla("sparse_decode b=64 ctx32K h=" + std::to_string(h), 64, h, 32768, 64, reps);
     }
     bench_sparse_mla("sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
+  }
+  if (want("fp8_ds_mla")) {  // the FP8 latent cache (issue 26's targets; FlashMLA FP8 from perf-anchors.md)
+    bench_sparse_mla("fp8_ds_mla sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.028 FlashMLA-fp8=0.079(padded)");
+    bench_sparse_mla("fp8_ds_mla sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.065 FlashMLA-fp8=0.098");
+    bench_sparse_mla("fp8_ds_mla sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.125 FlashMLA-fp8=0.187");
+    bench_sparse_mla("fp8_ds_mla sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.045 FlashMLA-fp8=0.079");
+    bench_sparse_mla("fp8_ds_mla sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4),
+                     0, 2048, true, "target>=600TFLOP/s");
   }
   if (want("gather")) {  // the decodes' byte ceiling: the same rows gathered with no math (KV bytes only)
     for (int c : {4, 8, 16})

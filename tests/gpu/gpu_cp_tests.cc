@@ -4,7 +4,7 @@
 // every rank on GPU 0 (device copies between threads). Top-k rows must be identical to one GPU's, out and lse
 // within tolerance; the single GPU is also compared with the CPU oracle.
 // Self-contained (no GoogleTest). Exit 0 = all passed, 1 = a failure, 77 = no usable GPU.
-// Usage: dsacp_gpu_cp_tests [--seed N] [--json FILE]
+// Usage: dsacp_gpu_cp_tests [--seed N] [--json FILE] [--small-heads] [--fp8-kv]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -856,6 +856,68 @@ void test_churn(uint64_t seed, int cycles) {
 
 }  // namespace
 
+// Every CP layout with FP8 KV (the fp8_ds_mla latent cache: the case's context latent quantized on load, the new
+// tokens' by the step's cache write; the gathered views and the KV exchanges move the 656-byte records), every
+// rank on GPU 0, against one GPU over the same records: top-k identical, out within the bf16 bound. One GPU is
+// also compared with the CPU oracle over the same records.
+void test_fp8_kv_layouts(uint64_t seed) {
+  auto cpu = make_cpu_backend(0);
+  auto gpu = make_cuda_backend(0);
+  if (!gpu.ok()) {
+    report(false, "FP8 KV layouts: backend", gpu.status().to_string());
+    return;
+  }
+  const Layout layouts[] = {
+      {"P2 on one GPU", make_layout(2, 1), true},
+      {"D2 sharded on one GPU", make_layout(1, 2), true},
+      {"D2 replicated on one GPU", make_layout(1, 2, IndexerMode::kReplicated), true},
+      {"P2 gathered decodes on one GPU", make_layout(2, 1, IndexerMode::kSharded, 0, false, DecodeMode::kGathered),
+       true},
+      {"P2xD2 on one GPU", make_layout(2, 2), true},
+      {"P4 on one GPU", make_layout(4, 1), true},
+      {"D4 DSA-CP on one GPU", make_layout(1, 4, IndexerMode::kSharded, 3, true), true},
+  };
+  for (int variant = 0; variant < 2; ++variant) {
+    const bool decode_only = variant == 1;
+    const int32_t H = decode_only ? 128 : 64;
+    const uint64_t s = seed * 37 + 11 + variant;
+    const CaseFile c = make_case(s, H, decode_only);
+    const std::string tag = std::string("FP8 KV ") + (decode_only ? "decode-only" : "mixed") + " H=" +
+                            std::to_string(H) + " seed " + std::to_string(s) + ": ";
+    ReplayOptions one;
+    one.page_size = 64;
+    one.out_dtype = DType::kF32;
+    one.latent_fp8 = true;
+    auto want = replay_case(**gpu, c, one);
+    if (!want.ok()) {
+      report(false, tag + "one GPU", want.status().to_string());
+      continue;
+    }
+    auto oracle = replay_case(*cpu, c, one);
+    if (oracle.ok()) {
+      const Compare cc = compare(*want, *oracle);
+      report(cc.topk_same && cc.out_rel < 1.5e-2, tag + "one GPU vs CPU oracle", describe(cc));
+    } else {
+      report(false, tag + "CPU oracle", oracle.status().to_string());
+    }
+    for (const Layout& l : layouts) {
+      if (l.layout.dsa_cp != decode_only && l.layout.dsa_cp) continue;
+      ReplayOptions o = one;
+      o.layout = l.layout;
+      std::vector<Backend*> ranks(static_cast<size_t>(l.layout.num_ranks()), gpu->get());
+      const auto t0 = Clock::now();
+      auto got = replay_case(ranks, c, o);
+      if (!got.ok()) {
+        report(false, tag + l.name, got.status().to_string());
+        continue;
+      }
+      const Compare cc = compare(*got, *want);
+      report(cc.topk_same && cc.out_rel < 5e-3 && cc.lse_abs < 2e-2, tag + l.name + " vs one GPU",
+             describe(cc) + " (" + std::to_string(seconds_since(t0)) + " s)");
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   dsacp::testing::install_crash_trace();
   uint64_t seed = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) % 1000003;
@@ -863,6 +925,7 @@ int main(int argc, char** argv) {
   int churn = 0;  // --churn N: only the communicator churn test, N cycles
   int window_rounds = 0;  // --window N: only the window exchange test, N times (fresh seeds)
   bool small_heads = false;  // --small-heads: only the layouts with fewer than 16 heads a rank
+  bool fp8_kv = false;  // --fp8-kv: only the layouts with the fp8_ds_mla latent cache
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
@@ -870,6 +933,7 @@ int main(int argc, char** argv) {
     if (a == "--churn" && i + 1 < argc) churn = std::atoi(argv[++i]);
     if (a == "--window" && i + 1 < argc) window_rounds = std::atoi(argv[++i]);
     if (a == "--small-heads") small_heads = true;
+    if (a == "--fp8-kv") fp8_kv = true;
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 1) {
@@ -886,8 +950,9 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     std::_Exit(g_log.failures() == 0 ? 0 : 1);
   }
-  if (small_heads) {
-    test_small_head_layouts(seed, *count);
+  if (small_heads || fp8_kv) {
+    if (small_heads) test_small_head_layouts(seed, *count);
+    if (fp8_kv) test_fp8_kv_layouts(seed);
     std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());
     g_log.write_json(json, "\"gpus\":" + std::to_string(*count) + ",\"seed\":" + std::to_string(seed) + ",");
     std::fflush(stdout);
@@ -917,6 +982,7 @@ int main(int argc, char** argv) {
   }
   test_layouts(seed, *count);
   test_small_head_layouts(seed, *count);
+  test_fp8_kv_layouts(seed);
   std::printf("%d checks, %d failed\n", g_log.checks(), g_log.failures());
   g_log.write_json(json, "\"gpus\":" + std::to_string(*count) + ",\"seed\":" + std::to_string(seed) + ",");
   // Aborted NCCL communicators are released by detached threads; end without waiting for them in teardown.

@@ -29,6 +29,9 @@ using namespace dsacp;
 namespace dsacp::testing {
 // gpu_topk_tests.cc: the top-k on given scores in every form (small: the subset for a sanitizer run).
 void test_topk_rows(CheckLog& log, uint64_t seed, bool small);
+// gpu_fp8_mla_tests.cc: the fp8_ds_mla cache write and sparse MLA over records (small: the sanitizer subset).
+void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, CheckLog& log,
+                        const std::function<bool(const std::string&)>& selected);
 }  // namespace dsacp::testing
 
 namespace {
@@ -1815,6 +1818,13 @@ int main(int argc, char** argv) {
     if (selected("fp8 " + c.name)) run_fp8_indexer_case(*gpu, c);
   }
   if (only.empty()) test_cache_write_fp8_rows(*gpu);
+  // the fp8_ds_mla latent cache: everything, or with --only fp8_ds_mla_small the subset a sanitizer run takes
+  {
+    const bool fp8_small = only == "fp8_ds_mla_small";
+    dsacp::testing::gpu_fp8_mla_checks(*gpu, *cpu, topk_seed, fp8_small, g_log, [&](const std::string& name) {
+      return fp8_small ? name.find("fp8_ds_mla") != std::string::npos : selected(name);
+    });
+  }
   // the top-k on given scores: everything, or with --only topk_small the subset a sanitizer run takes
   if (only.empty() || only == "topk" || only == "topk_small") test_topk_rows(g_log, topk_seed, only == "topk_small");
   {

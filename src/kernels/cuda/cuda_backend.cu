@@ -529,12 +529,22 @@ class CudaBackend final : public Backend {
   Status sparse_mla(const SparseMlaParams& p) override {
     return run_kernel("sparse_mla", [&](const LaunchContext& c) -> Status {
       DSACP_RETURN_IF_ERROR(cuda::sparse_mla_supported(p, options_));
-      const int splits = cuda::sparse_mla_num_splits(p, c);
-      const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits, options_);
-      Scratch& mla_ws = lane().mla_ws;
-      if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws.reserve(static_cast<size_t>(ws) * sizeof(float)));
-      return cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws.ptr), c);
+      if (cuda::sparse_mla_fp8_via_bf16(p)) {  // a prefill over fp8_ds_mla: dequantized pages, bf16 kernels
+        Scratch& kv = lane().fp8_kv;
+        DSACP_RETURN_IF_ERROR(kv.reserve(static_cast<size_t>(cuda::sparse_mla_fp8_scratch_bytes(p))));
+        DSACP_RETURN_IF_ERROR(cuda::launch_fp8_records_to_bf16(p, kv.ptr, c));
+        return launch_mla(cuda::sparse_mla_fp8_bf16_view(p, kv.ptr), c);
+      }
+      return launch_mla(p, c);
     });
+  }
+
+  Status launch_mla(const SparseMlaParams& p, const LaunchContext& c) {
+    const int splits = cuda::sparse_mla_num_splits(p, c);
+    const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits, options_);
+    Scratch& mla_ws = lane().mla_ws;
+    if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws.reserve(static_cast<size_t>(ws) * sizeof(float)));
+    return cuda::launch_sparse_mla(p, splits, static_cast<float*>(mla_ws.ptr), c);
   }
 
   Status check_sparse_mla(const SparseMlaParams& p) const override {
@@ -690,13 +700,14 @@ class CudaBackend final : public Backend {
   struct Lane {
     cudaStream_t stream = nullptr;
     Scratch plan_items, plan_upload, scores, mla_ws;
+    Scratch fp8_kv;  // a prefill's dequantized fp8_ds_mla pages (sparse_mla_fp8_via_bf16)
     std::vector<char> plan_host;  // the indexer plan's upload, staged
     void set_stream(cudaStream_t s) {
       stream = s;
-      for (Scratch* x : {&plan_items, &plan_upload, &scores, &mla_ws}) x->stream = s;
+      for (Scratch* x : {&plan_items, &plan_upload, &scores, &mla_ws, &fp8_kv}) x->stream = s;
     }
     void release() {
-      for (Scratch* x : {&plan_items, &plan_upload, &scores, &mla_ws}) x->release();
+      for (Scratch* x : {&plan_items, &plan_upload, &scores, &mla_ws, &fp8_kv}) x->release();
     }
   };
 

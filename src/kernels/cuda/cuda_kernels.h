@@ -71,6 +71,14 @@ bool sparse_mla_cluster_merge(int splits, int head_group, const CudaBackendOptio
 // f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1 or merged in the kernel).
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits, const CudaBackendOptions& o);
 Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx);
+// Prefill over fp8_ds_mla records (sparse_mla_fp8_prefill.cu): true where p reads records with a prefill's shape
+// (8 tokens a request or more) and the dequantized pages fit the scratch bound; then the records the block table
+// reaches are dequantized into scratch (sparse_mla_fp8_scratch_bytes) by launch_fp8_records_to_bf16 and the bf16
+// kernels run on sparse_mla_fp8_bf16_view(p, scratch) (bf16 views and a block table of the scratch).
+bool sparse_mla_fp8_via_bf16(const SparseMlaParams& p);
+int64_t sparse_mla_fp8_scratch_bytes(const SparseMlaParams& p);
+SparseMlaParams sparse_mla_fp8_bf16_view(const SparseMlaParams& p, void* scratch);
+Status launch_fp8_records_to_bf16(const SparseMlaParams& p, void* scratch, const LaunchContext& ctx);
 // The kernel for 64-head groups (H = 64, 128), both warp-specialized wgmma kernels: 32-key tiles with two pairs in
 // flight for decode (num_tokens < 8 x num_requests), 64-key tiles refilled in parts for prefill; o.mla_kernel
 // forces one, or the mma.sync kernel (for comparison).

@@ -1,7 +1,10 @@
 // Cache write (scatter rows into flat pool slots, f32 <-> bf16 conversion with round-to-nearest-even) and fill.
 // Into an FP8 pool (the indexer keys' two-plane pages, dsacp/fp8.h): f32/bf16 rows are quantized per row with the
 // header's functions (amax over the row's finite |x|, the scale rule, x / scale -> e4m3), so the bytes equal the
-// CPU oracle's; e4m3 rows are stored as they are with their row_scales. One warp per row. A slot of -1 skips the row; any other slot outside the pool is reported and skipped.
+// CPU oracle's; e4m3 rows are stored as they are with their row_scales. One warp per row.
+// Into a view of fp8_ds_mla records (PagedPoolView::record_bytes): the latent view quantizes f32/bf16 rows per
+// 128-value tile (amax by warp shuffle over each tile's finite |x|, the same fp8.h functions: the bytes are the
+// CPU's), e4m3 rows are stored with their tiles' scales; the rope view stores bf16. A slot of -1 skips the row; any other slot outside the pool is reported and skipped.
 // Two rows aimed at one slot race here (the CPU oracle lets the last row win); the step never produces them.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -119,6 +122,80 @@ __global__ void cache_write_fp8_kernel(const SrcT* __restrict__ rows, const floa
   }
 }
 
+// One row into a view of fp8_ds_mla records. Latent (kRope false): lane l holds values 4l..4l+3 of each
+// 128-value tile (coalesced 4-value loads), the tile's amax is a warp max, then each value quantized alone; the
+// tile scales go after the values. Rope: bf16 values at the record's rope bytes.
+template <typename SrcT, bool kRope>
+__global__ void cache_write_record_kernel(const SrcT* __restrict__ rows, const float* __restrict__ row_scales,
+                                          const int64_t* __restrict__ slots, unsigned char* __restrict__ pool,
+                                          int32_t record_bytes, int32_t dim, int64_t num_slots, int64_t n,
+                                          Fp8ScaleMode mode, DeviceErrorWord err) {
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (t >= n) return;
+  const int64_t slot = slots[t];
+  if (slot == -1) return;
+  if (slot < 0 || slot >= num_slots) {
+    if (lane == 0) report_device_error(err, kDevBadSlot, t);
+    return;
+  }
+  unsigned char* rec = pool + slot * record_bytes;
+  const SrcT* src = rows + t * dim;
+  if constexpr (kRope) {
+    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(rec + record_bytes - 2 * dim);
+    for (int d = lane; d < dim; d += 32) store_f(dst, d, load_f(src, d));
+  } else {
+    const int tiles = dim / kFp8DsMlaTile;
+    float* scales = reinterpret_cast<float*>(rec + fp8_ds_mla_scale_offset(dim));
+    if constexpr (sizeof(SrcT) == 1) {
+      for (int d = lane; d < dim / 4; d += 32) {
+        reinterpret_cast<uint32_t*>(rec)[d] = reinterpret_cast<const uint32_t*>(src)[d];
+      }
+      if (lane < tiles) scales[lane] = row_scales[t * tiles + lane];
+    } else {
+      for (int g = 0; g < tiles; ++g) {
+        float x[4];
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          x[i] = load_f(src, g * kFp8DsMlaTile + 4 * lane + i);
+          amax = fmaxf(amax, fp8_amax_term(x[i]));
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        const float scale = fp8_scale_from_amax(amax, mode);
+        uint32_t packed = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) packed |= static_cast<uint32_t>(fp8_quantize(x[i], scale)) << (8 * i);
+        reinterpret_cast<uint32_t*>(rec + g * kFp8DsMlaTile)[lane] = packed;
+        if (lane == 0) scales[g] = scale;
+      }
+    }
+  }
+}
+
+template <typename SrcT>
+Status launch_cw_record(const CacheWriteParams& p, const LaunchContext& ctx) {
+  const int64_t threads = p.num_rows * 32;
+  const unsigned blocks = static_cast<unsigned>((threads + 255) / 256);
+  const int64_t num_slots = p.pool.num_pages * p.pool.page_size;
+  auto* pool = static_cast<unsigned char*>(p.pool.data);
+  if constexpr (sizeof(SrcT) == 1) {
+    if (p.pool.dtype == DType::kBF16) return internal_error("cache_write: e4m3 rows into a rope view");
+  } else if (p.pool.dtype == DType::kBF16) {
+    cache_write_record_kernel<SrcT, true><<<blocks, 256, 0, ctx.stream>>>(
+        static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, pool, p.pool.record_bytes, p.pool.dim, num_slots,
+        p.num_rows, p.record_scale_mode, ctx.error);
+  }
+  if (p.pool.dtype != DType::kBF16) {
+    cache_write_record_kernel<SrcT, false><<<blocks, 256, 0, ctx.stream>>>(
+        static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, pool, p.pool.record_bytes, p.pool.dim, num_slots,
+        p.num_rows, p.record_scale_mode, ctx.error);
+  }
+  DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_record_kernel");
+  return Status::ok_status();
+}
+
 template <typename SrcT>
 Status launch_cw_fp8(const CacheWriteParams& p, const LaunchContext& ctx) {
   const int64_t threads = p.num_rows * 32;
@@ -172,10 +249,10 @@ CacheWriteParams one_pool(const CacheWriteParams& p, int i) { return cache_write
 // The pools share a dtype (a step's caches do): one launch for all of them.
 bool cache_write_one_launch(const CacheWriteParams& p) {
   const int pools = cache_write_pools(p);
-  if (p.pool.dtype == DType::kF8E4M3) return false;  // the FP8 pool has a launch of its own
+  if (p.pool.dtype == DType::kF8E4M3 || p.pool.records()) return false;  // FP8 pools, records: launches of their own
   for (int i = 1; i < pools; ++i) {
     const CacheWriteParams one = cache_write_pool(p, i);
-    if (one.pool.dtype != p.pool.dtype || one.rows_dtype != p.rows_dtype) return false;
+    if (one.pool.dtype != p.pool.dtype || one.rows_dtype != p.rows_dtype || one.pool.records()) return false;
   }
   return true;
 }
@@ -199,8 +276,20 @@ Status cache_write_supported(const CacheWriteParams& p) {
     const CacheWriteParams one = cache_write_pool(p, i);
     const DType pool = one.pool.dtype;
     if (one.pool.records()) {
-      return unsupported("cache_write: an fp8_ds_mla latent cache (CUDA cache_write writes rows and FP8 indexer "
-                         "pages only so far; the CPU backend writes fp8_ds_mla records)");
+      const bool latent = pool == DType::kF8E4M3;
+      const bool rows_ok = latent ? ok(one.rows_dtype) || one.rows_dtype == DType::kF8E4M3 : ok(one.rows_dtype);
+      if (!rows_ok || (pool != DType::kF8E4M3 && pool != DType::kBF16) || one.pool.record_bytes % 4 != 0 ||
+          (latent && (one.pool.dim % kFp8DsMlaTile != 0 || one.pool.dim / kFp8DsMlaTile > 32))) {
+        return unsupported(std::string("cache_write: an fp8_ds_mla ") + (latent ? "latent" : "rope") + " view of " +
+                           dtype_name(pool) + " dim " + std::to_string(one.pool.dim) + " from " +
+                           dtype_name(one.rows_dtype) + " rows (CUDA writes F32/BF16 rows, or F8_E4M3 latent rows "
+                           "with their tile scales, into records of 4-byte multiples, latent dim a multiple of 128)");
+      }
+      if (one.rows_dtype == DType::kF8E4M3 && one.row_scales == nullptr) {
+        return invalid_argument("cache_write: row_scales is null; F8_E4M3 latent rows need their [T, dim / 128] "
+                                "f32 scales");
+      }
+      continue;
     }
     const bool fp8_ok = pool == DType::kF8E4M3 && (ok(one.rows_dtype) || one.rows_dtype == DType::kF8E4M3);
     if (!fp8_ok && (!ok(one.rows_dtype) || !ok(pool))) {
@@ -227,6 +316,11 @@ Status launch_cache_write(const CacheWriteParams& p, const LaunchContext& ctx) {
   }
   if (p.num_rows == 0) return Status::ok_status();
   if (cache_write_pools(p) > 1 && !cache_write_one_launch(p)) return launch_cw<float, float>(p, ctx);  // per pool
+  if (p.pool.records()) {
+    if (p.rows_dtype == DType::kF8E4M3) return launch_cw_record<unsigned char>(p, ctx);
+    if (p.rows_dtype == DType::kBF16) return launch_cw_record<__nv_bfloat16>(p, ctx);
+    return launch_cw_record<float>(p, ctx);
+  }
   if (p.pool.dtype == DType::kF8E4M3) {
     if (p.rows_dtype == DType::kF8E4M3) return launch_cw_fp8<unsigned char>(p, ctx);
     if (p.rows_dtype == DType::kBF16) return launch_cw_fp8<__nv_bfloat16>(p, ctx);

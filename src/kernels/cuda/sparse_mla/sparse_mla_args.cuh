@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -46,7 +48,22 @@ struct MlaArgs {
                                 // cluster and combine through shared memory (mla_cluster_merge); else part_out
   DeviceErrorWord err;
   SparseMlaParams::PeerMerge peer;  // the ranks' partials merged in the kernel (peer.sync.seq != 0; splits == 1)
+  // fp8_ds_mla records (record_bytes > 0; latent / rope unused): key row r's record at records + r * record_bytes
+  // (512 e4m3, 4 f32 tile scales, 64 bf16 rope).
+  const unsigned char* records;
+  int32_t record_bytes;
 };
+
+// Eight e4m3 values (two 32-bit words, value 0 in the low byte) dequantized as scale * value in f32 and rounded to
+// bf16 once (the contract's bf16 bound; e4m3 -> f32 is exact), as four packed bf16 pairs.
+__device__ __forceinline__ uint4 mla_dequant8(uint32_t w0, uint32_t w1, float scale) {
+  auto pair = [scale](uint32_t w) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack_bf16x2(f.x * scale, f.y * scale);
+  };
+  return make_uint4(pair(w0), pair(w0 >> 16), pair(w1), pair(w1 >> 16));
+}
 
 // The row of (token t, head h) in the caller's q / out / lse layout (SparseMlaParams::head_blocks blocks of
 // [T, block_heads]); the split-K workspace keeps the plain t * H + h.

@@ -22,6 +22,9 @@
 //             cluster of the token's splits through shared memory (mla_cluster_merge: up to 8 splits, the default
 //             for 64-head groups), or go to a workspace that launch_lse_merge combines (16 / 32-head groups, more
 //             than 8 splits; CudaBackendOptions::mla_cluster_merge forces either).
+// fp8_ds_mla records (MlaArgs::record_bytes > 0; every head group runs this kernel): each key's e4m3 values and
+// tile scales are loaded to registers when its tile is issued and dequantized (scale * value in f32, one rounding
+// to bf16) into the same bf16 tile after the current tile's MMAs; the rope goes by cp.async as in the bf16 path.
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
 // unused cache slots never reaches the result. A token with no used entry gives out = 0, lse = -inf.
 #include <cuda_bf16.h>
@@ -86,7 +89,14 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>(r * (kD * 2) + ((c ^ (r & 7)) << 4));
 }
 
-template <int HG>
+// One thread's share of an fp8_ds_mla key tile in flight (kFp8): four 16-byte chunks of its key's e4m3 values
+// (chunk c0 + 8k lies in tile k) and the key's four tile scales.
+struct Fp8Share {
+  uint4 v[4];
+  float4 scale;
+};
+
+template <int HG, bool kFp8>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mma_kernel(const MlaArgs a) {
   using L = Smem<HG>;
   constexpr int kStages = L::kStages;
@@ -143,9 +153,54 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
     }
   };
 
+  // fp8_ds_mla records: the rope (bf16) goes to the tile by cp.async as above; the e4m3 values and scales are
+  // loaded into registers when the tile is issued (fp8_issue, kStages - 1 tiles ahead like the cp.async ring) and
+  // dequantized into the tile's bf16 rows after this tile's MMAs (fp8_store), so the MMA path reads the same bf16
+  // tile. Thread -> key j = tid / 8, e4m3 chunks (tid % 8) + 8k, k < 4 (bf16 chunks 2c, 2c + 1), rope chunk tid % 8.
+  auto fp8_issue = [&](int tile, int stage, Fp8Share& sh) {
+    const uint32_t base = sKV + stage * (kBN * kD * 2);
+    const int j = tid >> 3, c0 = tid & 7;
+    const int key = tile * kBN + j;
+    const int32_t row = key < nkeys ? sRow[key] : -1;
+    const unsigned char* rec = a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_bytes;
+    cp_async_16(base + swz(j, 64 + c0), rec + a.record_bytes - 128 + c0 * 16, row >= 0 ? 16 : 0);
+    if (row >= 0) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sh.v[k] = __ldg(reinterpret_cast<const uint4*>(rec + (c0 + 8 * k) * 16));
+      sh.scale = __ldg(reinterpret_cast<const float4*>(rec + 512));
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sh.v[k] = make_uint4(0u, 0u, 0u, 0u);
+      sh.scale = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  auto fp8_store = [&](int stage, const Fp8Share& sh) {
+    const uint32_t base = sKV + stage * (kBN * kD * 2);
+    const int j = tid >> 3, c0 = tid & 7;
+    const float sc[4] = {sh.scale.x, sh.scale.y, sh.scale.z, sh.scale.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int c = c0 + 8 * k;
+      const uint4 lo = mla_dequant8(sh.v[k].x, sh.v[k].y, sc[k]);
+      const uint4 hi = mla_dequant8(sh.v[k].z, sh.v[k].w, sc[k]);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + swz(j, 2 * c)), "r"(lo.x), "r"(lo.y),
+                   "r"(lo.z), "r"(lo.w));
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + swz(j, 2 * c + 1)), "r"(hi.x),
+                   "r"(hi.y), "r"(hi.z), "r"(hi.w));
+    }
+  };
+
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < ntiles) load_tile(st, st);
+    if (st < ntiles) {
+      if constexpr (kFp8) {
+        Fp8Share sh;
+        fp8_issue(st, st, sh);
+        fp8_store(st, sh);
+      } else {
+        load_tile(st, st);
+      }
+    }
     cp_async_commit();
   }
 
@@ -163,11 +218,16 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
   for (int tile = 0; tile < ntiles; ++tile) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    {
-      const int nt = tile + kStages - 1;
-      if (nt < ntiles) load_tile(nt, nt % kStages);
-      cp_async_commit();
+    const int nt = tile + kStages - 1;
+    Fp8Share pending;
+    if (nt < ntiles) {
+      if constexpr (kFp8) {
+        fp8_issue(nt, nt % kStages, pending);
+      } else {
+        load_tile(nt, nt % kStages);
+      }
     }
+    cp_async_commit();
     const uint32_t kv = sKV + (tile % kStages) * (kBN * kD * 2);
 
     // ---- S = Q K^T (raw dot products; the softmax scales) ----
@@ -303,6 +363,10 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
         }
       }
     }
+    if constexpr (kFp8) {
+      // stage nt % kStages was last read in the previous tile (every thread passed this tile's first barrier)
+      if (nt < ntiles) fp8_store(nt % kStages, pending);
+    }
   }
   cp_async_wait<0>();
 
@@ -343,7 +407,12 @@ template <int HG>
 Status launch_hg(const MlaArgs& args, int groups, const LaunchContext& ctx) {
   constexpr int bytes = Smem<HG>::kBytes;
   static_assert(bytes * ctas_per_sm_for<HG>() <= 227 * 1024, "shared memory");
-  return launch_mla_grid(sparse_mla_mma_kernel<HG>, "sparse_mla_mma_kernel", args, groups, kThreads, bytes, ctx.stream);
+  if (args.record_bytes > 0) {
+    return launch_mla_grid(sparse_mla_mma_kernel<HG, true>, "sparse_mla_mma_kernel (fp8_ds_mla)", args, groups,
+                           kThreads, bytes, ctx.stream);
+  }
+  return launch_mla_grid(sparse_mla_mma_kernel<HG, false>, "sparse_mla_mma_kernel", args, groups, kThreads, bytes,
+                         ctx.stream);
 }
 
 int split_len_for(int K, int splits) {
@@ -380,7 +449,7 @@ MlaShape sparse_mla_shape(const SparseMlaParams& p, const CudaBackendOptions& o)
   s.head_group = mla_head_group(bh);
   s.block_groups = std::max(1, (bh + s.head_group - 1) / s.head_group);
   s.groups = std::max(1, p.head_blocks) * s.block_groups;
-  s.kernel = s.head_group < 64 || bh % 64 != 0
+  s.kernel = s.head_group < 64 || bh % 64 != 0 || p.latent.records()
                  ? MlaKernel::kMmaSync
                  : sparse_mla_kernel_choice(p.rows.num_tokens, p.block_table.num_requests, o);
   return s;
@@ -389,11 +458,15 @@ MlaShape sparse_mla_shape(const SparseMlaParams& p, const CudaBackendOptions& o)
 Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& o) {
   const std::string supported =
       " (CUDA sparse_mla supports H >= 1 in head blocks of any size, Dl = 512, Dr = 64, bf16 q_nope/q_rope/latent/"
-      "rope, f32 or bf16 out, page_size 1..1024, num_pages * page_size < 2^31)";
+      "rope or one pool of fp8_ds_mla records, f32 or bf16 out, page_size 1..1024, num_pages * page_size < 2^31)";
   if (p.H < 1) return unsupported("sparse_mla: H=" + std::to_string(p.H) + supported);
-  if (p.latent.records() || p.rope.records()) {
-    return unsupported("sparse_mla: an fp8_ds_mla latent cache (CUDA sparse_mla reads bf16 latent and rope pools "
-                       "only so far; the CPU backend attends over fp8_ds_mla)");
+  const bool records = p.latent.records() || p.rope.records();
+  if (records && (!p.latent.records() || !p.rope.records() || p.latent.data != p.rope.data ||
+                  p.latent.record_bytes != p.rope.record_bytes || p.latent.dtype != DType::kF8E4M3 ||
+                  p.rope.dtype != DType::kBF16 || p.latent.record_bytes != fp8_ds_mla_record_bytes(kDl, kDr))) {
+    return unsupported("sparse_mla: an fp8_ds_mla cache needs the F8_E4M3 latent and BF16 rope views of one pool of "
+                       "656-byte records (latent record_bytes " + std::to_string(p.latent.record_bytes) +
+                       ", rope record_bytes " + std::to_string(p.rope.record_bytes) + ")");
   }
   if (p.head_blocks < 1 || p.H % p.head_blocks != 0) {
     return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +
@@ -402,7 +475,7 @@ Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& 
   if (p.Dl != kDl || p.Dr != kDr) {
     return unsupported("sparse_mla: Dl=" + std::to_string(p.Dl) + ", Dr=" + std::to_string(p.Dr) + supported);
   }
-  if (p.q_dtype != DType::kBF16 || p.latent.dtype != DType::kBF16 || p.rope.dtype != DType::kBF16) {
+  if (p.q_dtype != DType::kBF16 || (!records && (p.latent.dtype != DType::kBF16 || p.rope.dtype != DType::kBF16))) {
     return unsupported(std::string("sparse_mla: q ") + dtype_name(p.q_dtype) + ", latent " +
                        dtype_name(p.latent.dtype) + ", rope " + dtype_name(p.rope.dtype) + supported);
   }
@@ -491,6 +564,10 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   a.q_rope = static_cast<const __nv_bfloat16*>(p.q_rope);
   a.latent = static_cast<const __nv_bfloat16*>(p.latent.data);
   a.rope = static_cast<const __nv_bfloat16*>(p.rope.data);
+  if (p.latent.records()) {
+    a.records = static_cast<const unsigned char*>(p.latent.data);
+    a.record_bytes = p.latent.record_bytes;
+  }
   a.block_table = p.block_table.data;
   a.topk = p.topk;
   a.out = p.out;
