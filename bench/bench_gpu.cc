@@ -389,17 +389,24 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
         }
       },
       reps, g_ctx.stream);
-  // the persistent wgmma score kernel on the same plan, where it applies (off by default: side by side)
-  double ms_wgmma = -1;
-  if (indexer_scores_wgmma_applies(p, plan->chunks.front().max_group_tokens)) {
-    ms_wgmma = time_ms(
+  // each score kernel on the same plan, forced (CudaBackendOptions::indexer_score_kernel): the mma.sync kernel
+  // always, and the persistent wgmma kernel where it applies
+  auto time_scores = [&](CudaBackendOptions::IndexerScoreKernel kernel) {
+    LaunchContext ctx = g_ctx;
+    ctx.options.indexer_score_kernel = kernel;
+    return time_ms(
         [&] {
           for (const auto& ch : plan->chunks) {
-            CS(launch_indexer_scores_wgmma(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin,
-                                           ch.max_group_tokens, dev.score_offset, dev.scores, dev.inl, g_ctx));
+            CS(launch_indexer_scores(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin, ch.max_group_tokens,
+                                     dev.score_offset, dev.scores, dev.inl, ctx));
           }
         },
         reps, g_ctx.stream);
+  };
+  const double ms_mma = time_scores(CudaBackendOptions::IndexerScoreKernel::kMmaSync);
+  double ms_wgmma = -1;
+  if (indexer_scores_wgmma_applies(p, plan->chunks.front().max_group_tokens)) {
+    ms_wgmma = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmma);
   }
   // the top-k alone on the scores of the last chunk (all of them for one chunk; the scores stay as computed)
   const auto& last = plan->chunks.back();
@@ -412,9 +419,13 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   const double key_row = fp8 ? Di + 4.0 : Di * 2.0;
   const double key_bytes = static_cast<double>(num_requests) * total * key_row;
   const double bytes = key_bytes + T * Hi * Di * (fp8 ? 1.0 : 2.0) + T * Hi * (fp8 ? 8.0 : 4.0) + T * K * 4.0;
-  char extra[240];
+  char extra[320];
   std::snprintf(extra, sizeof extra, "scores only %.4f ms, top-k alone %.4f ms (last chunk), chunks=%zu", ms_scores,
                 ms_topk, plan->chunks.size());
+  if (fp8) {
+    const size_t n = std::strlen(extra);
+    std::snprintf(extra + n, sizeof extra - n, ", mma.sync scores kernel %.4f ms", ms_mma);
+  }
   if (ms_wgmma >= 0) {
     const size_t n = std::strlen(extra);
     std::snprintf(extra + n, sizeof extra - n, ", wgmma scores kernel %.4f ms", ms_wgmma);

@@ -1036,7 +1036,8 @@ void run_scores_side_by_side(const ScoreSideCase& c) {
   p.block_table.data = static_cast<const int32_t*>(bufs[6]);
   const ScoreItem* d_items = static_cast<const ScoreItem*>(bufs[7]);
   const int64_t* d_off = static_cast<const int64_t*>(bufs[8]);
-  LaunchContext ctx;
+  LaunchContext ctx;  // pass 0: the mma.sync kernel (forced), passes 1 and 2: the wgmma kernel
+  ctx.options.indexer_score_kernel = CudaBackendOptions::IndexerScoreKernel::kMmaSync;
   Status st = Status::ok_status();
   std::vector<float> a, b, b2;
   bool applies = true;

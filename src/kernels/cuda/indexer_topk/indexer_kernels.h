@@ -12,19 +12,59 @@ inline constexpr int kMaxGroupTokens = 4;    // tokens of one request sharing a 
 
 // Shared memory of one score CTA: Hi = 32 or 64, bf16 or fp8 (e4m3 q and two-plane keys).
 int64_t indexer_scores_smem_bytes(int Hi, bool fp8, int max_group_tokens);
-// items / score_offset: the chunk's device plan, unless inl holds the plan (inl.num_groups > 0). FP8 layouts the
-// wgmma kernel serves go there; the rest (bf16, page sizes not a multiple of 4) to the mma.sync kernel.
+// items / score_offset: the chunk's device plan, unless inl holds the plan (inl.num_groups > 0). The kernel: the
+// persistent wgmma one or the mma.sync one (the rule below); bf16 and page sizes not a multiple of 4 always run
+// the mma.sync kernel.
 Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,
                              const InlinePlan& inl, const LaunchContext& ctx);
 
+// The arguments both score kernels take (each kernel's own struct derives from it), filled in one place.
+struct ScoreKernelArgs {
+  const ScoreItem* items;
+  int64_t num_items;
+  const int32_t* request;     // [T]
+  const int32_t* key_len;     // [T]
+  const unsigned char* q;     // [T, Hi, 128] bf16 or e4m3
+  const float* q_scale;       // [T, Hi] (fp8)
+  const float* w;             // [T, Hi]
+  const unsigned char* keys;  // bf16 rows [num_pages * page_size, 128], or fp8 two-plane pages
+  const int32_t* block_table;
+  int32_t page_size, max_pages;
+  int64_t num_pages;
+  const int64_t* score_offset;  // [T]
+  float* scores;
+  DeviceErrorWord err;
+  InlinePlan inl;  // the plan itself (inl.num_groups > 0: items and score_offset unused)
+};
+inline void fill_score_kernel_args(ScoreKernelArgs& a, const IndexerTopkParams& p, const ScoreItem* items,
+                                   int64_t num_items, const int64_t* score_offset, float* scores,
+                                   const InlinePlan& inl, const LaunchContext& ctx) {
+  a.inl = inl.num_groups > 0 ? inl : InlinePlan{};
+  a.items = items;
+  a.num_items = num_items;
+  a.request = p.rows.request;
+  a.key_len = p.rows.key_len;
+  a.q = static_cast<const unsigned char*>(p.q);
+  a.q_scale = p.q_scale;
+  a.w = p.w;
+  a.keys = static_cast<const unsigned char*>(p.keys.data);
+  a.block_table = p.block_table.data;
+  a.page_size = p.keys.page_size;
+  a.max_pages = p.block_table.max_pages;
+  a.num_pages = p.keys.num_pages;
+  a.score_offset = score_offset;
+  a.scores = scores;
+  a.err = ctx.error;
+}
+
 // The persistent wgmma score kernel (indexer_scores_wgmma.cu): FP8 q and keys, Hi = 32 or 64, page sizes that are
-// multiples of 4 (16-byte aligned key rows and scale groups), groups of <= kMaxGroupTokens tokens. The one rule that
-// picks it over the mma.sync kernel, applied in launch_indexer_scores; off by default: it is right on the GPU but
-// about 2x slower than the mma.sync kernel at decode (docs/design/2026-12-02-persistent-score-kernel.md), so only
-// the bench calls it (side by side) until its per-block chain is fixed.
-inline constexpr bool kScoresWgmmaByDefault = false;
+// multiples of 4 (16-byte aligned key rows and scale groups), groups of <= kMaxGroupTokens tokens.
+// indexer_scores_wgmma_applies is the rule of where it can run; launch_indexer_scores runs it there unless
+// ctx.options.indexer_score_kernel says kMmaSync, or says kAuto and indexer_scores_wgmma_preferred (the measured
+// rule, docs/design/2026-12-02-persistent-score-kernel.md) is false.
 bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_tokens);
+bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens);
 Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                                    int max_group_tokens, const int64_t* score_offset, float* scores,
                                    const InlinePlan& inl, const LaunchContext& ctx);

@@ -73,22 +73,8 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
 }
 
-struct ScoreArgs {
-  const ScoreItem* items;
-  const int32_t* request;   // [T]
-  const int32_t* key_len;   // [T]
-  const unsigned char* q;   // [T, Hi, 128] bf16 or e4m3
-  const float* q_scale;     // [T, Hi] (fp8)
-  const float* w;           // [T, Hi]
-  const unsigned char* keys;  // bf16 rows [num_pages * page_size, 128], or fp8 two-plane pages
-  const int32_t* block_table;
-  int32_t page_size, max_pages;
-  int64_t num_pages;
-  const int64_t* score_offset;  // [T]
-  float* scores;
-  DeviceErrorWord err;
+struct ScoreArgs : ScoreKernelArgs {
   bool rows16;  // key rows 16-byte aligned (else copied 4 bytes at a time)
-  InlinePlan inl;  // the plan itself (inl.num_groups > 0: items and score_offset unused)
 };
 
 static_assert(sizeof(ScoreArgs) <= 4096, "the score kernel's parameters (the inline plan among them) past 4 KB");
@@ -290,25 +276,14 @@ Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items,
                              int max_group_tokens, const int64_t* score_offset, float* scores,
                              const InlinePlan& inl, const LaunchContext& ctx) {
   if (num_items == 0) return Status::ok_status();
-  if (kScoresWgmmaByDefault && indexer_scores_wgmma_applies(p, max_group_tokens)) {
+  using Kernel = CudaBackendOptions::IndexerScoreKernel;
+  const Kernel choice = ctx.options.indexer_score_kernel;
+  if (choice != Kernel::kMmaSync && indexer_scores_wgmma_applies(p, max_group_tokens) &&
+      (choice == Kernel::kWgmma || indexer_scores_wgmma_preferred(p, max_group_tokens))) {
     return launch_indexer_scores_wgmma(p, items, num_items, max_group_tokens, score_offset, scores, inl, ctx);
   }
-  ScoreArgs a{};  // (a.inl zeroed: the device plan)
-  if (inl.num_groups > 0) a.inl = inl;
-  a.items = items;
-  a.request = p.rows.request;
-  a.key_len = p.rows.key_len;
-  a.q = static_cast<const unsigned char*>(p.q);
-  a.q_scale = p.q_scale;
-  a.w = p.w;
-  a.keys = static_cast<const unsigned char*>(p.keys.data);
-  a.block_table = p.block_table.data;
-  a.page_size = p.keys.page_size;
-  a.max_pages = p.block_table.max_pages;
-  a.num_pages = p.keys.num_pages;
-  a.score_offset = score_offset;
-  a.scores = scores;
-  a.err = ctx.error;
+  ScoreArgs a{};
+  fill_score_kernel_args(a, p, items, num_items, score_offset, scores, inl, ctx);
   const bool fp8 = p.keys.dtype == DType::kF8E4M3;
   a.rows16 = !fp8 || (fp8_index_page_bytes(p.keys.page_size, kDi) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(p.keys.data) % 16 == 0);
