@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "dsacp/fp8.h"
 #include "layer/step_checks.h"
 #include "layer/step_timing_internal.h"
 
@@ -80,6 +81,12 @@ SparseMlaParams mla_shape(const StepPlan::Impl& p) {
   ap.q_dtype = p.config.act_dtype;
   ap.out_dtype = p.config.out_dtype;
   ap.block_table = p.block_table;
+  // The pools' layout as PagedKvCache gives it (no data: the shape decides the kernel and its workspace).
+  const PagedCacheConfig& cc = p.cache;
+  const bool fp8 = cc.fp8_latent();
+  const int32_t record = fp8 ? fp8_ds_mla_record_bytes(cc.Dl, cc.Dr) : 0;
+  ap.latent = {nullptr, fp8 ? DType::kF8E4M3 : cc.dtype, cc.num_pages, cc.page_size, cc.Dl, record};
+  ap.rope = {nullptr, fp8 ? DType::kBF16 : cc.dtype, cc.num_pages, cc.page_size, cc.Dr, record};
   return ap;
 }
 
@@ -316,6 +323,10 @@ Status step_run(Backend& backend, const StepPlan& plan, PagedKvCache& cache, con
   ap.out = out.out;
   ap.lse = out.lse;
   ap.workspace = ws != nullptr ? ws + p.at_mla : nullptr;
+  if (ap.workspace != nullptr && backend.sparse_mla_workspace_bytes(ap) > p.workspace_bytes - p.at_mla) {
+    return internal_error("step run: sparse MLA needs more workspace for this cache than the plan reserved (" +
+                          std::to_string(backend.sparse_mla_workspace_bytes(ap)) + " bytes)");
+  }
   DSACP_RETURN_IF_ERROR(sparse_mla_run(backend, ap).with_context("sparse MLA"));
   // 4. The outputs in the caller's forms (slots, base-2 LSE).
   OutputForms forms;
