@@ -2,7 +2,7 @@
 // prefill/decode). CUDA events around the launches only (plans, uploads and the backend's error check are
 // outside), warm-up, L2 flushed (256 MiB memset) before every timed run, median of the runs. Inputs are random
 // bf16 (a 64 MiB random block tiled over each buffer), never zeros. Writes JSON (--json FILE) and prints a table.
-// Usage: dsacp_bench_gpu [--json FILE] [--reps N] [--only NAME]
+// Usage: dsacp_bench_gpu [--json FILE] [--reps N] [--only NAME] [--trace]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,6 +20,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/indexer_topk/cluster_topk.h"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
+#include "bench_layer_stack.h"
 #include "gather_ceiling.h"
 
 using namespace dsacp;
@@ -568,10 +569,12 @@ int main(int argc, char** argv) {
   const char* json = nullptr;
   int reps = 20;
   std::string only;
+  bool trace = false;  // --trace: the layers61 b = 64 backend's per-call host times on stderr
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
     if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
+    if (std::strcmp(argv[i], "--trace") == 0) trace = true;
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -701,6 +704,30 @@ int main(int argc, char** argv) {
     bench_topk_merge("topk_merge 2 parts b=64 K=2048 general kernel", 2, 64, 2048, reps, false);
     g_ctx.options.topk_merge_general = false;
     bench_topk_merge("topk_merge 4 parts b=64 K=2048", 4, 64, 2048, reps, false);
+  }
+  // A forward pass of 61 planned decode layers through the public API, eagerly and as one CUDA graph replay.
+  // b = 64 at 32K: 61 caches of 2.95 GB do not fit one H200, so 32 caches serve the 61 layers (l % 32).
+  if (want("layers61")) {
+    struct Shape {
+      const char* name;
+      int32_t b, ctx;
+      int distinct;
+    };
+    // (b = 1 at 2K: a layer's kernels take less than its launches, so the replay saves the host's time)
+    for (const Shape& sh : {Shape{"layers61 b=64 ctx32K (32 caches)", 64, 32768, 32},
+                            Shape{"layers61 b=8 ctx4K (61 caches)", 8, 4096, 61},
+                            Shape{"layers61 b=1 ctx2K (61 caches)", 1, 2048, 61}}) {
+      const bench::LayerStackTiming t =
+          bench::bench_layer_stack(sh.b, sh.ctx, 61, sh.distinct, std::max(5, reps / 2), trace && sh.b == 64);
+      char extra[256];
+      std::snprintf(extra, sizeof extra,
+                    "graph %.3f ms vs eager %.3f ms (%.2fx), host %.1f us a layer eager, step_plan %.1f us, %s",
+                    t.graph_ms, t.eager_ms, t.eager_ms / t.graph_ms, t.host_us_per_layer, t.plan_us,
+                    t.identical ? "identical outputs" : "OUTPUTS DIFFER");
+      std::printf("%-58s eager %8.3f ms  graph %8.3f ms  %s\n", sh.name, t.eager_ms, t.graph_ms, extra);
+      g_rows.push_back({std::string(sh.name) + " eager", t.eager_ms, 0, 0, extra});
+      g_rows.push_back({std::string(sh.name) + " graph", t.graph_ms, 0, 0, extra});
+    }
   }
   int32_t herr[2] = {0, 0};
   CK(cudaMemcpy(herr, err, 8, cudaMemcpyDeviceToHost));

@@ -5,6 +5,7 @@
 // left is planning, validation, host vectors, allocations and the thread communicator: the host work that a
 // GPU step cannot hide (docs/design/gpu-notes.md, session 3). Run it under `perf record` to see where it goes.
 // --device-table: the steps read a block table kept in backend memory (StepInputs::block_table).
+// Also: the same one-device step as a plan once per forward pass and 61 planned runs (dsacp/step_plan.h).
 // Usage: dsacp_bench_host_step [--S TOKENS] [--reps N] [--D ranks] [--device-table]
 #include <sys/mman.h>
 
@@ -24,6 +25,7 @@
 #include "dsacp/communicator.h"
 #include "dsacp/cp_step.h"
 #include "dsacp/step.h"
+#include "dsacp/step_plan.h"
 #include "step_shape.h"
 
 namespace {
@@ -162,6 +164,25 @@ int main(int argc, char** argv) {
                 "indexer launch (medians of %d)\n",
                 static_cast<long long>(S / 1024), device_table ? "on the device" : "uploaded", median(ms), median(pre),
                 reps);
+
+    // The same step as plan + run: the plan once per forward pass, then one planned run per layer (61 a forward).
+    StepPlanOptions po;
+    po.device_block_table = device_table ? b.table.as<const int32_t>() : nullptr;
+    std::vector<double> plan_us, run_us;
+    for (int i = 0; i <= reps; ++i) {
+      const auto t0 = Clock::now();
+      StepPlan plan = take(step_plan(be, c, req, table, cc, po), "step_plan");
+      const auto t1 = Clock::now();
+      for (int layer = 0; layer < 61; ++layer) check(step_run(be, plan, cache, b.in(), b.outs()), "planned step_run");
+      check(be.synchronize(), "synchronize");
+      const auto t2 = Clock::now();
+      if (i > 0) plan_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      if (i > 0) run_us.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count() / 61);
+    }
+    std::printf("plan + run, b=64 decode, %lldK context, block table %s: step_plan %.1f us once per forward, planned "
+                "step_run %.2f us a layer (61 layers, medians of %d)\n",
+                static_cast<long long>(S / 1024), device_table ? "on the device" : "uploaded", median(plan_us),
+                median(run_us), reps);
   }
 
   // DCP over D ranks as threads (sharded indexer), each with its own null backend.

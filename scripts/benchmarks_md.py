@@ -2,7 +2,7 @@
 """Writes BENCHMARKS.md, the current table of each benchmark family, from the JSON in bench/results/.
 
 Each results file is one benchmark run wrapped with where it came from (scripts/record_bench.py writes it):
-  {"family": "kernels" | "cp" | "peers", "date": "...", "gpu": "...", "commit": "...", "command": "...",
+  {"family": "kernels" | "layers" | "cp" | "peers", "date": "...", "gpu": "...", "commit": "...", "command": "...",
    "data": <the benchmark's own JSON: bench/compare.py's output, dsacp_bench_cp --json, or the peers' table>}
 Usage: scripts/benchmarks_md.py [--results DIR] [--out FILE] [--check]
   --check: exit 1 (naming the first differing line) if FILE is not what the results generate.
@@ -95,8 +95,24 @@ def peers_section(r):
     return out
 
 
-SECTIONS = {"peers": peers_section, "kernels": kernels_section, "cp": cp_section}
-ORDER = ["kernels", "peers", "cp"]
+def layers_section(r):
+    d = r["data"]
+    out = [f"## A forward pass of planned layers on one GPU, eager and as one CUDA graph (`dsacp_bench_gpu --only layers61`)",
+           ""] + provenance(r) + [
+        "- method: one `step_plan`, then 61 planned `step_run`s (dsacp/step_plan.h) per pass; CUDA events on the "
+        "backend's stream around the whole pass, median of the reps; `host us/layer`: the eager pass's host time "
+        "divided by 61 (the planned runs' launches); H=128, K=2048, bf16, page 64; the replay's outputs compared with "
+        "the eager ones byte for byte", "",
+        "| case | eager ms | graph ms | eager / graph | host us/layer (eager) | step_plan us | outputs |",
+        "|---|---|---|---|---|---|---|"]
+    for k in d["cases"]:
+        out.append(f"| {k['name']} | {fmt(k['eager_ms'])} | {fmt(k['graph_ms'])} | {fmt(k['eager_ms'] / k['graph_ms'], 2)} | "
+                   f"{fmt(k['host_us_per_layer'], 1)} | {fmt(k['plan_us'], 1)} | {'identical' if k['identical'] else 'DIFFER'} |")
+    return out
+
+
+SECTIONS = {"peers": peers_section, "kernels": kernels_section, "cp": cp_section, "layers": layers_section}
+ORDER = ["kernels", "layers", "peers", "cp"]
 
 
 def generate(results_dir):

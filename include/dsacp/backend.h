@@ -50,6 +50,20 @@ class DeviceBuffer {
   std::function<void(void*)> deleter_;
 };
 
+// A backend's schedule of one kernel for a batch's rows, made once per forward pass (the step plan holds it) and
+// read by every layer's launch of that kernel (IndexerTopkParams::plan). workspace_bytes: the device scratch its
+// launches need (IndexerTopkParams::workspace).
+struct KernelPlan {
+  virtual ~KernelPlan() = default;
+  size_t workspace_bytes = 0;
+};
+
+// Work recorded by Backend::begin_capture / end_capture (a CUDA graph), run again by Backend::replay. Opaque.
+struct CapturedWork {
+  std::shared_ptr<void> impl;
+  bool valid() const { return impl != nullptr; }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -81,6 +95,9 @@ class Backend {
   // a step then runs without a host round trip per call. Calls nest (on while any caller holds it); use the
   // DeferredErrors scope. Backends without device work ignore it.
   virtual void defer_errors(bool on) { (void)on; }
+  // Ends a defer_errors(true) like defer_errors(false) but without waiting: the scope's errors stay pending for
+  // the next synchronize() (a planned step run's end: it enqueues and returns).
+  virtual void defer_errors_keep_pending() { defer_errors(false); }
   // The CUDA stream (cudaStream_t) the calling thread's work runs on (its current lane, below), or null (host
   // backends). Collectives on other streams order themselves after it (NcclOptions::producer_stream,
   // Communicator::set_producer_stream).
@@ -113,6 +130,25 @@ class Backend {
   virtual Status topk_input(const TopkInputParams& p);
   virtual Status output_form(const OutputFormParams& p);
 
+  // Planning hooks (the step plan calls them once per forward pass, outside the per-layer runs). The indexer's
+  // schedule for p's rows (host_request / host_key_len required), or null when the backend plans nothing; the
+  // device workspace a sparse_mla call of p's shape needs when given SparseMlaParams::workspace (0: none).
+  virtual Result<std::shared_ptr<const KernelPlan>> plan_indexer_topk(const IndexerTopkParams& p);
+  virtual size_t sparse_mla_workspace_bytes(const SparseMlaParams& p) const {
+    (void)p;
+    return 0;
+  }
+
+  // Capture (device backends: CUDA graphs on the backend's stream). Between begin_capture() and end_capture() the
+  // calling thread's kernel launches are recorded, not run; replay() runs them again, each launch with the error
+  // word it was recorded with: a replay's data errors come back from the next synchronize(), naming the kernel and
+  // the token. Only launches may be recorded: an allocation, a copy to or from the host, a synchronize() or a
+  // checked call while capturing fails (the capture is then dropped by end_capture). Host backends answer
+  // unsupported.
+  virtual Status begin_capture();
+  virtual Result<CapturedWork> end_capture();
+  virtual Status replay(const CapturedWork& work);
+
   // Whether sparse_mla would take these parameters (shapes, dtypes, options such as SparseMlaParams::peer),
   // without running anything: ok, or the Status sparse_mla would return (kUnsupported ...). For a caller that
   // picks between two ways of doing one thing before committing to either (the DCP step, before it asks the
@@ -128,6 +164,19 @@ class DeferredErrors {
   ~DeferredErrors() { backend_.defer_errors(false); }
   DeferredErrors(const DeferredErrors&) = delete;
   DeferredErrors& operator=(const DeferredErrors&) = delete;
+
+ private:
+  Backend& backend_;
+};
+
+// Deferred error checks for a scope whose errors stay pending past its end (a planned step run's: the caller's
+// next synchronize() returns them), whichever way it is left.
+class PendingErrors {
+ public:
+  explicit PendingErrors(Backend& backend) : backend_(backend) { backend_.defer_errors(true); }
+  ~PendingErrors() { backend_.defer_errors_keep_pending(); }
+  PendingErrors(const PendingErrors&) = delete;
+  PendingErrors& operator=(const PendingErrors&) = delete;
 
  private:
   Backend& backend_;

@@ -60,6 +60,8 @@ struct WindowRowSync {
 };
 
 // Block table: request b's logical page c lives in physical page data[b * max_pages + c].
+struct KernelPlan;  // a backend's schedule of a kernel for a batch (dsacp/backend.h)
+
 struct BlockTableView {
   const int32_t* data = nullptr;  // [num_requests, max_pages]
   int32_t num_requests = 0;
@@ -197,6 +199,11 @@ struct IndexerTopkParams {
   // launch from them instead of reading the rows back, which would wait for the work queued before the call.
   const int32_t* host_request = nullptr;  // [T]
   const int32_t* host_key_len = nullptr;  // [T]
+  // Optional (device backends): the launch's schedule made once for these rows (Backend::plan_indexer_topk, the
+  // step plan's), so the call plans nothing on the host; with it, workspace (plan->workspace_bytes of device
+  // memory) holds the call's score rows instead of the backend's own scratch.
+  const KernelPlan* plan = nullptr;
+  void* workspace = nullptr;
   // Optional (device backends): topk / topk_scores are this rank's message of a row-synchronized window exchange,
   // and row t's flag is raised in every peer once its row is stored (Communicator::window_rows).
   WindowRowSync signal;
@@ -232,6 +239,9 @@ struct SparseMlaParams {
   // the layout of a gather along heads, and of an all-to-all by head slice) instead of [T, H, ...]. H must be a
   // multiple of head_blocks. 1 = the plain layout.
   int32_t head_blocks = 1;
+  // Optional (device backends): Backend::sparse_mla_workspace_bytes(p) bytes of device scratch for the split
+  // partials, instead of the backend's own scratch (which may grow, i.e. allocate and wait).
+  void* workspace = nullptr;
   // Optional (device backends; the DCP decode over a window, Communicator::window_rows): the partial results of
   // the head_blocks == peer.sync.size ranks merged inside attention. This rank attends over its own keys for every
   // head block; block k != sync.rank's normalized rows ([T, H / head_blocks, Dl] of part_dtype) and their LSE

@@ -55,6 +55,9 @@ struct StepInputs {
   // positions visible to its token, ascending, then -1 (fewer than min(K, key_len) allowed); a row that does not
   // fails the step, naming it. The step's top-k output is these rows (in config.topk_form).
   const int32_t* topk = nullptr;
+  // Optional: the fingerprint of the batch these inputs belong to (step_fingerprint, dsacp/step_plan.h); a planned
+  // run refuses a plan with another one. 0: not checked.
+  uint64_t plan_fingerprint = 0;
 };
 
 struct StepOutputs {
@@ -74,7 +77,8 @@ Result<SingleDevicePlan> single_device_plan(const std::vector<Request>& requests
                                             int32_t page_size, int32_t decode_threshold = kMaxDecodeThreshold);
 
 // Checks the config against the cache and the block table against the batch (every position of every
-// request has a page in range; with inputs.block_table, the new tokens' positions), then runs the step.
+// request has a page in range; with inputs.block_table, the new tokens' positions), then runs the step: a
+// plan (step_plan, dsacp/step_plan.h) and one planned run, then synchronize() (errors found on the device).
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& inputs, const StepOutputs& outputs);
 

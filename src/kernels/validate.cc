@@ -432,6 +432,24 @@ Status Backend::check_sparse_mla(const SparseMlaParams& p) const {
   return Status::ok_status();
 }
 
+Result<std::shared_ptr<const KernelPlan>> Backend::plan_indexer_topk(const IndexerTopkParams& p) {
+  (void)p;
+  return std::shared_ptr<const KernelPlan>();
+}
+
+Status Backend::begin_capture() {
+  return unsupported(name() + ": begin_capture: this backend records no work (CUDA graphs need the CUDA backend)");
+}
+
+Result<CapturedWork> Backend::end_capture() {
+  return unsupported(name() + ": end_capture: this backend records no work (CUDA graphs need the CUDA backend)");
+}
+
+Status Backend::replay(const CapturedWork& work) {
+  (void)work;
+  return unsupported(name() + ": replay: this backend records no work (CUDA graphs need the CUDA backend)");
+}
+
 Status lse_merge_run(Backend& backend, const LseMergeParams& p) {
   DSACP_RETURN_IF_ERROR(validate(p));
   if (p.num_rows == 0) return Status::ok_status();

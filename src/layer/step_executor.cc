@@ -1,12 +1,12 @@
-// The single-device step executor: cache write -> indexer + top-k -> sparse MLA attention.
+// The single-device step's checks and helpers, and step_run as one plan and one planned run (step_plan.cc).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "dsacp/step_plan.h"
 #include "layer/step_checks.h"
-#include "layer/step_timing_internal.h"
 
 namespace dsacp {
 Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache) {
@@ -114,133 +114,16 @@ Status output_forms(Backend& backend, const StepConfig& c, const OutputForms& f)
 
 Status step_run(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
                 const BlockTable& table, PagedKvCache& cache, const StepInputs& in, const StepOutputs& out) {
-  PhaseClock clock(backend);
-  const PagedCacheConfig& cc = cache.config();
-  DSACP_RETURN_IF_ERROR(check_step_config(config, cc));
-  DSACP_ASSIGN_OR_RETURN(SingleDevicePlan plan,
-                         single_device_plan(requests, table, cc.page_size, config.decode_threshold));
-  std::vector<int64_t> pages, first_new;
-  for (const Request& r : requests) {
-    pages.push_back((r.seq_len() + cc.page_size - 1) / cc.page_size);
-    first_new.push_back(r.context_len / cc.page_size);
-  }
-  // With the table on the device already, the host checks the pages it writes (the new tokens'); the kernels
-  // check every page they read.
-  DSACP_RETURN_IF_ERROR(check_block_table_pages(table, pages, cc, in.block_table != nullptr ? first_new
-                                                                                           : std::vector<int64_t>{}));
-  DSACP_RETURN_IF_ERROR(check_indexer_inputs(config, in));
-  const int64_t T = plan.layout.num_tokens;
-  // Kernels and uploads only enqueue; errors come back from the synchronize() at the end.
+  // One path: a plan of this batch (the caller's device table, if any, read in place), one planned run, and the
+  // synchronize() that returns what the kernels found.
+  StepPlanOptions options;
+  options.device_block_table = in.block_table;
+  options.fingerprint = false;  // one plan, one run: nothing to pair
+  // The plan's allocations and uploads only enqueue too (the synchronize() below covers them).
   DeferredErrors defer(backend);
-
-  // The block table: the caller's device copy, or uploaded on its own straight from its vector; the small
-  // vectors in one batch.
-  DeviceBuffer uploaded_table;
-  DSACP_ASSIGN_OR_RETURN(const int32_t* d_table, step_device_table(backend, table, in, &uploaded_table));
-  UploadBatch batch;
-  const size_t at_slots = batch.add(plan.slots), at_request = batch.add(plan.token_request),
-               at_key_len = batch.add(plan.token_key_len);
-  // (uploaded by the cache write below where it is small: one CUDA call less before the indexer launch)
-  CacheWriteParams w;
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_rows, batch.upload_with(backend, w));
-
-  // 1. The new tokens' KV goes into the caches first: every token sees its own key. One call writes the indexer
-  //    keys, latent and rope rows (one launch on a GPU, before the indexer's: nothing of it waits on the path
-  //    after the indexer).
-  w.rows_dtype = config.index_input_dtype();
-  w.row_scales = in.idx_k_scale;
-  w.fp8_scale_mode = cache.config().index_scale_mode;
-  w.record_scale_mode = cache.config().latent_scale_mode;  // an fp8_ds_mla latent: quantized per 128-value tile
-  w.num_rows = T;
-  w.slots = UploadBatch::at<int64_t>(d_rows, at_slots);
-  w.rows = in.idx_k;
-  w.pool = cache.index_keys();
-  w.more[0] = {in.kv_latent, w.slots, cache.latent(), config.act_dtype};
-  w.more[1] = {in.k_rope, w.slots, cache.rope(), config.act_dtype};
-  if (in.idx_k == nullptr) {
-    // A precomputed top-k without indexer keys: latent and rope only.
-    w.rows_dtype = config.act_dtype;
-    w.row_scales = nullptr;
-    w.rows = in.kv_latent;
-    w.pool = cache.latent();
-    w.more[0] = {in.k_rope, w.slots, cache.rope(), config.act_dtype};
-    w.more[1] = {};
-  }
-  DSACP_RETURN_IF_ERROR(cache_write_run(backend, w).with_context("cache write"));
-  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::kv_ms));
-
-  QueryRowsView rows;
-  rows.num_tokens = T;
-  rows.request = UploadBatch::at<int32_t>(d_rows, at_request);
-  rows.key_len = UploadBatch::at<int32_t>(d_rows, at_key_len);
-  BlockTableView bt{d_table, table.num_requests, table.max_pages};
-
-  // 2. Indexer scores and the exact top-k (or the caller's rows, checked), canonical.
-  DeviceBuffer canonical;
-  DSACP_ASSIGN_OR_RETURN(int32_t* topk, step_topk_buffer(backend, config, T, out.topk, &canonical));
-  if (in.topk != nullptr) {
-    TopkInputParams tp;
-    tp.num_rows = T;
-    tp.K = config.K;
-    tp.key_len = rows.key_len;
-    tp.topk = in.topk;
-    tp.out = topk;
-    DSACP_RETURN_IF_ERROR(topk_input_run(backend, tp));
-  } else {
-    IndexerTopkParams ip;
-    ip.rows = rows;
-    ip.Hi = config.Hi;
-    ip.Di = config.Di;
-    ip.K = config.K;
-    ip.q = in.idx_q;
-    ip.q_dtype = config.index_input_dtype();
-    ip.q_scale = in.idx_q_scale;
-    ip.w = in.idx_w;
-    ip.keys = cache.index_keys();
-    ip.block_table = bt;
-    ip.topk = topk;
-    ip.host_request = plan.token_request.data();
-    ip.host_key_len = plan.token_key_len.data();
-    DSACP_RETURN_IF_ERROR(indexer_topk_run(backend, ip).with_context("indexer top-k"));
-  }
-  clock.indexer_launched();
-  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::topk_ms));
-
-  // 3. Sparse MLA attention over the chosen keys.
-  SparseMlaParams ap;
-  ap.rows = rows;
-  ap.H = config.H;
-  ap.Dl = config.Dl;
-  ap.Dr = config.Dr;
-  ap.K = config.K;
-  ap.scale = config.scale;
-  ap.q_nope = in.q_nope;
-  ap.q_rope = in.q_rope;
-  ap.q_dtype = config.act_dtype;
-  ap.latent = cache.latent();
-  ap.rope = cache.rope();
-  ap.block_table = bt;
-  ap.topk = topk;
-  ap.out = out.out;
-  ap.out_dtype = config.out_dtype;
-  ap.lse = out.lse;
-  DSACP_RETURN_IF_ERROR(sparse_mla_run(backend, ap).with_context("sparse MLA"));
-  // 4. The outputs in the caller's forms (slots, base-2 LSE).
-  OutputForms forms;
-  forms.rows = T;
-  forms.topk = topk;
-  forms.request = rows.request;
-  forms.block_table = bt;
-  forms.page_size = cc.page_size;
-  forms.num_pages = cc.num_pages;
-  forms.out_topk = out.topk;
-  forms.lse = out.lse;
-  forms.lse_count = T * config.H;
-  DSACP_RETURN_IF_ERROR(output_forms(backend, config, forms));
-  DSACP_RETURN_IF_ERROR(backend.synchronize().with_context("step"));
-  DSACP_RETURN_IF_ERROR(clock.mark(&StepPhaseTimes::attention_ms));
-  clock.finish();
-  return Status();
+  DSACP_ASSIGN_OR_RETURN(StepPlan plan, step_plan(backend, config, requests, table, cache.config(), options));
+  DSACP_RETURN_IF_ERROR(step_run(backend, plan, cache, in, out));
+  return backend.synchronize().with_context("step");
 }
 
 }  // namespace dsacp

@@ -204,6 +204,28 @@ Status device_error_status(const std::string& k, int32_t code, int32_t row) {
   }
 }
 
+// The indexer's schedule for a batch's rows, made once (Backend::plan_indexer_topk): the host plan, and either the
+// inline form or the expanded items and score offsets in device memory the plan owns.
+struct CudaIndexerPlan final : KernelPlan {
+  cuda::IndexerPlan plan;
+  cuda::IndexerPlanDevice dev;  // dev.scores unset: the caller's workspace
+  DeviceBuffer upload, items;
+  int64_t num_tokens = 0;
+};
+
+// A captured stream (Backend::end_capture): the executable graph and the kernels of its error slots 1..n.
+struct GraphBox {
+  int device = 0;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::vector<const char*> kernels;
+  ~GraphBox() {
+    (void)cudaSetDevice(device);
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  }
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, int num_sms, const CudaBackendOptions& options, std::shared_ptr<StreamBox> box,
@@ -322,6 +344,7 @@ class CudaBackend final : public Backend {
   Result<DeviceBuffer> allocate(size_t bytes) override {
     TraceScope trace(trace_, bytes < (1u << 20) ? "allocate < 1 MiB" : "allocate >= 1 MiB");
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (capturing_) return refuse_in_capture("allocate");
     const double t0 = cuda::timeline::host_now_us(device_);
     const size_t cls = StreamBox::size_class(bytes);
     void* p = box_->take(cls);
@@ -355,6 +378,7 @@ class CudaBackend final : public Backend {
     TraceScope trace(trace_, bytes < (1u << 20) ? "copy_to_device < 1 MiB" : "copy_to_device >= 1 MiB");
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (capturing_) return refuse_in_capture("copy_to_device");
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     cudaStream_t stream = lane().stream;
     if (deferred_ > 0) {
@@ -389,6 +413,7 @@ class CudaBackend final : public Backend {
     TraceScope trace(trace_, bytes < (1u << 20) ? "copy_to_host < 1 MiB" : "copy_to_host >= 1 MiB");
     if (bytes == 0) return Status::ok_status();
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (capturing_) return refuse_in_capture("copy_to_host");
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     const bool staged = bytes <= kStageBytes && stage_ != nullptr;
     cudaStream_t stream = lane().stream;
@@ -420,6 +445,7 @@ class CudaBackend final : public Backend {
   Status synchronize() override {
     TraceScope trace(trace_, "synchronize");
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (capturing_) return refuse_in_capture("synchronize");
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     const double t0 = cuda::timeline::host_now_us(device_);
     Status s = collect_deferred();
@@ -430,7 +456,7 @@ class CudaBackend final : public Backend {
   Status begin_synchronize() override {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     // Not inside a lane session: the side lane's kernels may still run after the main stream's copy.
-    if (deferred_ == 0 || !thread_lane_.empty()) return Status::ok_status();
+    if (deferred_ == 0 || !thread_lane_.empty() || capturing_) return Status::ok_status();
     DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     DSACP_CUDA_RETURN_IF_ERROR(enqueue_error_readback());
     staged_ = pending_.size();
@@ -452,6 +478,115 @@ class CudaBackend final : public Backend {
     }
   }
 
+  void defer_errors_keep_pending() override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (deferred_ > 0 && --deferred_ == 0) cuda::timeline::end_step(device_);
+  }
+
+  Result<std::shared_ptr<const KernelPlan>> plan_indexer_topk(const IndexerTopkParams& p) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (capturing_) return refuse_in_capture("plan_indexer_topk");
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (p.host_request == nullptr || p.host_key_len == nullptr) {
+      return invalid_argument("plan_indexer_topk: host_request and host_key_len are required (the plan is made on the host)");
+    }
+    auto kp = std::make_shared<CudaIndexerPlan>();
+    kp->num_tokens = p.rows.num_tokens;
+    DSACP_ASSIGN_OR_RETURN(kp->plan, cuda::indexer_plan(p, p.host_request, p.host_key_len));
+    const cuda::IndexerPlan& plan = kp->plan;
+    kp->workspace_bytes = std::max<size_t>(1, static_cast<size_t>(plan.max_score_floats)) * sizeof(float);
+    if (cuda::inline_plan_fits(plan, p.rows.num_tokens) && options_.indexer_inline_plan) {
+      kp->dev.inl = cuda::make_inline_plan(plan);
+      return std::shared_ptr<const KernelPlan>(std::move(kp));
+    }
+    // [groups | offsets] uploaded into the plan's own buffer, the items expanded into its own (once).
+    const size_t groups_bytes = plan.groups.size() * sizeof(cuda::ScoreGroup);
+    const size_t offsets_at = (groups_bytes + 255) / 256 * 256;
+    const size_t plan_bytes = offsets_at + plan.score_offset.size() * sizeof(int64_t);
+    std::vector<char> host(std::max<size_t>(plan_bytes, 1));
+    if (groups_bytes > 0) std::memcpy(host.data(), plan.groups.data(), groups_bytes);
+    if (plan_bytes > offsets_at) std::memcpy(host.data() + offsets_at, plan.score_offset.data(), plan_bytes - offsets_at);
+    DSACP_ASSIGN_OR_RETURN(kp->upload, allocate(host.size()));
+    DSACP_ASSIGN_OR_RETURN(kp->items, allocate(std::max<int64_t>(1, plan.num_items) * sizeof(cuda::ScoreItem)));
+    DSACP_RETURN_IF_ERROR(copy_to_device(kp->upload.get(), host.data(), plan_bytes));
+    DSACP_RETURN_IF_ERROR(cuda::launch_expand_score_items(static_cast<const cuda::ScoreGroup*>(kp->upload.get()),
+                                                          static_cast<int64_t>(plan.groups.size()),
+                                                          kp->items.as<cuda::ScoreItem>(), plan.num_items, ctx(nullptr)));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(lane().stream));  // (host is freed on return)
+    kp->dev.items = kp->items.as<const cuda::ScoreItem>();
+    kp->dev.score_offset = reinterpret_cast<const int64_t*>(kp->upload.as<const char>() + offsets_at);
+    return std::shared_ptr<const KernelPlan>(std::move(kp));
+  }
+
+  size_t sparse_mla_workspace_bytes(const SparseMlaParams& p) const override {
+    LaunchContext c;
+    c.num_sms = num_sms_;
+    c.options = options_;
+    const int splits = cuda::sparse_mla_num_splits(p, c);
+    return static_cast<size_t>(std::max<int64_t>(0, cuda::sparse_mla_workspace_floats(p, splits, options_))) * sizeof(float);
+  }
+
+  // Stream capture of the main stream (thread-local mode: other threads' CUDA calls are not affected). Errors
+  // of launches enqueued before it are collected first (kept for the next synchronize()).
+  Status begin_capture() override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (capturing_) return internal_error("CUDA backend: begin_capture: a capture is already open");
+    if (!thread_lane_.empty()) return invalid_argument("CUDA backend: begin_capture inside a lane session");
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    Status before = collect_deferred();
+    if (!before.ok() && held_error_.ok()) (void)(held_error_ = std::move(before));
+    DSACP_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    capturing_ = true;
+    (void)(capture_error_ = Status::ok_status());
+    ++deferred_;
+    return Status::ok_status();
+  }
+
+  Result<CapturedWork> end_capture() override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (!capturing_) return internal_error("CUDA backend: end_capture without begin_capture");
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    capturing_ = false;
+    --deferred_;
+    auto box = std::make_shared<GraphBox>();
+    box->device = device_;
+    const cudaError_t e = cudaStreamEndCapture(stream_, &box->graph);
+    box->kernels = std::move(pending_);
+    pending_.clear();
+    staged_ = 0;
+    if (!capture_error_.ok()) return std::exchange(capture_error_, Status::ok_status());
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return internal_error(std::string("CUDA backend: end_capture: the capture failed: ") + cudaGetErrorString(e));
+    }
+    DSACP_CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&box->exec, box->graph, 0));
+    CapturedWork w;
+    w.impl = std::move(box);
+    return w;
+  }
+
+  // Launches the graph on the main stream; its launches' error slots are read back by the next synchronize().
+  Status replay(const CapturedWork& work) override {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (capturing_) return refuse_in_capture("replay");
+    auto* box = static_cast<const GraphBox*>(work.impl.get());
+    if (box == nullptr || box->exec == nullptr) return invalid_argument("CUDA backend: replay of an empty capture");
+    if (box->device != device_) {
+      return invalid_argument("CUDA backend: replay of work captured on device " + std::to_string(box->device) +
+                              " on device " + std::to_string(device_));
+    }
+    DSACP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (!pending_.empty() && pending_ != box->kernels) {
+      // Other launches hold the error slots the graph writes: collect them first (kept for synchronize()).
+      Status before = collect_deferred();
+      if (!before.ok() && held_error_.ok()) (void)(held_error_ = std::move(before));
+    }
+    DSACP_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(box->exec, stream_));
+    pending_ = box->kernels;
+    staged_ = 0;
+    return Status::ok_status();
+  }
+
   Status cache_write(const CacheWriteParams& p) override {
     if (p.upload.bytes > 0 && !cuda::cache_write_carries_upload(p)) {
       DSACP_RETURN_IF_ERROR(copy_to_device(p.upload.device, p.upload.host, p.upload.bytes));
@@ -469,6 +604,19 @@ class CudaBackend final : public Backend {
     DSACP_RETURN_IF_ERROR(cuda::indexer_topk_supported(p));
     DSACP_RETURN_IF_ERROR(cuda::indexer_topk_merge_supported(p));
     const int64_t T = p.rows.num_tokens;
+    if (p.plan != nullptr) {
+      // Planned once for these rows (plan_indexer_topk): launches only.
+      const auto* kp = dynamic_cast<const CudaIndexerPlan*>(p.plan);
+      if (kp == nullptr || kp->num_tokens != T) {
+        return invalid_argument("indexer_topk: IndexerTopkParams::plan is not this backend's plan of these " +
+                                std::to_string(T) + " rows");
+      }
+      if (p.workspace == nullptr) return invalid_argument("indexer_topk: a planned call needs IndexerTopkParams::workspace");
+      cuda::IndexerPlanDevice dev = kp->dev;
+      dev.scores = static_cast<float*>(p.workspace);
+      DSACP_RETURN_IF_ERROR(cuda::launch_indexer_topk(p, kp->plan, dev, ctx("indexer_topk")));
+      return finish("indexer_topk");
+    }
     std::vector<int32_t> request, key_len;
     const int32_t* h_request = p.host_request;
     const int32_t* h_key_len = p.host_key_len;
@@ -539,8 +687,11 @@ class CudaBackend final : public Backend {
     });
   }
 
+  // The caller's workspace (a planned run: SparseMlaParams::workspace, sized by sparse_mla_workspace_bytes), else
+  // the lane's scratch.
   Status launch_mla(const SparseMlaParams& p, const LaunchContext& c) {
     const int splits = cuda::sparse_mla_num_splits(p, c);
+    if (p.workspace != nullptr) return cuda::launch_sparse_mla(p, splits, static_cast<float*>(p.workspace), c);
     const int64_t ws = cuda::sparse_mla_workspace_floats(p, splits, options_);
     Scratch& mla_ws = lane().mla_ws;
     if (ws > 0) DSACP_RETURN_IF_ERROR(mla_ws.reserve(static_cast<size_t>(ws) * sizeof(float)));
@@ -632,6 +783,14 @@ class CudaBackend final : public Backend {
     c.options = options_;
     c.error.word = err_dev_;
     if (deferred_ > 0 && kernel != nullptr) {
+      if (capturing_ && pending_.size() + 1 >= static_cast<size_t>(kErrorSlots)) {
+        // A graph's launches keep their own slots: no collection (a wait) inside a capture.
+        if (capture_error_.ok()) {
+          (void)(capture_error_ = resource_exhausted("CUDA backend: a capture holds at most " +
+                                                     std::to_string(kErrorSlots - 1) + " launches with error words"));
+        }
+        return c;
+      }
       if (pending_.size() + 1 >= static_cast<size_t>(kErrorSlots)) {
         // Every slot used in this scope: collect now and keep the first error for the next synchronize().
         Status s = collect_deferred();  // returns (and clears) any held error too
@@ -641,6 +800,13 @@ class CudaBackend final : public Backend {
       c.error.word = err_dev_ + 2 * pending_.size();  // slots 1.. (slot 0 is the checked calls')
     }
     return c;
+  }
+
+  Status refuse_in_capture(const char* what) {
+    const Status s = invalid_argument(std::string("CUDA backend: ") + what +
+                                      " while capturing (a capture records kernel launches only)");
+    if (capture_error_.ok()) (void)(capture_error_ = s);
+    return s;
   }
 
   Status finish(const char* kernel) {
@@ -755,6 +921,8 @@ class CudaBackend final : public Backend {
   cudaEvent_t fork_event_ = nullptr;  // begin_lanes' fork point on the main stream
   bool fork_pending_ = false;         // the side stream has not waited for fork_event_ yet
   Status held_error_;                 // an error collected early (slots ran out), returned by synchronize()
+  bool capturing_ = false;            // begin_capture .. end_capture on the main stream
+  Status capture_error_;              // the first call refused while capturing (end_capture returns it)
   CallTrace trace_;
 };
 
