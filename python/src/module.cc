@@ -77,7 +77,11 @@ Backend& cuda_backend(int device, uintptr_t stream) {
     return make_cuda_backend(device, o);
   }();
   if (!made.ok()) {
-    throw std::runtime_error(made.status().with_context("CUDA tensors on cuda:" + std::to_string(device)).to_string());
+    // A stream of another device is the caller's argument error (ValueError); no usable device, or a build without
+    // CUDA, a RuntimeError.
+    const Status s = made.status().with_context("CUDA tensors on cuda:" + std::to_string(device));
+    if (s.code() == StatusCode::kInvalidArgument) raise_if_error(s);
+    throw std::runtime_error(s.to_string());
   }
   Backend* b = std::move(made).value().release();
   b->defer_errors(true);
