@@ -60,13 +60,32 @@ nb::dlpack::dtype dlpack_of(Elem e) {
   }
 }
 
-// Checks a generic ndarray's device, contiguity and dtype; returns its data, element type and shape.
+std::string device_str(int32_t type, int32_t id) {
+  if (type == nb::device::cpu::value) return "cpu";
+  if (type == nb::device::cuda::value) return "cuda:" + std::to_string(id);
+  return "DLPack device type " + std::to_string(type);
+}
+
+// Checks a generic ndarray's contiguity and dtype, and its device against the call's placement (a host tensor:
+// pl null, the CPU); returns its data, element type and shape.
 template <typename A>
-TensorArg checked(const char* op, const char* name, const A& a, std::initializer_list<Elem> elems) {
+TensorArg checked(const char* op, Placement* pl, const char* name, const A& a, std::initializer_list<Elem> elems) {
   const std::string what = std::string(op) + ": tensor '" + name + "'";
-  if (a.device_type() != nb::device::cpu::value) {
-    value_error(what + " is on a device (DLPack device type " + std::to_string(a.device_type()) +
-                "); the Python ops of this build run on the CPU backend: pass CPU tensors");
+  const int32_t type = a.device_type(), id = a.device_id();
+  if (type != nb::device::cpu::value && type != nb::device::cuda::value) {
+    value_error(what + " is on " + device_str(type, id) + ", expected a CPU or CUDA tensor");
+  }
+  if (pl == nullptr) {
+    if (type != nb::device::cpu::value) {
+      value_error(what + " is on " + device_str(type, id) + ", expected a CPU tensor (host copies for planning)");
+    }
+  } else if (pl->device_type == 0) {
+    pl->device_type = type;
+    pl->device_id = type == nb::device::cuda::value ? id : 0;
+    pl->first = name;
+  } else if (pl->device_type != type || (type == nb::device::cuda::value && pl->device_id != id)) {
+    value_error(what + " is on " + device_str(type, id) + " but '" + pl->first + "' is on " + pl->where() +
+                "; expected every tensor of the call on one device");
   }
   TensorArg t;
   for (size_t i = 0; i < a.ndim(); ++i) t.shape.push_back(static_cast<int64_t>(a.shape(i)));
@@ -82,7 +101,7 @@ TensorArg checked(const char* op, const char* name, const A& a, std::initializer
       for (size_t i = a.ndim(); i-- > 0;) want[i] = w, w *= static_cast<int64_t>(a.shape(i));
       for (size_t i = 0; i < a.ndim(); ++i) strides.push_back(a.stride(i));
       value_error(what + " is not contiguous (strides " + shape_str(strides) + " elements, expected " +
-                  shape_str(want) + "): pass a contiguous tensor");
+                  shape_str(want) + "): pass a contiguous tensor (.contiguous())");
     }
     expect *= static_cast<int64_t>(a.shape(k));
   }
@@ -93,6 +112,8 @@ TensorArg checked(const char* op, const char* name, const A& a, std::initializer
 }
 
 }  // namespace
+
+std::string Placement::where() const { return device_str(device_type, device_id); }
 
 const char* elem_name(Elem e) {
   switch (e) {
@@ -119,49 +140,72 @@ void check_dims(const char* op, const char* name, const TensorArg& t, std::initi
   if (!ok) value_error(std::string(op) + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", expected " + want);
 }
 
-TensorArg tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems, size_t ndim) {
-  TensorArg t = checked(op, name, a, elems);
+TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems, size_t ndim) {
+  TensorArg t = checked(pl.op, &pl, name, a, elems);
   if (t.shape.size() != ndim) {
-    value_error(std::string(op) + ": tensor '" + name + "' has " + std::to_string(t.shape.size()) + " dims " +
+    value_error(std::string(pl.op) + ": tensor '" + name + "' has " + std::to_string(t.shape.size()) + " dims " +
                 shape_str(t.shape) + ", expected " + std::to_string(ndim));
   }
   return t;
 }
 
-TensorArg tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems,
+TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems,
                      std::initializer_list<Dim> dims) {
-  TensorArg t = checked(op, name, a, elems);
+  TensorArg t = checked(pl.op, &pl, name, a, elems);
+  check_dims(pl.op, name, t, dims);
+  return t;
+}
+
+TensorArg host_tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems,
+                          std::initializer_list<Dim> dims) {
+  TensorArg t = checked(op, nullptr, name, a, elems);
   check_dims(op, name, t, dims);
   return t;
 }
 
-PagedPoolView paged_pool_arg(const char* op, const char* name, const nb::handle& obj, int64_t dim, bool writable,
-                             int64_t fp8_page_size) {
+PagedPoolView paged_pool_arg(Placement& pl, const char* name, const nb::handle& obj, int64_t dim, bool writable,
+                             int64_t fp8_page_size, bool records_ok, int32_t* record_dr) {
+  const char* op = pl.op;
   TensorArg t;
   if (writable) {
     WArr a;
     if (!nb::try_cast(obj, a)) {
       value_error(std::string(op) + ": '" + name + "' is not a writable tensor (DLPack / buffer protocol)");
     }
-    t = checked(op, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
+    t = checked(op, &pl, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
   } else {
     Arr a;
     if (!nb::try_cast(obj, a)) value_error(std::string(op) + ": '" + name + "' is not a tensor (DLPack / buffer protocol)");
-    t = checked(op, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
+    t = checked(op, &pl, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
   }
   PagedPoolView v;
   v.data = const_cast<void*>(t.data);
   v.dim = static_cast<int32_t>(dim);
   if (t.elem == Elem::kU8) {
+    // fp8_ds_mla records: [num_pages, page_size, dim + 4 * dim / 128 + 2 * Dr] (never dim + 4: Dr > 0).
+    const int64_t head = dim + 4 * (dim / kFp8DsMlaTile);
+    if (records_ok && t.shape.size() == 3 && dim % kFp8DsMlaTile == 0 && t.shape[2] > head &&
+        (t.shape[2] - head) % 2 == 0) {
+      v.dtype = DType::kF8E4M3;
+      v.num_pages = t.shape[0];
+      v.page_size = static_cast<int32_t>(t.shape[1]);
+      v.record_bytes = static_cast<int32_t>(t.shape[2]);
+      if (record_dr != nullptr) *record_dr = static_cast<int32_t>((t.shape[2] - head) / 2);
+      return v;
+    }
     // FP8 two-plane pages: [num_pages, page_size, dim + 4] or [num_pages, page_size * (dim + 4)].
     int64_t ps = 0;
     if (t.shape.size() == 3 && t.shape[2] == dim + 4) ps = t.shape[1];
     if (t.shape.size() == 2 && t.shape[1] % (dim + 4) == 0) ps = t.shape[1] / (dim + 4);
     if (fp8_page_size > 0 && t.shape.size() == 2) ps = t.shape[1] == fp8_page_size * (dim + 4) ? fp8_page_size : 0;
     if (ps <= 0) {
-      value_error(std::string(op) + ": uint8 pool '" + name + "' has shape " + shape_str(t.shape) +
-                  ", expected FP8 pages [num_pages, page_size, " + std::to_string(dim + 4) + "] or [num_pages, page_size * " +
-                  std::to_string(dim + 4) + "]");
+      std::string want = "FP8 pages [num_pages, page_size, " + std::to_string(dim + 4) + "] or [num_pages, page_size * " +
+                         std::to_string(dim + 4) + "]";
+      if (records_ok && dim % kFp8DsMlaTile == 0) {
+        want = "fp8_ds_mla records [num_pages, page_size, " + std::to_string(head) + " + 2 * Dr] (" +
+               std::to_string(head + 128) + " for Dr = 64)";
+      }
+      value_error(std::string(op) + ": uint8 pool '" + name + "' has shape " + shape_str(t.shape) + ", expected " + want);
     }
     v.dtype = DType::kF8E4M3;
     v.num_pages = t.shape[0];
@@ -175,13 +219,21 @@ PagedPoolView paged_pool_arg(const char* op, const char* name, const nb::handle&
   return v;
 }
 
-BlockTableView block_table_arg(const char* op, const Arr& a) {
-  TensorArg t = tensor_arg(op, "block_table", a, {Elem::kI32}, 2);
+PagedPoolView record_rope_view(const PagedPoolView& latent, int32_t Dr) {
+  PagedPoolView r = latent;
+  r.dtype = DType::kBF16;
+  r.dim = Dr;
+  return r;
+}
+
+BlockTableView block_table_arg(Placement& pl, const Arr& a) {
+  TensorArg t = tensor_arg(pl, "block_table", a, {Elem::kI32}, 2);
   return {static_cast<const int32_t*>(t.data), static_cast<int32_t>(t.shape[0]), static_cast<int32_t>(t.shape[1])};
 }
 
-OutArray out_array(const char* op, const char* name, const std::optional<nb::object>& given, Elem default_elem,
+OutArray out_array(Placement& pl, const char* name, const std::optional<nb::object>& given, Elem default_elem,
                    std::vector<int64_t> shape, std::initializer_list<Elem> allowed) {
+  const char* op = pl.op;
   OutArray o;
   if (given && !given->is_none()) {
     WArr a;
@@ -189,7 +241,7 @@ OutArray out_array(const char* op, const char* name, const std::optional<nb::obj
       value_error(std::string(op) + ": '" + name + "' is not a writable tensor (DLPack / buffer protocol)");
     }
     std::initializer_list<Elem> one = {default_elem};
-    TensorArg t = checked(op, name, a, allowed.size() > 0 ? allowed : one);
+    TensorArg t = checked(op, &pl, name, a, allowed.size() > 0 ? allowed : one);
     if (t.shape != shape) {
       value_error(std::string(op) + ": output '" + name + "' has shape " + shape_str(t.shape) + ", expected " +
                   shape_str(shape));
@@ -198,6 +250,10 @@ OutArray out_array(const char* op, const char* name, const std::optional<nb::obj
     o.dtype = t.dtype;
     o.obj = *given;
     return o;
+  }
+  if (pl.cuda()) {
+    value_error(std::string(op) + ": output '" + name + "' not given; a call on CUDA tensors writes into the " +
+                "caller's outputs: pass " + name + "= (a " + pl.where() + " tensor of shape " + shape_str(shape) + ")");
   }
   size_t n = 1;
   std::vector<size_t> dims;

@@ -1,6 +1,7 @@
 // DLPack tensors (nanobind ndarrays) as the library's kernel arguments: dtype, shape, contiguity and device
 // checked with one-line messages naming the op and the tensor; outputs either the caller's buffers (written in
-// place: zero-copy) or new numpy arrays. Internal to the Python module.
+// place: zero-copy) or new numpy arrays (CPU only). Every tensor of one call is on one device (Placement): all on
+// the CPU, or all on one CUDA device. Internal to the Python module.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -38,29 +39,52 @@ struct TensorArg {
 // A named dim: ("T", 6). A dim of -1 takes any size.
 using Dim = std::pair<const char*, int64_t>;
 
-// Checks device (CPU), contiguity, dtype (one of `elems`) and rank; the sizes are the caller's to check.
-TensorArg tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems, size_t ndim);
+// Where one op call's tensors are: set by the first tensor checked, every later one must match (else a ValueError
+// naming both tensors and their devices).
+struct Placement {
+  const char* op = "";
+  int32_t device_type = 0;  // 0: no tensor seen yet; else nb::device::cpu::value or nb::device::cuda::value
+  int32_t device_id = 0;
+  std::string first;  // the tensor that set it
+  explicit Placement(const char* op_name) : op(op_name) {}
+  bool cuda() const { return device_type == nb::device::cuda::value; }
+  std::string where() const;  // "cpu" or "cuda:N"
+};
+
+// Checks device (the call's placement), contiguity, dtype (one of `elems`) and rank; the sizes are the caller's to
+// check.
+TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems, size_t ndim);
 // The same, with every dim checked.
-TensorArg tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems,
+TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems,
                      std::initializer_list<Dim> dims);
+// A host tensor whatever the call's placement (the indexer's host copies of request / key_len), every dim checked.
+TensorArg host_tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems,
+                          std::initializer_list<Dim> dims);
 void check_dims(const char* op, const char* name, const TensorArg& t, std::initializer_list<Dim> dims);
 
 // A paged pool [num_pages, page_size, dim] (f32 / bf16), or FP8 two-plane pages as uint8 [num_pages,
-// page_size * (dim + 4)] or [num_pages, page_size, dim + 4] (vLLM's and DeepGEMM's indexer-key layout).
-PagedPoolView paged_pool_arg(const char* op, const char* name, const nb::handle& obj, int64_t dim,
-                             bool writable = false, int64_t fp8_page_size = 0);
+// page_size * (dim + 4)] or [num_pages, page_size, dim + 4] (vLLM's and DeepGEMM's indexer-key layout), or, with
+// records_ok, fp8_ds_mla records as uint8 [num_pages, page_size, record_bytes] (vLLM's FP8 latent cache:
+// record_bytes = dim + 4 * dim / 128 + 2 * Dr, 656 for dim 512 and Dr 64): then the latent view (e4m3, dim)
+// with record_bytes set; record_dr returns Dr.
+PagedPoolView paged_pool_arg(Placement& pl, const char* name, const nb::handle& obj, int64_t dim,
+                             bool writable = false, int64_t fp8_page_size = 0, bool records_ok = false,
+                             int32_t* record_dr = nullptr);
+// The rope view (bf16, dim Dr) of a record pool's latent view.
+PagedPoolView record_rope_view(const PagedPoolView& latent, int32_t Dr);
 // int32 [num_requests, max_pages].
-BlockTableView block_table_arg(const char* op, const Arr& a);
+BlockTableView block_table_arg(Placement& pl, const Arr& a);
 
-// An output: the caller's tensor (checked: dtype among `allowed`, exact shape, contiguous, CPU, writable), or a
-// new numpy array of `default_elem` (returned by object()).
+// An output: the caller's tensor (checked: dtype among `allowed`, exact shape, contiguous, on the call's device,
+// writable), or, for CPU calls, a new numpy array of `default_elem` (returned by object()). A CUDA call must give
+// its outputs (the Python wrappers in dsacp/__init__.py allocate torch tensors).
 struct OutArray {
   void* data = nullptr;
   DType dtype = DType::kF32;
   nb::object obj;
   nb::object object() const { return obj; }
 };
-OutArray out_array(const char* op, const char* name, const std::optional<nb::object>& given, Elem default_elem,
+OutArray out_array(Placement& pl, const char* name, const std::optional<nb::object>& given, Elem default_elem,
                    std::vector<int64_t> shape, std::initializer_list<Elem> allowed = {});
 
 // A library tensor handed to Python as a numpy array that owns it (no copy).

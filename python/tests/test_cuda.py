@@ -1,0 +1,270 @@
+"""The ops on torch CUDA tensors (skipped without torch, a CUDA device or a CUDA build of the module): against the
+same ops on CPU copies (bf16 pools; bf16 and FP8 indexer keys), zero-copy outputs on the caller's stream, argument
+errors at the call (mixed devices, non-contiguous), device-found data errors kept for check_errors(), the
+fp8_ds_mla record cache (CUDA answers "unsupported" until its kernels land), CUDA-graph capture and replay of a
+decode layer, and torch.compile(fullgraph=True) of it."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (CI has no CPU-only torch wheel to install; these run where torch is)")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import dsacp  # noqa: E402
+
+DEV = "cuda:0"
+
+
+def cuda_build():
+    try:
+        dsacp.lse_merge(torch.zeros(1, 1, 512, device=DEV), torch.zeros(1, 1, device=DEV))
+        return True
+    except RuntimeError as e:
+        return "unsupported" not in str(e)
+
+
+if not cuda_build():
+    pytest.skip("the module was built without CUDA", allow_module_level=True)
+
+
+def decode_case(fp8_keys=False, R=6, H=16, K=64, seed=3):
+    """A bf16 decode batch over shuffled pages of 64: CPU tensors (the caller moves them)."""
+    g = torch.Generator().manual_seed(seed)
+    ps, Dl, Dr, Hi, Di = 64, 512, 64, 64, 128
+    ctx = [300, 1000, 77, 513, 64, 900][:R]
+    max_pages = max((c + 1 + ps - 1) // ps for c in ctx)
+    num_pages = R * max_pages + 3
+    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+    bt = perm[: R * max_pages].reshape(R, max_pages).contiguous()
+    slots = torch.tensor([int(bt[r, ctx[r] // ps]) * ps + ctx[r] % ps for r in range(R)], dtype=torch.int64)
+    t = dict(
+        lat_pool=torch.randn(num_pages, ps, Dl, generator=g).to(torch.bfloat16),
+        rope_pool=torch.randn(num_pages, ps, Dr, generator=g).to(torch.bfloat16),
+        key_pool=(torch.zeros(num_pages, ps * (Di + 4), dtype=torch.uint8) if fp8_keys
+                  else torch.randn(num_pages, ps, Di, generator=g).to(torch.bfloat16)),
+        lat_rows=torch.randn(R, Dl, generator=g).to(torch.bfloat16),
+        rope_rows=torch.randn(R, Dr, generator=g).to(torch.bfloat16),
+        key_rows=torch.randn(R, Di, generator=g).to(torch.bfloat16),
+        all_keys=torch.randn(num_pages * ps, Di, generator=g).to(torch.bfloat16),
+        slots=slots, q_idx=torch.randn(R, Hi, Di, generator=g).to(torch.bfloat16),
+        w=torch.rand(R, Hi, generator=g), q_nope=torch.randn(R, H, Dl, generator=g).to(torch.bfloat16),
+        q_rope=torch.randn(R, H, Dr, generator=g).to(torch.bfloat16), bt=bt, req=torch.arange(R, dtype=torch.int32),
+        klen=torch.tensor([c + 1 for c in ctx], dtype=torch.int32))
+    return t, K
+
+
+def to(t, device):
+    return {k: v.to(device) for k, v in t.items()}
+
+
+def fill_keys(t, fp8):
+    """Every slot of the indexer pool written (FP8: quantized by cache_write) on t's device."""
+    n = t["all_keys"].shape[0]
+    dsacp.cache_write(t["all_keys"], torch.arange(n, dtype=torch.int64, device=t["all_keys"].device), t["key_pool"])
+
+
+def topk_close(gpu, cpu_topk, cpu_scores_of, K):
+    """The GPU's rows equal the CPU's, or differ only among keys whose CPU scores tie the K-th within 1e-3."""
+    gpu, cpu_topk = gpu.cpu().numpy(), cpu_topk
+    for r in range(gpu.shape[0]):
+        if np.array_equal(gpu[r], cpu_topk[r]):
+            continue
+        s = cpu_scores_of(r)
+        kth = np.sort(s[cpu_topk[r][cpu_topk[r] >= 0]])[0]
+        extra = np.setdiff1d(gpu[r], cpu_topk[r])
+        assert np.all(np.abs(s[extra] - kth) <= 1e-3 * max(1.0, abs(kth))), f"row {r}"
+
+
+@pytest.mark.parametrize("fp8_keys", [False, True])
+def test_ops_on_cuda_tensors_match_the_cpu_ops(fp8_keys):
+    c, K = decode_case(fp8_keys)
+    g = to(c, DEV)
+    for t in (c, g):
+        fill_keys(t, fp8_keys)
+        for rows, pool in (("key_rows", "key_pool"), ("lat_rows", "lat_pool"), ("rope_rows", "rope_pool")):
+            dsacp.cache_write(t[rows], t["slots"], t[pool])
+    for pool in ("key_pool", "lat_pool", "rope_pool"):
+        torch.testing.assert_close(g[pool].cpu(), c[pool], rtol=0, atol=0)  # the same bytes (FP8: same quantization)
+    q, q_scale = c["q_idx"], None
+    if fp8_keys:  # e4m3 q with a scale per (token, head), as FP8 keys need
+        q_scale = (q.float().abs().amax(-1) / 448).clamp_min(1e-8)
+        q = (q.float() / q_scale[..., None]).to(torch.float8_e4m3fn)
+    host = dict(host_request=c["req"], host_key_len=c["klen"])
+    topk_g = dsacp.indexer_topk(q.to(DEV), g["w"], g["key_pool"], g["bt"], g["req"], g["klen"], K,
+                                q_scale=None if q_scale is None else q_scale.to(DEV), **host)
+    assert topk_g.is_cuda and topk_g.dtype == torch.int32
+    qc = q.view(torch.uint8) if fp8_keys else q  # (CPU: e4m3 as its bytes)
+    topk_c = dsacp.indexer_topk(qc, c["w"], c["key_pool"], c["bt"], c["req"], c["klen"], K, q_scale=q_scale)
+    all_scores = {}
+
+    def scores_of(r):  # every key's CPU score of row r (K = key_len: the whole row)
+        if r not in all_scores:
+            n = int(c["klen"][r])
+            tk, s = dsacp.indexer_topk(qc[r:r + 1].contiguous(), c["w"][r:r + 1].contiguous(), c["key_pool"],
+                                       c["bt"], c["req"][r:r + 1].contiguous(), c["klen"][r:r + 1].contiguous(), n,
+                                       q_scale=None if q_scale is None else q_scale[r:r + 1].contiguous(),
+                                       return_scores=True)
+            full = np.full(n, -np.inf, np.float32)
+            full[tk[0]] = s[0]
+            all_scores[r] = full
+        return all_scores[r]
+
+    topk_close(topk_g, topk_c, scores_of, K)
+    topk = torch.from_numpy(topk_c)
+    out = torch.empty(g["q_nope"].shape, dtype=torch.bfloat16, device=DEV)
+    o, lse = dsacp.sparse_mla(g["q_nope"], g["q_rope"], g["lat_pool"], g["rope_pool"], g["bt"], g["req"], g["klen"],
+                              topk.to(DEV), 0.04, out=out)
+    assert o is out
+    ref, ref_lse = dsacp.sparse_mla(c["q_nope"], c["q_rope"], c["lat_pool"], c["rope_pool"], c["bt"], c["req"],
+                                    c["klen"], topk, 0.04)
+    rel = np.linalg.norm(o.float().cpu().numpy() - ref) / np.linalg.norm(ref)
+    assert rel < 1e-2
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=1e-3, atol=1e-3)
+    parts = torch.randn(3, 40, 512, device=DEV)
+    plse = torch.randn(3, 40, device=DEV)
+    mo, ml = dsacp.lse_merge(parts, plse)
+    ro, rl = dsacp.lse_merge(parts.cpu(), plse.cpu())
+    np.testing.assert_allclose(mo.cpu().numpy(), ro, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ml.cpu().numpy(), rl, rtol=1e-5, atol=1e-5)
+    dsacp.check_errors()
+
+
+def test_caller_stream_and_argument_errors():
+    c, K = decode_case()
+    g = to(c, DEV)
+    topk = torch.arange(K, dtype=torch.int32).repeat(6, 1).to(DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        o, l = dsacp.sparse_mla(g["q_nope"], g["q_rope"], g["lat_pool"], g["rope_pool"], g["bt"], g["req"], g["klen"],
+                                topk, 0.04)
+    s.synchronize()
+    ref, _ = dsacp.sparse_mla(g["q_nope"], g["q_rope"], g["lat_pool"], g["rope_pool"], g["bt"], g["req"], g["klen"],
+                              topk, 0.04, stream=torch.cuda.current_stream().cuda_stream)
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"tensor 'block_table' is on cpu but 'q_nope' is on cuda:0"):
+        dsacp.sparse_mla(g["q_nope"], g["q_rope"], g["lat_pool"], g["rope_pool"], c["bt"], g["req"], g["klen"], topk,
+                         0.04)
+    with pytest.raises(ValueError, match=r"'q_rope' is not contiguous"):
+        dsacp.sparse_mla(g["q_nope"], g["q_rope"].transpose(0, 1).contiguous().transpose(0, 1), g["lat_pool"],
+                         g["rope_pool"], g["bt"], g["req"], g["klen"], topk, 0.04)
+    with pytest.raises(ValueError, match=r"output 'out' not given"):
+        dsacp._dsacp.lse_merge(torch.zeros(2, 3, 512, device=DEV), torch.zeros(2, 3, device=DEV))
+    with pytest.raises(ValueError, match=r"'host_key_len' is on cuda:0, expected a CPU tensor"):
+        dsacp.indexer_topk(g["q_idx"], g["w"], g["key_pool"], g["bt"], g["req"], g["klen"], K, host_request=c["req"],
+                           host_key_len=g["klen"])
+
+
+def test_device_found_errors_wait_for_check_errors():
+    c, K = decode_case()
+    g = to(c, DEV)
+    bad = g["bt"].clone()
+    bad[1, 0] = 10 ** 6  # a page id past the pool
+    topk = torch.arange(K, dtype=torch.int32).repeat(6, 1).to(DEV)
+    dsacp.check_errors()
+    dsacp.sparse_mla(g["q_nope"], g["q_rope"], g["lat_pool"], g["rope_pool"], bad, g["req"], g["klen"], topk, 0.04)
+    with pytest.raises((ValueError, RuntimeError), match="sparse_mla"):
+        dsacp.check_errors()
+    dsacp.check_errors()  # reported once
+
+
+def test_fp8_ds_mla_records_on_cuda():
+    R, Dl, Dr, ps = 4, 512, 64, 64
+    pool_c = torch.zeros(3, ps, 656, dtype=torch.uint8)
+    rows = torch.randn(R, Dl).to(torch.bfloat16)
+    rope = torch.randn(R, Dr).to(torch.bfloat16)
+    slots = torch.tensor([0, 5, 70, 130], dtype=torch.int64)
+    dsacp.cache_write(rows, slots, pool_c, rope_rows=rope)
+    pool_g = torch.zeros(3, ps, 656, dtype=torch.uint8, device=DEV)
+    try:
+        dsacp.cache_write(rows.to(DEV), slots.to(DEV), pool_g, rope_rows=rope.to(DEV))
+        dsacp.check_errors()
+        torch.testing.assert_close(pool_g.cpu(), pool_c, rtol=0, atol=0)
+    except (ValueError, RuntimeError) as e:
+        assert "unsupported" in str(e) and "fp8_ds_mla" in str(e)
+    q_nope = torch.randn(R, 16, Dl).to(torch.bfloat16)
+    q_rope = torch.randn(R, 16, Dr).to(torch.bfloat16)
+    bt = torch.tensor([[0, 1, 2]] * R, dtype=torch.int32)
+    req = torch.arange(R, dtype=torch.int32)
+    klen = torch.full((R,), 131, dtype=torch.int32)
+    topk = torch.tensor([[0, 5, 70, 130]] * R, dtype=torch.int32)
+    ref, ref_lse = dsacp.sparse_mla(q_nope, q_rope, pool_c, None, bt, req, klen, topk, 0.04)
+    try:
+        o, l = dsacp.sparse_mla(*[x.to(DEV) for x in (q_nope, q_rope, pool_c)], None,
+                                *[x.to(DEV) for x in (bt, req, klen, topk)], 0.04)
+        dsacp.check_errors()
+        np.testing.assert_allclose(o.cpu().numpy(), ref, rtol=2e-2, atol=2e-2)
+    except (ValueError, RuntimeError) as e:
+        assert "unsupported" in str(e) and "fp8_ds_mla" in str(e)
+
+
+def gpu_layer_inputs():
+    c, K = decode_case(R=6, H=64)
+    return to(c, DEV), c, K
+
+
+def layer(t, host_req, host_klen, K, scale=0.04):
+    ops = torch.ops.dsacp
+    ops.cache_write(t["key_rows"], t["slots"], t["key_pool"])
+    ops.cache_write(t["lat_rows"], t["slots"], t["lat_pool"])
+    ops.cache_write(t["rope_rows"], t["slots"], t["rope_pool"])
+    topk = ops.indexer_topk(t["q_idx"], t["w"], t["key_pool"], t["bt"], t["req"], t["klen"], K, None, host_req,
+                            host_klen)
+    half = K // 2
+    mla = [ops.sparse_mla(t["q_nope"], t["q_rope"], t["lat_pool"], t["rope_pool"], t["bt"], t["req"], t["klen"],
+                          part.contiguous(), scale) for part in (topk[:, :half], topk[:, half:])]
+    T, H, Dl = t["q_nope"].shape
+    out, lse = ops.lse_merge(torch.stack([o.reshape(T * H, Dl) for o, _ in mla]),
+                             torch.stack([x.reshape(T * H) for _, x in mla]))
+    return topk, out.reshape(T, H, Dl), lse.reshape(T, H)
+
+
+def test_cuda_graph_capture_and_replay_of_a_decode_layer():
+    g, c, K = gpu_layer_inputs()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the capture stream: its backend and scratch exist before capture
+        for _ in range(2):
+            layer(g, c["req"], c["klen"], K)
+    s.synchronize()
+    dsacp.check_errors()  # (no error slots pending while capturing)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        static = layer(g, c["req"], c["klen"], K)
+    for i in range(3):
+        g["q_nope"].copy_(torch.randn_like(g["q_nope"].float()).to(torch.bfloat16))
+        g["q_idx"].copy_(torch.randn_like(g["q_idx"].float()).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = layer(g, c["req"], c["klen"], K)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static[0], eager[0], rtol=0, atol=0)
+        torch.testing.assert_close(static[1], eager[1], rtol=0, atol=0)
+        torch.testing.assert_close(static[2], eager[2], rtol=0, atol=0)
+    dsacp.check_errors()
+
+
+def test_torch_compile_fullgraph_on_cuda_equals_eager():
+    g, c, K = gpu_layer_inputs()
+    eager = layer({k: v.clone() for k, v in g.items()}, c["req"], c["klen"], K)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(layer)({k: v.clone() for k, v in g.items()}, c["req"], c["klen"], K)
+    assert explain.graph_break_count == 0
+    compiled = torch.compile(layer, fullgraph=True)
+    got = compiled({k: v.clone() for k, v in g.items()}, c["req"], c["klen"], K)
+    torch.cuda.synchronize()
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    dsacp.check_errors()
+
+
+def test_readme_cuda_example_runs():
+    import os
+    import re
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    blocks = re.findall(r"```python\n(.*?)```", open(readme).read(), re.S)
+    code = next(b for b in blocks if "cuda" in b)
+    env = {}
+    exec(code, env)
+    assert env["topk"].shape == (2, 64) and env["out"].shape == (2, 16, 512) and torch.isfinite(env["lse"]).all()
