@@ -114,8 +114,14 @@ class LocalCpCluster {
   // each rank's own output buffers as it returned them (plan.output_rows rows of its heads).
   Result<StepResult> step(const StepConfig& config, const std::vector<Request>& requests, const BlockTable& table,
                           const HostStepInputs& inputs, std::vector<StepResult>* per_rank = nullptr);
-  // Each rank's world-communicator statistics over the last step (zeros on the thread transport).
+  // Each rank's world-communicator statistics over the last step (counts and bytes on both transports; times
+  // only on NCCL).
   const std::vector<CommStats>& last_step_comm_stats() const { return comm_stats_; }
+  // Each rank's statistics of its three communicators over the last step (the world's as above).
+  struct GroupCommStats {
+    CommStats world, pcp, dcp;
+  };
+  const std::vector<GroupCommStats>& last_step_group_comm_stats() const { return group_stats_; }
 
  private:
   LocalCpCluster() = default;
@@ -129,6 +135,7 @@ class LocalCpCluster {
   std::vector<PagedKvCache> caches_;  // one per CP rank cr
   std::vector<OwnedCpComms> comms_;   // NCCL: one per CP rank, made once (again after a failed step)
   std::vector<CommStats> comm_stats_;
+  std::vector<GroupCommStats> group_stats_;
   std::unique_ptr<RankWorkers> workers_;  // one long-lived thread per CP rank: every rank's work runs there
 };
 

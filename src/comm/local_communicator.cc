@@ -201,30 +201,64 @@ class LocalCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return group_->size(); }
   Result<std::unique_ptr<CollectiveHandle>> all_gather_async(const void* send, void* recv, size_t bytes) override {
-    return group_->post(rank_, OpKind::kAllGather, send, recv, bytes, 0);
+    return counted(group_->post(rank_, OpKind::kAllGather, send, recv, bytes, 0), bytes * (size() - 1));
   }
   Result<std::unique_ptr<CollectiveHandle>> all_to_all_async(const void* send, void* recv, size_t bytes) override {
-    return group_->post(rank_, OpKind::kAllToAll, send, recv, bytes, 0);
+    return counted(group_->post(rank_, OpKind::kAllToAll, send, recv, bytes, 0), bytes * (size() - 1));
   }
   Result<std::unique_ptr<CollectiveHandle>> broadcast_async(void* buf, size_t bytes, int root) override {
     if (root < 0 || root >= size()) {
       return invalid_argument("broadcast root " + std::to_string(root) + " outside [0, " + std::to_string(size()) + ")");
     }
-    return group_->post(rank_, OpKind::kBroadcast, buf, buf, bytes, root);
+    return counted(group_->post(rank_, OpKind::kBroadcast, buf, buf, bytes, root),
+                   rank_ == root ? bytes * (size() - 1) : 0);
   }
   Status barrier() override {
-    DSACP_ASSIGN_OR_RETURN(auto h, group_->post(rank_, OpKind::kBarrier, nullptr, nullptr, 0, 0));
+    DSACP_ASSIGN_OR_RETURN(auto h, counted(group_->post(rank_, OpKind::kBarrier, nullptr, nullptr, 0, 0), 0));
     return h->wait();
   }
+  // A group counts as one collective with the bytes of its parts, as a GPU communicator launches it.
+  Result<std::unique_ptr<CollectiveHandle>> all_gather_group_async(const std::vector<Part>& parts) override {
+    return counted_group(parts, Communicator::all_gather_group_async(parts_uncounted(parts)));
+  }
+  Result<std::unique_ptr<CollectiveHandle>> all_to_all_group_async(const std::vector<Part>& parts) override {
+    return counted_group(parts, Communicator::all_to_all_group_async(parts_uncounted(parts)));
+  }
   void abort(const std::string& reason) override { group_->abort(rank_, reason); }
+  // The same counts as the NCCL communicator's: collectives started, bytes this rank sent (a part of b bytes
+  // all-gathered or exchanged all-to-all sends b * (size - 1)). No times: the host copies are not the network.
+  CommStats stats() const override { return stats_; }
+  void reset_stats() override { stats_ = CommStats{}; }
 
  protected:
   // The group's copy (memcpy, or its device copy function) for all_gather_dim's rearrangement.
   Status copy_block(void* dst, const void* src, size_t bytes) override { return group_->copy(dst, src, bytes); }
 
  private:
+  Result<std::unique_ptr<CollectiveHandle>> counted(Result<std::unique_ptr<CollectiveHandle>> h, size_t sent) {
+    if (h.ok() && grouped_ == 0) {
+      ++stats_.collectives;
+      stats_.bytes += static_cast<int64_t>(sent);
+    }
+    return h;
+  }
+  // The parts go through the one-by-one default with counting held off (grouped_), then count once.
+  const std::vector<Part>& parts_uncounted(const std::vector<Part>& parts) {
+    ++grouped_;
+    return parts;
+  }
+  Result<std::unique_ptr<CollectiveHandle>> counted_group(const std::vector<Part>& parts,
+                                                          Result<std::unique_ptr<CollectiveHandle>> h) {
+    --grouped_;
+    size_t sent = 0;
+    for (const Part& p : parts) sent += p.bytes * (size() - 1);
+    return counted(std::move(h), sent);
+  }
+
   std::shared_ptr<LocalGroupImpl> group_;
   int rank_;
+  CommStats stats_;
+  int grouped_ = 0;
 };
 
 std::unique_ptr<Communicator> LocalGroupImpl::make_communicator(int rank) {

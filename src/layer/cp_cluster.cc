@@ -430,7 +430,11 @@ Result<StepResult> cp_assemble_result(const StepConfig& c, const CpLayout& layou
 Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<Request>& requests,
                                         const BlockTable& table, const HostStepInputs& inputs,
                                         std::vector<StepResult>* per_rank) {
-  if (sharding_.Pt == 1) return step_run_host(*backends_[0], c, requests, table, caches_[0], inputs);
+  if (sharding_.Pt == 1) {
+    comm_stats_.assign(1, CommStats{});  // one rank: no collectives
+    group_stats_.assign(1, GroupCommStats{});
+    return step_run_host(*backends_[0], c, requests, table, caches_[0], inputs);
+  }
   DSACP_RETURN_IF_ERROR(validate_layout(layout_, c.H));
   DSACP_ASSIGN_OR_RETURN(BatchLayout layout, batch_layout(requests, c.decode_threshold));
   const int64_t T = layout.num_tokens;
@@ -449,7 +453,9 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
   std::vector<std::shared_ptr<LocalGroup>> pcp_groups, dcp_groups;
   if (nccl_) {
     if (comms_.empty()) DSACP_RETURN_IF_ERROR(make_nccl_comms());
-    for (auto& rc : comms_) rc.world->reset_stats();
+    for (auto& rc : comms_) {
+      for (Communicator* comm : {rc.world.get(), rc.pcp.get(), rc.dcp.get()}) comm->reset_stats();
+    }
   } else {
     CopyFn copy;
     if (backends_[0]->cuda_device() >= 0) {
@@ -460,6 +466,7 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
     for (int32_t d = 0; d < D; ++d) pcp_groups.push_back(LocalGroup::create(P, timeout, copy));
     for (int32_t r = 0; r < P; ++r) dcp_groups.push_back(LocalGroup::create(D, timeout, copy));
   }
+  group_stats_.assign(static_cast<size_t>(Pt), GroupCommStats{});
   workers_->run([&](int32_t cr) {
     const int32_t r = cr / D, d = cr % D;
     std::unique_ptr<Communicator> w_comm, p_comm, d_comm;
@@ -489,11 +496,10 @@ Result<StepResult> LocalCpCluster::step(const StepConfig& c, const std::vector<R
       status[cr] = rank_result.status();
       for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) comm->abort(status[cr].message());
     }
+    group_stats_[cr] = GroupCommStats{comms.world->stats(), comms.pcp->stats(), comms.dcp->stats()};
   });
   comm_stats_.assign(static_cast<size_t>(Pt), CommStats{});
-  if (nccl_) {
-    for (int32_t cr = 0; cr < Pt; ++cr) comm_stats_[cr] = comms_[cr].world->stats();
-  }
+  for (int32_t cr = 0; cr < Pt; ++cr) comm_stats_[cr] = group_stats_[cr].world;
   for (int32_t cr = 0; cr < Pt; ++cr) {
     if (!status[cr].ok()) {
       if (nccl_) {

@@ -15,6 +15,7 @@ namespace dsacp::cli {
 int cmd_run(const std::vector<std::string>& args);
 int cmd_replay(const std::vector<std::string>& args);
 int cmd_make_case(const std::vector<std::string>& args);
+int cmd_plan(const std::vector<std::string>& args);
 
 // The layout options of replay and run (--pcp, --dcp, --interleave, --indexer, --dsa-cp, --pcp-decode) and
 // their reading, with the command's default P and D.

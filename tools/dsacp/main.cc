@@ -108,6 +108,8 @@ const char* kTopHelp =
     "             through the step executor, verified against direct fp64 math\n"
     "  replay     run one batch step stored in a case file and write the result file (contract §4)\n"
     "  make-case  write a random case file (for replay, tests and bug reports)\n"
+    "  plan       pick the context-parallel layout for a model, a context and a cluster from the calibrated\n"
+    "             cost model (TTFT, TPOT, KV a GPU), or predict one step's cost\n"
     "\n"
     "Run 'dsacp <command> --help' for a command's options.\n";
 
@@ -140,6 +142,7 @@ int main(int argc, char** argv) {
     if (cmd == "run") return finish(cmd_run(args));
     if (cmd == "replay") return finish(cmd_replay(args));
     if (cmd == "make-case") return cmd_make_case(args);
+    if (cmd == "plan") return cmd_plan(args);
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "dsacp %s: error: resource exhausted: out of host memory (an allocation failed)\n", cmd.c_str());
     return 1;
@@ -147,7 +150,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dsacp %s: internal error: %s\n", cmd.c_str(), e.what());
     return 1;
   }
-  std::fprintf(stderr, "dsacp: unknown command \"%s\" (commands: run, replay, make-case; see dsacp --help)\n",
+  std::fprintf(stderr, "dsacp: unknown command \"%s\" (commands: run, replay, make-case, plan; see dsacp --help)\n",
                cmd.c_str());
   return 2;
 }
