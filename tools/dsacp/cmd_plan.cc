@@ -8,11 +8,9 @@
 
 #include "commands.h"
 #include "core/json.h"
+#include "default_calibration.h"
 #include "dsacp/layout_planner.h"
 
-#ifndef DSACP_CALIBRATION_DIR
-#define DSACP_CALIBRATION_DIR "calibration"
-#endif
 
 namespace dsacp::cli {
 namespace {
@@ -54,7 +52,7 @@ CommandSpec plan_spec() {
       {"--dsa-cp", "", "the fixed layout's DCP ranks split tokens", ""},
       {"--step", "Q:C[xN],...", "predict one step of this batch (Q new tokens, C context, N such requests) on the "
                                 "fixed layout", ""},
-      {"--calibration", "FILE", "calibration file", DSACP_CALIBRATION_DIR "/h200.json"},
+      {"--calibration", "FILE", "calibration file", "calibration/h200.json, built in"},
       {"--json", "", "print JSON", ""},
   };
   return s;
@@ -180,8 +178,11 @@ int cmd_plan(const std::vector<std::string>& argv) {
       q.fixed_layout.indexer = mode == "sharded" ? IndexerMode::kSharded : IndexerMode::kReplicated;
       q.fixed_layout.dsa_cp = args.has("--dsa-cp");
     }
-    const std::string cal_path = args.get_or("--calibration", DSACP_CALIBRATION_DIR "/h200.json");
-    DSACP_ASSIGN_OR_RETURN(PlannerCalibration cal, load_planner_calibration(cal_path));
+    Result<PlannerCalibration> loaded = args.has("--calibration")
+                                            ? load_planner_calibration(args.get_or("--calibration", ""))
+                                            : parse_planner_calibration(kDefaultCalibrationJson);
+    if (loaded.ok() && !args.has("--calibration")) loaded->path = kDefaultCalibrationName;
+    DSACP_ASSIGN_OR_RETURN(PlannerCalibration cal, std::move(loaded));
     const bool as_json = args.has("--json");
 
     if (args.has("--step")) {
