@@ -206,4 +206,16 @@ struct CpRankPlan {
 Result<CpRankPlan> cp_rank_plan(const std::vector<Request>& requests, const CpLayout& layout, int32_t r, int32_t d,
                                 const BlockTable& table, int32_t page_size, int32_t decode_threshold, int32_t H);
 
+// Which of a rank's rows attend over the gathered KV view, and whose keys the view holds: rows
+// [first_gathered, num_rows) over the view of requests `view_ids` (ascending), the rows before them (the
+// local decodes, local_decode_rows of them) over the rank's own keys. DSA-CP: every row over the view of every
+// request when the batch has prefills, none in a decode-only batch; otherwise the decodes stay local under
+// DecodeMode::kLocalMerge. The executor and the planner's collective count both read it.
+struct CpGatheredRows {
+  int64_t first_gathered = 0;
+  int64_t local_decode_rows = 0;
+  std::vector<int32_t> view_ids;
+};
+CpGatheredRows cp_gathered_rows(const CpRankPlan& plan, const CpLayout& layout, int32_t num_requests);
+
 }  // namespace dsacp

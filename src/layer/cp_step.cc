@@ -884,21 +884,13 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const StepConfig& c, 
   // Rows [first_gathered, rows) attend over the gathered KV of `view_ids` (the rest: local decodes).
   const bool decode_only = plan.layout.num_prefills == 0;
   const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
-  const int64_t T_dec = layout.dsa_cp ? 0 : plan.pcp.num_local_decode_tokens;
   const int64_t T_all = static_cast<int64_t>(plan.gathered_pos.size());  // DSA-CP: the padded batch
   std::vector<int32_t> all_ids(R);
   std::iota(all_ids.begin(), all_ids.end(), 0);
-  int64_t first_gathered = rows;
-  std::vector<int32_t> view_ids;
-  if (layout.dsa_cp) {
-    if (!decode_only) {
-      first_gathered = 0;
-      view_ids = all_ids;
-    }
-  } else {
-    first_gathered = local_decodes ? T_dec : 0;
-    view_ids.assign(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
-  }
+  const CpGatheredRows gathered_rows = cp_gathered_rows(plan, layout, R);
+  const int64_t T_dec = gathered_rows.local_decode_rows;
+  const int64_t first_gathered = gathered_rows.first_gathered;
+  const std::vector<int32_t>& view_ids = gathered_rows.view_ids;
 
   // 1. KV exchange and the owners' cache writes (indexer keys, latent and rope rows in one call, before the
   //    indexer: nothing of it is left on the path after the indexer).

@@ -1,4 +1,5 @@
 // The plan of one CP rank (r, d) of a P x D layout.
+#include <numeric>
 #include <string>
 
 #include "dsacp/cp_plan.h"
@@ -95,6 +96,24 @@ Result<CpRankPlan> cp_rank_plan(const std::vector<Request>& requests, const CpLa
   }
   plan.output_rows = plan.num_rows;
   return plan;
+}
+
+CpGatheredRows cp_gathered_rows(const CpRankPlan& plan, const CpLayout& layout, int32_t num_requests) {
+  CpGatheredRows g;
+  g.first_gathered = plan.num_rows;
+  g.local_decode_rows = layout.dsa_cp ? 0 : plan.pcp.num_local_decode_tokens;
+  if (layout.dsa_cp) {
+    if (plan.layout.num_prefills > 0) {
+      g.first_gathered = 0;
+      g.view_ids.resize(static_cast<size_t>(num_requests));
+      std::iota(g.view_ids.begin(), g.view_ids.end(), 0);
+    }
+    return g;
+  }
+  const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
+  g.first_gathered = local_decodes ? g.local_decode_rows : 0;
+  for (int32_t b = local_decodes ? plan.layout.num_decodes : 0; b < num_requests; ++b) g.view_ids.push_back(b);
+  return g;
 }
 
 }  // namespace dsacp

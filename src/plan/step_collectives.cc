@@ -127,21 +127,13 @@ Result<std::vector<PlannedCollective>> cp_step_collectives(const StepConfig& c, 
 
   const bool decode_only = plan.layout.num_prefills == 0;
   const bool local_decodes = layout.decode_mode == DecodeMode::kLocalMerge;
-  const int64_t T_dec = layout.dsa_cp ? 0 : plan.pcp.num_local_decode_tokens;
   const int64_t T_all = static_cast<int64_t>(plan.gathered_pos.size());
   std::vector<int32_t> all_ids(R);
   std::iota(all_ids.begin(), all_ids.end(), 0);
-  int64_t first_gathered = rows;
-  std::vector<int32_t> view_ids;
-  if (layout.dsa_cp) {
-    if (!decode_only) {
-      first_gathered = 0;
-      view_ids = all_ids;
-    }
-  } else {
-    first_gathered = local_decodes ? T_dec : 0;
-    view_ids.assign(all_ids.begin() + (local_decodes ? plan.layout.num_decodes : 0), all_ids.end());
-  }
+  const CpGatheredRows gathered = cp_gathered_rows(plan, layout, R);
+  const int64_t T_dec = gathered.local_decode_rows;
+  const int64_t first_gathered = gathered.first_gathered;
+  const std::vector<int32_t>& view_ids = gathered.view_ids;
 
   // 2. The gathered KV view (latent + rope, or fp8_ds_mla records alone) over the world, overlapping the indexer.
   // (Only the rows a rank packs matter here; the indexer-key view of the same requests packs as many.)
