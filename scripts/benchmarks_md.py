@@ -31,11 +31,16 @@ def provenance(r):
             f"- command: `{r['command']}`"] + ([f"- {r['note']}"] if r.get("note") else [])
 
 
-def kernels_section(r):
+def kernels_section(r, remeasured=frozenset()):
+    """remeasured: names of cases a later kernels run measured again; their older rows stay in the JSON only."""
     d = r["data"]
     c = d.get("ceilings", {})
     title = r.get("title", "Kernels on one GPU")
-    out = [f"## {title} (`dsacp_bench_gpu`, plain PyTorch in the same run)", ""] + provenance(r) + [
+    torch_ = ", plain PyTorch in the same run" if any(k.get("torch_ms") for k in d["cases"]) else ""
+    later = [k for k in d["cases"] if k["name"] in remeasured]
+    out = [f"## {title} (`dsacp_bench_gpu`{torch_})", ""] + provenance(r) + ([
+        f"- {len(later)} of its cases were measured again by a later run: their rows are in that run's table below "
+        "(this run's are in its JSON)"] if later else []) + [
         f"- ceilings {'(nominal, not measured in this run)' if c.get('nominal') else 'measured in the same run'}: device copy {fmt(c.get('copy_gbs'))} GB/s (read + write), "
         f"bf16 matmul {fmt(c.get('bf16_tflops'))} TFLOP/s; floor = max(FLOPs / matmul, bytes / copy)",
         "- method: CUDA events around the kernels, 3 warm-ups, L2 flushed before every timed run, median of 20 "
@@ -47,6 +52,8 @@ def kernels_section(r):
     for k in d["cases"]:
         if k["name"].endswith(" uncached]") or k["name"].endswith(" cached]"):
             continue  # a forced cache mode of the cluster top-k: the JSON keeps it
+        if k["name"] in remeasured:
+            continue
         xf = k["ms"] / k["floor_ms"] if k.get("floor_ms") else None
         out.append(f"| {k['name']} | {fmt(k['ms'])} | {fmt(k['tflops'], 1)} | {fmt(k['gbs'], 1)} | "
                    f"{fmt(k.get('pct_peak_tflops'), 1)} | {fmt(k.get('pct_peak_bw'), 1)} | {fmt(k.get('floor_ms'))} | "
@@ -130,8 +137,13 @@ def generate(results_dir):
              "by hand: record a run with `scripts/record_bench.py` and regenerate. Methods and formulas: "
              "[docs/benchmarking.md](docs/benchmarking.md). Earlier measurements: the git history of this file and "
              "[docs/history/](docs/history/README.md).", ""]
+    kernel_runs = [r for _, _, r in runs if r["family"] == "kernels"]
     for _, _, r in sorted(runs, key=lambda x: (x[0], x[1])):
-        lines += SECTIONS[r["family"]](r) + [""]
+        if r["family"] == "kernels":
+            later = {k["name"] for o in kernel_runs if o["date"] > r["date"] for k in o["data"]["cases"]}
+            lines += kernels_section(r, frozenset(later)) + [""]
+        else:
+            lines += SECTIONS[r["family"]](r) + [""]
     return "\n".join(lines)
 
 
