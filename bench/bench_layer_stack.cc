@@ -59,11 +59,7 @@ LayerStackTiming bench_layer_stack(int32_t b, int32_t ctx, int layers, int disti
   CudaBackendOptions options;
   options.call_trace = call_trace;
   std::unique_ptr<Backend> be = must(make_cuda_backend(0, options), "make_cuda_backend");
-  StepConfig c;
-  c.H = 128, c.Dl = 512, c.Dr = 64, c.Hi = 64, c.Di = 128, c.K = 2048;
-  c.scale = 0.0723f;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
+  const StepConfig c = step_config_of(kDeepSeekV32Dims, kDeepSeekV32TopK, 0.0723f, DType::kBF16, DType::kBF16);
   const int32_t page = 64, pages = (ctx + page - 1) / page;
   const std::vector<Request> req(static_cast<size_t>(b), Request{1, ctx - 1});
   BlockTable table;

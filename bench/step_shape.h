@@ -15,17 +15,7 @@
 namespace dsacp::bench {
 
 inline StepConfig decode_step_config() {
-  StepConfig c;
-  c.H = 128;
-  c.Dl = 512;
-  c.Dr = 64;
-  c.Hi = 64;
-  c.Di = 128;
-  c.K = 2048;
-  c.scale = 0.0723f;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
-  return c;
+  return step_config_of(kDeepSeekV32Dims, kDeepSeekV32TopK, 0.0723f, DType::kBF16, DType::kBF16);
 }
 
 // Request b owns pages [b * pages, (b + 1) * pages).

@@ -160,6 +160,7 @@ Result<StepCost> cp_step_cost(const PlannerCalibration& cal, const StepConfig& c
 struct ModelDims {
   std::string name;
   int32_t layers = 0, H = 0, Dl = 0, Dr = 0, Hi = 0, Di = 0, K = 0;
+  CaseDims dims() const { return CaseDims{H, Dl, Dr, Hi, Di}; }
 };
 // "deepseek-v3.2", "glm-5"; anything else is refused naming the known ones.
 Result<ModelDims> model_dims(const std::string& name);
@@ -181,6 +182,10 @@ struct PlanQuery {
   bool fixed = false;              // evaluate fixed_layout only (its P * D must divide gpus)
   CpLayout fixed_layout;
 };
+
+// The step the planner costs for a query: the model's shapes, bf16 activations and outputs, the query's indexer
+// dtype (the softmax scale does not change a cost: 1).
+StepConfig plan_step_config(const PlanQuery& q);
 
 struct LayoutChoice {
   CpLayout layout;

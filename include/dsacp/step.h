@@ -32,6 +32,16 @@ struct StepConfig {
   LseBase lse_base = LseBase::kNatural;
 };
 
+// A StepConfig of these shapes (H, Dl, Dr, Hi, Di), top-k K, softmax scale and dtypes; every other field at its
+// default. The one place a StepConfig is built from shapes: replay, the CLI, the planner, the benchmarks and the
+// tests all call it (or the case form below).
+StepConfig step_config_of(const CaseDims& dims, int32_t K, float scale, DType act_dtype, DType out_dtype = DType::kF32);
+// A case's: its dims, topk and scale, with the FP8 indexer (index_dtype F8_E4M3) when its idx_q is e4m3.
+StepConfig step_config_of(const CaseFile& c, DType act_dtype, DType out_dtype = DType::kF32);
+// DeepSeek-V3.2's layer shapes (the benchmarks' and many tests' default), with its top-k of 2048.
+inline constexpr CaseDims kDeepSeekV32Dims{128, 512, 64, 64, 128};
+inline constexpr int32_t kDeepSeekV32TopK = 2048;
+
 // The step's inputs, in the backend's memory, requests' tokens consecutive in request order.
 struct StepInputs {
   const void* q_nope = nullptr;     // [T, H, Dl], act_dtype

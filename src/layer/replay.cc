@@ -126,7 +126,6 @@ Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options
     DSACP_ASSIGN_OR_RETURN(s.ctx_idx_k_scale, src->ctx_idx_k_scale.clone());
     cc.index_dtype = DType::kF8E4M3;
     cc.index_scale_mode = options.index_scale_mode;
-    s.config.index_dtype = DType::kF8E4M3;
   } else {
     DSACP_ASSIGN_OR_RETURN(s.idx_q, conv(c.idx_q));
     DSACP_ASSIGN_OR_RETURN(s.idx_k, conv(c.idx_k));
@@ -134,15 +133,8 @@ Result<ReplaySetup> replay_setup(const CaseFile& c, const ReplayOptions& options
   }
 
   StepConfig& config = s.config;
-  config.H = c.dims.H;
-  config.Dl = c.dims.Dl;
-  config.Dr = c.dims.Dr;
-  config.Hi = c.dims.Hi;
-  config.Di = c.dims.Di;
-  config.K = c.topk;
-  config.scale = c.scale;
-  config.act_dtype = dtype;
-  config.out_dtype = options.out_dtype;
+  config = step_config_of(c.dims, c.topk, c.scale, dtype, options.out_dtype);
+  if (fp8) config.index_dtype = DType::kF8E4M3;
   s.device_block_table = options.device_block_table;
   config.topk_form = options.topk_form;
   config.lse_base = options.lse_base;
@@ -202,14 +194,7 @@ MemoryEstimate replay_memory_estimate(const CaseFile& c, const ReplayOptions& op
   cc.dtype = case_compute_dtype(c);
   cc.num_pages = std::max(options.spare_pages, 0);
   for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), page_size);
-  StepConfig config;
-  config.H = c.dims.H;
-  config.Dl = c.dims.Dl;
-  config.Dr = c.dims.Dr;
-  config.Hi = c.dims.Hi;
-  config.Di = c.dims.Di;
-  config.K = c.topk;
-  config.act_dtype = cc.dtype;
+  const StepConfig config = step_config_of(c.dims, c.topk, c.scale, cc.dtype);
   MemoryEstimate e = cp_memory_estimate(config, layout, cc, c.num_tokens(), ranks_here);
   // The context rows, converted to the compute dtype before they are loaded.
   const uint64_t ctx = static_cast<uint64_t>(c.ctx_kv_latent.numel() + c.ctx_k_rope.numel() + c.ctx_idx_k.numel());

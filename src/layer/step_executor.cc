@@ -9,6 +9,27 @@
 #include "layer/step_checks.h"
 
 namespace dsacp {
+
+StepConfig step_config_of(const CaseDims& dims, int32_t K, float scale, DType act_dtype, DType out_dtype) {
+  StepConfig c;
+  c.H = dims.H;
+  c.Dl = dims.Dl;
+  c.Dr = dims.Dr;
+  c.Hi = dims.Hi;
+  c.Di = dims.Di;
+  c.K = K;
+  c.scale = scale;
+  c.act_dtype = act_dtype;
+  c.out_dtype = out_dtype;
+  return c;
+}
+
+StepConfig step_config_of(const CaseFile& c, DType act_dtype, DType out_dtype) {
+  StepConfig config = step_config_of(c.dims, c.topk, c.scale, act_dtype, out_dtype);
+  if (c.idx_q.dtype() == DType::kF8E4M3) config.index_dtype = DType::kF8E4M3;
+  return config;
+}
+
 Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache) {
   auto bad = [](const char* what, int64_t v) {
     return invalid_argument(std::string("step config: ") + what + " must be >= 1, got " + std::to_string(v));

@@ -38,20 +38,6 @@ namespace {
 constexpr int64_t kDefaultChunk = 8192;
 constexpr int kChunkSamples = 4;  // a step's time is close to linear in its context
 
-StepConfig step_config(const PlanQuery& q) {
-  StepConfig c;
-  c.H = q.model.H;
-  c.Dl = q.model.Dl;
-  c.Dr = q.model.Dr;
-  c.Hi = q.model.Hi;
-  c.Di = q.model.Di;
-  c.K = q.model.K;
-  c.scale = 1.f;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
-  if (q.index_dtype == DType::kF8E4M3) c.index_dtype = DType::kF8E4M3;
-  return c;
-}
 
 PagedCacheConfig cache_config(const PlanQuery& q) {
   PagedCacheConfig cc;
@@ -143,7 +129,7 @@ Result<PlanAnswer> plan_layouts(const PlanQuery& q, const PlannerCalibration& ca
   }
   const double budget_gib = q.memory_per_gpu_gib > 0 ? q.memory_per_gpu_gib : cal.memory_gib;
   const uint64_t budget = static_cast<uint64_t>(budget_gib * static_cast<double>(1u << 30));
-  const StepConfig c = step_config(q);
+  const StepConfig c = plan_step_config(q);
   const PagedCacheConfig cc = cache_config(q);
 
   std::vector<CpLayout> candidates;
@@ -282,6 +268,12 @@ Result<PlanAnswer> plan_layouts(const PlanQuery& q, const PlannerCalibration& ca
     a.loses = why;
   }
   return answer;
+}
+
+StepConfig plan_step_config(const PlanQuery& q) {
+  StepConfig c = step_config_of(q.model.dims(), q.model.K, 1.f, DType::kBF16, DType::kBF16);
+  if (q.index_dtype == DType::kF8E4M3) c.index_dtype = DType::kF8E4M3;
+  return c;
 }
 
 }  // namespace dsacp

@@ -65,11 +65,8 @@ struct Stack {
 
 Result<Stack> make_stack(Backend& be, int num_layers, int32_t b, int32_t ctx) {
   Stack s;
-  StepConfig& c = s.config;
-  c.H = 128, c.Dl = 512, c.Dr = 64, c.Hi = 64, c.Di = 128, c.K = 2048;
-  c.scale = 0.0723f;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
+  s.config = step_config_of(kDeepSeekV32Dims, kDeepSeekV32TopK, 0.0723f, DType::kBF16, DType::kBF16);
+  const StepConfig& c = s.config;
   const int32_t page = 64;
   s.requests.assign(static_cast<size_t>(b), Request{1, ctx - 1});
   const int32_t pages = (ctx + page - 1) / page;

@@ -193,15 +193,7 @@ void gpu_serving_checks(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log
     auto cache = PagedKvCache::create(gpu, cc);
     Status st = cache.ok() ? cache_load_context(gpu, *cache, c.requests, table, c.ctx_kv_latent, c.ctx_k_rope, c.ctx_idx_k)
                            : cache.status();
-    StepConfig config;
-    config.H = c.dims.H;
-    config.Dl = c.dims.Dl;
-    config.Dr = c.dims.Dr;
-    config.Hi = c.dims.Hi;
-    config.Di = c.dims.Di;
-    config.K = c.topk;
-    config.scale = c.scale;
-    config.act_dtype = DType::kBF16;
+    const StepConfig config = step_config_of(c.dims, c.topk, c.scale, DType::kBF16);
     HostStepInputs in{&c.q_nope, &c.q_rope, &c.kv_latent, &c.k_rope, nullptr, nullptr, nullptr};
     if (canonical.ok()) in.topk = &canonical->topk_indices;
     Result<StepResult> r = st.ok() && canonical.ok() ? step_run_host(gpu, config, c.requests, table, *cache, in)

@@ -216,5 +216,32 @@ TEST(StepExecutor, DeviceBlockTableMatchesTheHostTableAndIsCheckedWhereRead) {
       << s.to_string();
 }
 
+// step_config_of: a case's shapes, K and scale, its FP8 indexer, and every other field at its default.
+TEST(StepConfigOf, CaseShapesAndTheFp8Indexer) {
+  CaseGenSpec spec;
+  spec.dims = CaseDims{4, 16, 8, 2, 8};
+  spec.topk = 6;
+  spec.scale = 0.25f;
+  spec.dtype = DType::kF32;
+  spec.requests = {{3, 2}};
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  StepConfig s = step_config_of(*c, DType::kBF16);
+  EXPECT_EQ(s.H, 4);
+  EXPECT_EQ(s.Dl, 16);
+  EXPECT_EQ(s.Dr, 8);
+  EXPECT_EQ(s.Hi, 2);
+  EXPECT_EQ(s.Di, 8);
+  EXPECT_EQ(s.K, 6);
+  EXPECT_EQ(s.scale, 0.25f);
+  EXPECT_EQ(s.act_dtype, DType::kBF16);
+  EXPECT_EQ(s.out_dtype, DType::kF32);
+  EXPECT_FALSE(s.index_dtype.has_value());
+  EXPECT_EQ(s.decode_threshold, StepConfig{}.decode_threshold);
+  ASSERT_TRUE(case_quantize_index(*c, Fp8ScaleMode::kFp32).ok());
+  s = step_config_of(*c, DType::kF32);
+  EXPECT_EQ(s.index_input_dtype(), DType::kF8E4M3);
+}
+
 }  // namespace
 }  // namespace dsacp

@@ -18,16 +18,7 @@ PlannerCalibration test_calibration() {
 }
 
 StepConfig deepseek_config() {
-  StepConfig c;
-  c.H = 128;
-  c.Dl = 512;
-  c.Dr = 64;
-  c.Hi = 64;
-  c.Di = 128;
-  c.K = 2048;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
-  return c;
+  return step_config_of(kDeepSeekV32Dims, kDeepSeekV32TopK, 0.f, DType::kBF16, DType::kBF16);
 }
 
 TEST(LayoutPlanner, LightPrefillPlansEqualTheExecutorsPlans) {

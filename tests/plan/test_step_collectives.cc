@@ -130,15 +130,7 @@ TEST(StepCollectives, EqualTheExecutorsCountsForEveryLayoutUpTo8Ranks) {
 // which count apart; the PCP layouts keep their collectives.
 TEST(StepCollectives, WindowsReplaceTheDcpDecodeExchanges) {
   const std::vector<Request> reqs(4, Request{1, 200});
-  StepConfig c;
-  c.H = 128;
-  c.Dl = 512;
-  c.Dr = 64;
-  c.Hi = 64;
-  c.Di = 128;
-  c.K = 2048;
-  c.act_dtype = DType::kBF16;
-  c.out_dtype = DType::kBF16;
+  const StepConfig c = step_config_of(kDeepSeekV32Dims, kDeepSeekV32TopK, 1.f, DType::kBF16, DType::kBF16);
   CpLayout l;
   l.D = 2;
   BlockTable t;

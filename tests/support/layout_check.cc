@@ -51,15 +51,7 @@ void expect_same_as_one_device(const CaseFile& c, const ReplayOptions& one, cons
 }
 
 StepConfig f32_step_config(const CaseFile& c, int32_t decode_threshold) {
-  StepConfig sc;
-  sc.H = c.dims.H;
-  sc.Dl = c.dims.Dl;
-  sc.Dr = c.dims.Dr;
-  sc.Hi = c.dims.Hi;
-  sc.Di = c.dims.Di;
-  sc.K = c.topk;
-  sc.scale = c.scale;
-  sc.act_dtype = DType::kF32;
+  StepConfig sc = step_config_of(c.dims, c.topk, c.scale, DType::kF32);
   sc.decode_threshold = decode_threshold;
   return sc;
 }

@@ -187,16 +187,7 @@ int cmd_plan(const std::vector<std::string>& argv) {
 
     if (args.has("--step")) {
       DSACP_ASSIGN_OR_RETURN(std::vector<Request> reqs, parse_step_batch(args.get_or("--step", "")));
-      StepConfig c;
-      c.H = q.model.H;
-      c.Dl = q.model.Dl;
-      c.Dr = q.model.Dr;
-      c.Hi = q.model.Hi;
-      c.Di = q.model.Di;
-      c.K = q.model.K;
-      c.act_dtype = DType::kBF16;
-      c.out_dtype = DType::kBF16;
-      if (q.index_dtype == DType::kF8E4M3) c.index_dtype = DType::kF8E4M3;
+      const StepConfig c = plan_step_config(q);
       StepCostOptions o;
       o.cache = PagedCacheConfig{0, q.page_size, c.Dl, c.Dr, c.Di, DType::kBF16};
       if (q.kv_fp8) o.cache.latent_format = LatentFormat::kFp8DsMla;

@@ -205,16 +205,7 @@ int cmd_run(const std::vector<std::string>& argv) {
   PagedCacheConfig cc{pages_needed, cfg.page_size, d.Dl, d.Dr, d.Di, cfg.dtype};
   cc.index_page_factor = cfg.layout.indexer == IndexerMode::kReplicated ? cfg.layout.num_ranks() : 1;
   if (cfg.fp8_latent) cc.latent_format = LatentFormat::kFp8DsMla;
-  StepConfig sc;
-  sc.H = d.H;
-  sc.Dl = d.Dl;
-  sc.Dr = d.Dr;
-  sc.Hi = d.Hi;
-  sc.Di = d.Di;
-  sc.K = d.K;
-  sc.scale = cfg.scale;
-  sc.act_dtype = cfg.dtype;
-  sc.out_dtype = DType::kF32;
+  const StepConfig sc = step_config_of(d.dims(), d.K, cfg.scale, cfg.dtype);
   // The largest step: a full prefill chunk plus every request's decode tokens; checked against the host's
   // memory (CPU ranks) or each GPU's free memory (CUDA ranks) before anything is allocated.
   PagedCacheConfig per_rank = cc;

@@ -14,6 +14,7 @@ namespace dsacp::cli {
 
 struct WorkloadDims {
   int32_t H = 16, Dl = 512, Dr = 64, Hi = 16, Di = 128, K = 512;
+  CaseDims dims() const { return CaseDims{H, Dl, Dr, Hi, Di}; }
 };
 
 // Values in [-1, 1), rounded to `dtype` (except idx_w, always f32).
