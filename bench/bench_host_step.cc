@@ -5,7 +5,7 @@
 // left is planning, validation, host vectors, allocations and the thread communicator: the host work that a
 // GPU step cannot hide (docs/design/gpu-notes.md, session 3). Run it under `perf record` to see where it goes.
 // --device-table: the steps read a block table kept in backend memory (StepInputs::block_table).
-// Also: the same one-device step as a plan once per forward pass and 61 planned runs (dsacp/step_plan.h).
+// Also: the same steps as a plan once per forward pass and 61 planned runs (dsacp/step_plan.h, dsacp/cp_step_plan.h).
 // Usage: dsacp_bench_host_step [--S TOKENS] [--reps N] [--D ranks] [--device-table]
 #include <sys/mman.h>
 
@@ -24,6 +24,7 @@
 #include "dsacp/backend.h"
 #include "dsacp/communicator.h"
 #include "dsacp/cp_step.h"
+#include "dsacp/cp_step_plan.h"
 #include "dsacp/step.h"
 #include "dsacp/step_plan.h"
 #include "step_shape.h"
@@ -238,6 +239,34 @@ int main(int argc, char** argv) {
       std::printf("host side of cp_step_run, D=%d sharded, rank %d: %.1f us, %.1f us of it before the indexer launch "
                   "(medians of %d)\n",
                   D, d, median(ms[d]), median(pre[d]), reps);
+    }
+    // The same step as plan + run (dsacp/cp_step_plan.h): each rank plans once per forward pass, then 61 planned
+    // runs (one a layer).
+    std::vector<std::vector<double>> plan_us(static_cast<size_t>(D)), run_us(static_cast<size_t>(D));
+    threads.clear();
+    for (int d = 0; d < D; ++d) {
+      threads.emplace_back([&, d] {
+        CpStepPlanOptions po;
+        po.device_block_table = device_table ? bufs[d].table.as<const int32_t>() : nullptr;
+        for (int i = 0; i <= reps; ++i) {
+          check(comms[d].world->barrier(), "barrier");
+          const auto t0 = Clock::now();
+          CpStepPlan plan = take(cp_step_plan(be[d], c, req, plans[d], layout, sharding, table, cc, po), "cp_step_plan");
+          const auto t1 = Clock::now();
+          for (int layer = 0; layer < 61; ++layer) {
+            check(cp_step_run(be[d], comms[d].view(), plan, caches[d], bufs[d].in(), bufs[d].outs()), "planned cp_step_run");
+          }
+          const auto t2 = Clock::now();
+          if (i > 0) plan_us[d].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+          if (i > 0) run_us[d].push_back(std::chrono::duration<double, std::micro>(t2 - t1).count() / 61);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int d = 0; d < D; ++d) {
+      std::printf("plan + run, D=%d sharded, rank %d: cp_step_plan %.1f us once per forward, planned cp_step_run "
+                  "%.2f us a layer (61 layers, medians of %d)\n",
+                  D, d, median(plan_us[d]), median(run_us[d]), reps);
     }
   }
   return 0;

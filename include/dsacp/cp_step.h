@@ -10,6 +10,7 @@
 #include "dsacp/backend.h"
 #include "dsacp/communicator.h"
 #include "dsacp/cp_plan.h"
+#include "dsacp/cp_step_plan.h"
 #include "dsacp/nccl_communicator.h"
 #include "dsacp/paged_cache.h"
 #include "dsacp/step.h"
@@ -37,7 +38,8 @@ struct OwnedCpComms {
 // calls it, from its own thread or process.
 Result<OwnedCpComms> nccl_cp_comms(const NcclId& id, const CpLayout& layout, int32_t cr, const NcclOptions& options);
 
-// One CP rank's step. `inputs` hold the rank's rows (plan.num_rows; padding rows may hold anything) with its
+// One CP rank's step, planned and run at once (cp_step_plan + cp_step_run of dsacp/cp_step_plan.h; a serving
+// engine plans once per forward pass and runs each layer). `inputs` hold the rank's rows (plan.num_rows; padding rows may hold anything) with its
 // heads only (q_nope/q_rope [rows, plan.num_heads, .]); `outputs` hold plan.output_rows rows of its heads:
 // the rows' results, then graph-bucket rows (topk -1, out 0, lse -inf). The cache must have
 // index_page_factor = Pt under the replicated indexer.
@@ -72,6 +74,11 @@ Result<std::vector<CpRankPlan>> cp_all_rank_plans(const StepConfig& config, cons
 Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, const StepConfig& config,
                                      const std::vector<Request>& requests, const CpLayout& layout,
                                      const KvSharding& sharding, const BlockTable& table, const CpRankPlan& plan,
+                                     PagedKvCache& cache, const HostStepInputs& inputs);
+
+// The same under a plan made once (cp_step_plan; its block table is the one the run reads): one layer's step
+// of a forward pass whose plan every layer shares.
+Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, const CpStepPlan& plan,
                                      PagedKvCache& cache, const HostStepInputs& inputs);
 
 // The full batch's result ([T, ...] in token order) from every rank's result and plan (index cr).

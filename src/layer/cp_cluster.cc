@@ -305,6 +305,18 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
                                      const std::vector<Request>& requests, const CpLayout& layout,
                                      const KvSharding& sharding, const BlockTable& table, const CpRankPlan& plan,
                                      PagedKvCache& cache, const HostStepInputs& inputs) {
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, inputs.device_block_table));
+  CpStepPlanOptions options;
+  options.device_block_table = d_table.as<const int32_t>();
+  DSACP_ASSIGN_OR_RETURN(CpStepPlan step_plan,
+                         cp_step_plan(backend, c, requests, plan, layout, sharding, table, cache.config(), options));
+  return cp_rank_step_host(backend, comms, step_plan, cache, inputs);
+}
+
+Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, const CpStepPlan& step_plan,
+                                     PagedKvCache& cache, const HostStepInputs& inputs) {
+  const StepConfig& c = step_plan.config();
+  const CpRankPlan& plan = step_plan.rank_plan();
   // The rank's rows (and heads) of the full-batch inputs.
   const std::vector<int64_t>& token = plan.row_token;
   DSACP_ASSIGN_OR_RETURN(Tensor h_q_nope, select_rows_heads(*inputs.q_nope, token, plan.head_begin, plan.num_heads));
@@ -357,12 +369,11 @@ Result<StepResult> cp_rank_step_host(Backend& backend, const CpComms& comms, con
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_topk, backend.allocate(std::max<size_t>(result.topk_indices.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_out, backend.allocate(std::max<size_t>(result.out.nbytes(), 1)));
   DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_lse, backend.allocate(std::max<size_t>(result.lse.nbytes(), 1)));
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer d_table, kept_block_table(backend, table, inputs.device_block_table));
   StepInputs in{q_nope.get(), q_rope.get(), kv_latent.get(), k_rope.get(), idx_q.get(), idx_w.as<const float>(),
-                idx_k.get(), d_table.as<const int32_t>(), idx_q_scale.as<const float>(),
-                idx_k_scale.as<const float>(), pre_topk.as<const int32_t>()};
+                idx_k.get(), nullptr, idx_q_scale.as<const float>(), idx_k_scale.as<const float>(),
+                pre_topk.as<const int32_t>()};
   StepOutputs out{d_topk.as<int32_t>(), d_out.get(), d_lse.as<float>()};
-  DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, c, requests, plan, layout, sharding, table, cache, in, out));
+  DSACP_RETURN_IF_ERROR(cp_step_run(backend, comms, step_plan, cache, in, out));
   if (rows > 0) {
     DSACP_RETURN_IF_ERROR(backend.copy_to_host(result.topk_indices.data(), d_topk.get(), result.topk_indices.nbytes()));
     DSACP_RETURN_IF_ERROR(backend.copy_to_host(result.out.data(), d_out.get(), result.out.nbytes()));

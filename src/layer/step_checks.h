@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "dsacp/backend.h"
@@ -10,6 +11,11 @@
 #include "dsacp/step.h"
 
 namespace dsacp {
+
+// A cache configuration's layout in words ("page_size=64 Dl=512 ..."), and whether two have the same layout
+// (every field but num_pages): a plan's pools against a layer's cache.
+std::string cache_layout_name(const PagedCacheConfig& c);
+bool same_cache_layout(const PagedCacheConfig& a, const PagedCacheConfig& b);
 
 // The config's dims and dtypes against the cache's.
 Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache);

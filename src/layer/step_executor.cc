@@ -30,6 +30,19 @@ StepConfig step_config_of(const CaseFile& c, DType act_dtype, DType out_dtype) {
   return config;
 }
 
+std::string cache_layout_name(const PagedCacheConfig& c) {
+  return "page_size=" + std::to_string(c.page_size) + " Dl=" + std::to_string(c.Dl) + " Dr=" + std::to_string(c.Dr) +
+         " Di=" + std::to_string(c.Di) + " dtype=" + dtype_name(c.dtype) + " index=" + dtype_name(c.index_key_dtype()) +
+         " latent=" + latent_format_name(c.latent_format);
+}
+
+bool same_cache_layout(const PagedCacheConfig& a, const PagedCacheConfig& b) {
+  return a.page_size == b.page_size && a.Dl == b.Dl && a.Dr == b.Dr && a.Di == b.Di && a.dtype == b.dtype &&
+         a.index_key_dtype() == b.index_key_dtype() && a.index_page_factor == b.index_page_factor &&
+         a.index_scale_mode == b.index_scale_mode && a.latent_format == b.latent_format &&
+         a.latent_scale_mode == b.latent_scale_mode;
+}
+
 Status check_step_config(const StepConfig& c, const PagedCacheConfig& cache) {
   auto bad = [](const char* what, int64_t v) {
     return invalid_argument(std::string("step config: ") + what + " must be >= 1, got " + std::to_string(v));

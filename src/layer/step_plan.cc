@@ -90,19 +90,6 @@ SparseMlaParams mla_shape(const StepPlan::Impl& p) {
   return ap;
 }
 
-std::string cache_dims(const PagedCacheConfig& c) {
-  return "page_size=" + std::to_string(c.page_size) + " Dl=" + std::to_string(c.Dl) + " Dr=" + std::to_string(c.Dr) +
-         " Di=" + std::to_string(c.Di) + " dtype=" + dtype_name(c.dtype) + " index=" + dtype_name(c.index_key_dtype()) +
-         " latent=" + latent_format_name(c.latent_format);
-}
-
-bool same_layout(const PagedCacheConfig& a, const PagedCacheConfig& b) {
-  return a.page_size == b.page_size && a.Dl == b.Dl && a.Dr == b.Dr && a.Di == b.Di && a.dtype == b.dtype &&
-         a.index_key_dtype() == b.index_key_dtype() && a.index_page_factor == b.index_page_factor &&
-         a.index_scale_mode == b.index_scale_mode && a.latent_format == b.latent_format &&
-         a.latent_scale_mode == b.latent_scale_mode;
-}
-
 }  // namespace
 
 uint64_t step_fingerprint(const StepConfig& c, const std::vector<Request>& requests, const BlockTable& table,
@@ -228,9 +215,9 @@ Status step_run(Backend& backend, const StepPlan& plan, PagedKvCache& cache, con
     return invalid_argument("step run: the plan is of another batch (plan fingerprint " + std::to_string(p.fingerprint) +
                             ", the inputs' " + std::to_string(in.plan_fingerprint) + ")");
   }
-  if (!same_layout(cc, p.cache)) {
-    return invalid_argument("step run: the cache (" + cache_dims(cc) + ") is not of the plan's layout (" +
-                            cache_dims(p.cache) + ")");
+  if (!same_cache_layout(cc, p.cache)) {
+    return invalid_argument("step run: the cache (" + cache_layout_name(cc) + ") is not of the plan's layout (" +
+                            cache_layout_name(p.cache) + ")");
   }
   if (cc.num_pages < p.pages_needed) {
     return out_of_range("step run: the cache holds " + std::to_string(cc.num_pages) + " pages, the plan's block table uses page " +

@@ -1,0 +1,75 @@
+// One CP rank's step split in two, as the single-device step is (dsacp/step_plan.h): a plan built once per
+// forward pass from the batch and the rank's part of the layout (the checks, every host table — slots of the
+// exchanged rows, local key lengths, the replicated indexer's table, the gathered views' pack and unpack
+// orders and view tables, the DSA-CP rows, the local decodes' head orders — uploaded once, and the backend's
+// indexer schedules), and a per-layer run that reads it: collectives, kernels and their device buffers only.
+//
+//   CpStepPlan plan = cp_step_plan(backend, config, requests, rank_plan, layout, sharding, table, cache_config).value();
+//   for (layer : layers) cp_step_run(backend, comms, plan, layer.cache, layer.inputs, layer.outputs);
+//
+// Every rank of the layout plans with the same batch and its own CpRankPlan; every rank runs each layer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/batch.h"
+#include "dsacp/communicator.h"
+#include "dsacp/cp_plan.h"
+#include "dsacp/paged_cache.h"
+#include "dsacp/status.h"
+#include "dsacp/step.h"
+
+namespace dsacp {
+
+struct CpComms;  // dsacp/cp_step.h
+
+struct CpStepPlanOptions {
+  // The block table already in the backend's memory (the host table's entries), as a serving engine keeps it:
+  // the plan reads it instead of uploading its own, and checks on the host only the pages this rank writes (its
+  // new tokens'); the kernels check every page they read.
+  const int32_t* device_block_table = nullptr;
+};
+
+// The plan of one batch on one CP rank. Movable; it must outlive the runs that use it.
+class CpStepPlan {
+ public:
+  CpStepPlan();
+  ~CpStepPlan();
+  CpStepPlan(CpStepPlan&&) noexcept;
+  CpStepPlan& operator=(CpStepPlan&&) noexcept;
+
+  const StepConfig& config() const;
+  const CpRankPlan& rank_plan() const;
+  const CpLayout& layout() const;
+  // Pages a layer's cache must hold (one past the highest page id of the rank's pools the plan addresses).
+  int64_t pages_needed() const;
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  friend Result<CpStepPlan> cp_step_plan(Backend&, const StepConfig&, const std::vector<Request>&, const CpRankPlan&,
+                                         const CpLayout&, const KvSharding&, const BlockTable&,
+                                         const PagedCacheConfig&, const CpStepPlanOptions&);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Checks the config, the layout, the sharding and the block table against the batch and the rank's cache
+// configuration (cp_rank_cache_config: index_page_factor = Pt under the replicated indexer), builds the rank's
+// host tables and uploads them (in stream order before any run). Refusals are one line naming what is wrong.
+Result<CpStepPlan> cp_step_plan(Backend& backend, const StepConfig& config, const std::vector<Request>& requests,
+                                const CpRankPlan& plan, const CpLayout& layout, const KvSharding& sharding,
+                                const BlockTable& table, const PagedCacheConfig& cache,
+                                const CpStepPlanOptions& options = {});
+
+// One layer's step on this rank under `plan` (see cp_step_run in dsacp/cp_step.h for the inputs' and outputs'
+// shapes). Refused at once: a plan of another backend, a cache of another configuration or with fewer pages than
+// the plan addresses, communicators that are not the plan's ranks. StepInputs::block_table is ignored (the plan
+// holds the table).
+Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& plan, PagedKvCache& cache,
+                   const StepInputs& inputs, const StepOutputs& outputs);
+
+}  // namespace dsacp

@@ -1,0 +1,239 @@
+// The planned CP step (dsacp/cp_step_plan.h): one plan per rank made once, then several layers run under it,
+// each layer equal bit for bit to the one-shot step over the same inputs, in every kind of layout; and the
+// pairings a run refuses.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsacp/case_file.h"
+#include "dsacp/cp_step.h"
+#include "dsacp/cp_step_plan.h"
+#include "support/layout_check.h"
+#include "support/test_seed.h"
+
+namespace dsacp {
+namespace {
+
+// Every rank's three communicators over thread groups (memcpy), as LocalCpCluster makes them.
+struct ThreadRanks {
+  std::vector<std::shared_ptr<LocalGroup>> groups;
+  std::vector<OwnedCpComms> comms;  // index cr = r * D + d
+};
+
+ThreadRanks thread_ranks(const CpLayout& l) {
+  ThreadRanks t;
+  const auto timeout = std::chrono::seconds(60);
+  auto world = LocalGroup::create(l.P * l.D, timeout);
+  std::vector<std::shared_ptr<LocalGroup>> pcp, dcp;
+  for (int32_t d = 0; d < l.D; ++d) pcp.push_back(LocalGroup::create(l.P, timeout));
+  for (int32_t r = 0; r < l.P; ++r) dcp.push_back(LocalGroup::create(l.D, timeout));
+  t.comms.resize(static_cast<size_t>(l.P * l.D));
+  for (int32_t r = 0; r < l.P; ++r) {
+    for (int32_t d = 0; d < l.D; ++d) {
+      OwnedCpComms& c = t.comms[static_cast<size_t>(r * l.D + d)];
+      c.world = world->make_communicator(r * l.D + d);
+      c.pcp = pcp[d]->make_communicator(r);
+      c.dcp = dcp[r]->make_communicator(d);
+    }
+  }
+  t.groups.push_back(world);
+  t.groups.insert(t.groups.end(), pcp.begin(), pcp.end());
+  t.groups.insert(t.groups.end(), dcp.begin(), dcp.end());
+  return t;
+}
+
+// Request b owns pages [b * pages, (b + 1) * pages) of every rank's pools.
+BlockTable ordered_table(int32_t R, int32_t pages) {
+  BlockTable t;
+  t.num_requests = R;
+  t.max_pages = pages;
+  for (int32_t i = 0; i < R * pages; ++i) t.data.push_back(i);
+  return t;
+}
+
+void expect_same_bytes(const Tensor& a, const Tensor& b, const std::string& what) {
+  ASSERT_EQ(a.nbytes(), b.nbytes()) << what;
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << what << " differs";
+}
+
+struct PlannedLayout {
+  std::string name;
+  CpLayout layout;
+  bool decode_only;
+};
+
+class CpStepPlanTest : public ::testing::TestWithParam<PlannedLayout> {};
+
+// Two layers (two caches per rank, different inputs and contexts) under one plan per rank: each layer's
+// assembled result is the one-shot cluster step's, bit for bit.
+TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
+  const PlannedLayout& pl = GetParam();
+  const CpLayout& l = pl.layout;
+  const uint64_t seed = testing::test_seed(4242);
+  const int32_t page = 4, Pt = l.P * l.D;
+  CaseGenSpec spec;
+  spec.topk = 12;
+  spec.requests = testing::random_cp_batch(seed, l.P, spec.topk, pl.decode_only);
+  spec.dims = CaseDims{8, 16, 8, 2, 16};
+  spec.scale = 0.3f;
+  std::vector<CaseFile> layers;
+  for (uint64_t k = 0; k < 2; ++k) {
+    spec.seed = seed * 3 + k;
+    auto c = case_generate(spec);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    layers.push_back(std::move(*c));
+  }
+  const std::vector<Request>& requests = spec.requests;
+  const StepConfig config = testing::f32_step_config(layers[0]);
+  const KvSharding sharding = cp_kv_sharding(l, page);
+  int32_t pages = 1;
+  for (const Request& r : requests) pages = std::max<int32_t>(pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), page)));
+  const int32_t R = static_cast<int32_t>(requests.size());
+  const BlockTable table = ordered_table(R, pages);
+  const PagedCacheConfig per_rank{int64_t{R} * pages, page, spec.dims.Dl, spec.dims.Dr, spec.dims.Di, DType::kF32};
+  std::unique_ptr<Backend> cpu = make_cpu_backend(2);
+
+  // The one-shot steps: a fresh cluster a layer.
+  std::vector<StepResult> one_shot;
+  for (const CaseFile& c : layers) {
+    auto cluster = LocalCpCluster::create(*cpu, l, per_rank);
+    ASSERT_TRUE(cluster.ok()) << cluster.status().to_string();
+    ASSERT_TRUE((*cluster)->load_context(requests, table, c.ctx_kv_latent, c.ctx_k_rope, c.ctx_idx_k).ok());
+    auto r = (*cluster)->step(config, requests, table, testing::case_inputs(c));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    one_shot.push_back(std::move(*r));
+  }
+
+  // The planned steps: each rank plans once, then runs both layers over its own two caches.
+  auto plans = cp_all_rank_plans(config, requests, l, table, page);
+  ASSERT_TRUE(plans.ok()) << plans.status().to_string();
+  ThreadRanks ranks = thread_ranks(l);
+  const PagedCacheConfig rank_cc = cp_rank_cache_config(l, per_rank);
+  std::vector<std::vector<StepResult>> results(2);
+  for (auto& r : results) r.resize(static_cast<size_t>(Pt));
+  std::vector<Status> status(static_cast<size_t>(Pt));
+  std::vector<std::thread> threads;
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    threads.emplace_back([&, cr] {
+      Status& st = status[static_cast<size_t>(cr)];
+      auto plan = cp_step_plan(*cpu, config, requests, (*plans)[cr], l, sharding, table, rank_cc);
+      if (!plan.ok()) {
+        st = plan.status();
+        return;
+      }
+      for (size_t k = 0; k < layers.size() && st.ok(); ++k) {
+        const CaseFile& c = layers[k];
+        auto cache = PagedKvCache::create(*cpu, rank_cc);
+        if (!cache.ok()) {
+          st = cache.status();
+          return;
+        }
+        st = cp_load_context_rank(*cpu, l, sharding, cr, requests, table, c.ctx_kv_latent, c.ctx_k_rope, c.ctx_idx_k,
+                                  *cache);
+        if (!st.ok()) return;
+        auto r = cp_rank_step_host(*cpu, ranks.comms[static_cast<size_t>(cr)].view(), *plan, *cache,
+                                   testing::case_inputs(c));
+        if (!r.ok()) {
+          st = r.status();
+          return;
+        }
+        results[k][static_cast<size_t>(cr)] = std::move(*r);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const Status& st : status) ASSERT_TRUE(st.ok()) << st.to_string();
+  for (size_t k = 0; k < layers.size(); ++k) {
+    auto assembled = cp_assemble_result(config, l, layers[k].num_tokens(), *plans, results[k]);
+    ASSERT_TRUE(assembled.ok()) << assembled.status().to_string();
+    const std::string what = pl.name + " layer " + std::to_string(k);
+    expect_same_bytes(assembled->topk_indices, one_shot[k].topk_indices, what + " top-k");
+    expect_same_bytes(assembled->out, one_shot[k].out, what + " out");
+    expect_same_bytes(assembled->lse, one_shot[k].lse, what + " lse");
+  }
+}
+
+CpLayout layout_of(int32_t P, int32_t D, IndexerMode mode, bool dsa_cp) {
+  CpLayout l;
+  l.P = P;
+  l.D = D;
+  l.indexer = mode;
+  l.dsa_cp = dsa_cp;
+  return l;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, CpStepPlanTest,
+    ::testing::Values(PlannedLayout{"D2_sharded_decodes", layout_of(1, 2, IndexerMode::kSharded, false), true},
+                      PlannedLayout{"D2_sharded_mixed", layout_of(1, 2, IndexerMode::kSharded, false), false},
+                      PlannedLayout{"D2_replicated_mixed", layout_of(1, 2, IndexerMode::kReplicated, false), false},
+                      PlannedLayout{"P2_sharded_mixed", layout_of(2, 1, IndexerMode::kSharded, false), false},
+                      PlannedLayout{"P2xD2_sharded_mixed", layout_of(2, 2, IndexerMode::kSharded, false), false},
+                      PlannedLayout{"P2xD2_replicated_mixed", layout_of(2, 2, IndexerMode::kReplicated, false), false},
+                      PlannedLayout{"D2_dsacp_decodes", layout_of(1, 2, IndexerMode::kSharded, true), true},
+                      PlannedLayout{"D2_dsacp_mixed", layout_of(1, 2, IndexerMode::kSharded, true), false}),
+    [](const ::testing::TestParamInfo<PlannedLayout>& i) { return i.param.name; });
+
+// A run refuses, before any collective and with one line naming the mismatch: a plan of another backend, a
+// cache of another layout or with too few pages, communicators of another rank; a plan refuses a table of
+// another batch.
+TEST(CpStepPlanPairing, MismatchesAreRefused) {
+  const CpLayout l = layout_of(1, 2, IndexerMode::kSharded, false);
+  CaseGenSpec spec;
+  spec.topk = 4;
+  spec.requests = {{1, 9}, {1, 5}};
+  spec.dims = CaseDims{4, 8, 4, 1, 8};
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const StepConfig config = testing::f32_step_config(*c);
+  const KvSharding sharding = cp_kv_sharding(l, 4);
+  const BlockTable table = ordered_table(2, 2);
+  const PagedCacheConfig rank_cc = cp_rank_cache_config(l, PagedCacheConfig{4, 4, 8, 4, 8, DType::kF32});
+  auto rank_plans = cp_all_rank_plans(config, spec.requests, l, table, 4);
+  ASSERT_TRUE(rank_plans.ok());
+  std::unique_ptr<Backend> cpu = make_cpu_backend(1), other = make_cpu_backend(1);
+  auto plan = cp_step_plan(*cpu, config, spec.requests, (*rank_plans)[0], l, sharding, table, rank_cc);
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  EXPECT_EQ(plan->pages_needed(), 3);  // request 0: pages 0, 1; request 1 (6 tokens, 4 on rank 0): page 2
+  ThreadRanks ranks = thread_ranks(l);
+  StepInputs in;
+  StepOutputs out;
+  auto cache = PagedKvCache::create(*cpu, rank_cc);
+  ASSERT_TRUE(cache.ok());
+
+  Status st = cp_step_run(*other, ranks.comms[0].view(), *plan, *cache, in, out);
+  EXPECT_NE(st.message().find("the plan was made for backend"), std::string::npos) << st.to_string();
+
+  PagedCacheConfig small = rank_cc;
+  small.num_pages = 2;
+  auto small_cache = PagedKvCache::create(*cpu, small);
+  ASSERT_TRUE(small_cache.ok());
+  st = cp_step_run(*cpu, ranks.comms[0].view(), *plan, *small_cache, in, out);
+  EXPECT_NE(st.message().find("the cache holds 2 pages, the plan's block table uses page 2"), std::string::npos)
+      << st.to_string();
+
+  PagedCacheConfig paged8 = rank_cc;
+  paged8.page_size = 8;
+  auto other_layout = PagedKvCache::create(*cpu, paged8);
+  ASSERT_TRUE(other_layout.ok());
+  st = cp_step_run(*cpu, ranks.comms[0].view(), *plan, *other_layout, in, out);
+  EXPECT_NE(st.message().find("is not of the plan's layout"), std::string::npos) << st.to_string();
+
+  st = cp_step_run(*cpu, ranks.comms[1].view(), *plan, *cache, in, out);
+  EXPECT_NE(st.message().find("world communicator is rank 1 of 2, the plan expects 0 of 2"), std::string::npos)
+      << st.to_string();
+
+  const BlockTable one_row = ordered_table(1, 2);
+  auto refused = cp_step_plan(*cpu, config, spec.requests, (*rank_plans)[0], l, sharding, one_row, rank_cc);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("block table has 1 rows, the batch has 2 requests"), std::string::npos)
+      << refused.status().to_string();
+}
+
+}  // namespace
+}  // namespace dsacp
