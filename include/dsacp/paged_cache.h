@@ -84,11 +84,37 @@ struct PagedCacheConfig {
   bool fp8_latent() const { return latent_format == LatentFormat::kFp8DsMla; }
 };
 
+// A layer's pools in the caller's memory (a serving engine's own KV cache tensors), in the layouts PagedKvCache
+// uses, which are the engines' own for the FP8 formats:
+//   latent      [num_pages, page_size, Dl] rows of `dtype` (bf16 / f32); with fp8_ds_mla the records
+//               [num_pages, page_size, 656 B] (vLLM's and FlashMLA's FP8 cache: uint8 [num_blocks, 64, 656])
+//   rope        [num_pages, page_size, Dr] rows of `dtype`; null with fp8_ds_mla (the records hold the rope)
+//   index_keys  [num_pages * index_page_factor, page_size, Di] rows, or the FP8 two-plane pages (uint8
+//               [num_blocks, page_size * 132] for Di = 128: vLLM's and DeepGEMM's indexer cache)
+// Each pointer with the bytes the caller has there (at least the config's size; more is allowed and unused).
+struct ExternalPools {
+  void* latent = nullptr;
+  size_t latent_bytes = 0;
+  void* rope = nullptr;
+  size_t rope_bytes = 0;
+  void* index_keys = nullptr;
+  size_t index_keys_bytes = 0;
+};
+
 // The three pools of one layer, in a backend's memory.
 class PagedKvCache {
  public:
   // Allocates the pools; with poison_unused every slot starts as NaN (so a read of an unwritten slot shows).
   static Result<PagedKvCache> create(Backend& backend, const PagedCacheConfig& config, bool poison_unused = true);
+  // The caller's memory as the pools: nothing is allocated, filled or freed (the caller keeps the memory alive
+  // while the cache is used, and in the backend's address space: device memory for a GPU backend). Refused with
+  // one line naming the pool: a config create() refuses, a null pool, fewer bytes than the config needs, an
+  // address not 16-byte aligned (the GPU kernels' vector loads), a rope pool given with fp8_ds_mla.
+  static Result<PagedKvCache> wrap(const PagedCacheConfig& config, const ExternalPools& pools);
+  // Bytes each pool of `config` takes (rope 0 with fp8_ds_mla).
+  static size_t latent_bytes(const PagedCacheConfig& config);
+  static size_t rope_bytes(const PagedCacheConfig& config);
+  static size_t index_keys_bytes(const PagedCacheConfig& config);
 
   const PagedCacheConfig& config() const { return config_; }
   // With fp8_ds_mla both are views of the one record pool (PagedPoolView::record_bytes).

@@ -1,6 +1,7 @@
 #include "dsacp/paged_cache.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -106,7 +107,9 @@ Result<std::vector<int64_t>> new_token_slots(const std::vector<Request>& request
   return slots;
 }
 
-Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConfig& config, bool poison_unused) {
+namespace {
+
+Status check_cache_config(const PagedCacheConfig& config) {
   if (config.num_pages < 1 || config.num_pages > std::numeric_limits<int32_t>::max()) {
     return invalid_argument("num_pages must be in [1, 2^31 - 1], got " + std::to_string(config.num_pages));
   }
@@ -118,8 +121,7 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
   if (config.dtype != DType::kF32 && config.dtype != DType::kBF16) {
     return invalid_argument(std::string("cache dtype must be F32 or BF16, got ") + dtype_name(config.dtype));
   }
-  const DType index_dtype = config.index_key_dtype();
-  if (index_dtype == DType::kI32) {
+  if (config.index_key_dtype() == DType::kI32) {
     return invalid_argument("cache index_dtype must be F32, BF16 or F8_E4M3, got I32");
   }
   if (config.index_page_factor < 1 || config.num_pages * config.index_page_factor > std::numeric_limits<int32_t>::max()) {
@@ -135,32 +137,88 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
         "cache latent_format fp8_ds_mla needs Dl a multiple of 128 (one scale a 128-value tile), got Dl=" +
         std::to_string(config.Dl));
   }
+  return Status();
+}
+
+// Elements of the indexer pool (bytes for the FP8 two-plane pages).
+int64_t index_elements(const PagedCacheConfig& config) {
+  const int64_t pages = config.num_pages * config.index_page_factor;
+  return config.index_key_dtype() == DType::kF8E4M3 ? pages * fp8_index_page_bytes(config.page_size, config.Di)
+                                                    : pages * config.page_size * config.Di;
+}
+
+}  // namespace
+
+size_t PagedKvCache::latent_bytes(const PagedCacheConfig& config) {
+  const int64_t rows = config.num_pages * config.page_size;
+  if (config.fp8_latent()) return static_cast<size_t>(rows * fp8_ds_mla_record_bytes(config.Dl, config.Dr));
+  return static_cast<size_t>(rows) * config.Dl * dtype_size(config.dtype);
+}
+
+size_t PagedKvCache::rope_bytes(const PagedCacheConfig& config) {
+  if (config.fp8_latent()) return 0;
+  return static_cast<size_t>(config.num_pages * config.page_size) * config.Dr * dtype_size(config.dtype);
+}
+
+size_t PagedKvCache::index_keys_bytes(const PagedCacheConfig& config) {
+  return static_cast<size_t>(index_elements(config)) * dtype_size(config.index_key_dtype());
+}
+
+Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConfig& config, bool poison_unused) {
+  DSACP_RETURN_IF_ERROR(check_cache_config(config));
   PagedKvCache c;
   c.config_ = config;
   const int64_t rows = config.num_pages * config.page_size;
-  const size_t elem = dtype_size(config.dtype);
   const float fill = poison_unused ? std::numeric_limits<float>::quiet_NaN() : 0.f;
   if (config.fp8_latent()) {
     // One pool of records, filled bytewise: an unwritten record's latent values read as NaN (0x7f; its scales and
     // rope bytes 0x7f too, finite), so attention over it shows. No rope pool of its own.
-    const int64_t bytes = rows * fp8_ds_mla_record_bytes(config.Dl, config.Dr);
-    DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(bytes)));
-    DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), DType::kF8E4M3, bytes, fill));
+    const size_t bytes = latent_bytes(config);
+    DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(bytes));
+    DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), DType::kF8E4M3, static_cast<int64_t>(bytes), fill));
   } else {
-    DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(static_cast<size_t>(rows) * config.Dl * elem));
-    DSACP_ASSIGN_OR_RETURN(c.rope_, backend.allocate(static_cast<size_t>(rows) * config.Dr * elem));
+    DSACP_ASSIGN_OR_RETURN(c.latent_, backend.allocate(latent_bytes(config)));
+    DSACP_ASSIGN_OR_RETURN(c.rope_, backend.allocate(rope_bytes(config)));
     DSACP_RETURN_IF_ERROR(backend.fill(c.latent_.get(), config.dtype, rows * config.Dl, fill));
     DSACP_RETURN_IF_ERROR(backend.fill(c.rope_.get(), config.dtype, rows * config.Dr, fill));
   }
-  const int64_t index_rows = rows * config.index_page_factor;
   // FP8: two-plane pages (values, then scales); filled bytewise, so an unwritten slot reads as NaN values.
-  const int64_t index_elems = index_dtype == DType::kF8E4M3
-                                  ? config.num_pages * config.index_page_factor *
-                                        fp8_index_page_bytes(config.page_size, config.Di)
-                                  : index_rows * config.Di;
-  DSACP_ASSIGN_OR_RETURN(c.index_keys_,
-                         backend.allocate(static_cast<size_t>(index_elems) * dtype_size(index_dtype)));
-  DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), index_dtype, index_elems, fill));
+  DSACP_ASSIGN_OR_RETURN(c.index_keys_, backend.allocate(index_keys_bytes(config)));
+  DSACP_RETURN_IF_ERROR(backend.fill(c.index_keys_.get(), config.index_key_dtype(), index_elements(config), fill));
+  return c;
+}
+
+Result<PagedKvCache> PagedKvCache::wrap(const PagedCacheConfig& config, const ExternalPools& pools) {
+  DSACP_RETURN_IF_ERROR(check_cache_config(config));
+  auto check = [&](const char* name, void* data, size_t given, size_t need) -> Status {
+    if (data == nullptr) return invalid_argument(std::string("external KV cache: the ") + name + " pool is null");
+    if (reinterpret_cast<uintptr_t>(data) % 16 != 0) {
+      return invalid_argument(std::string("external KV cache: the ") + name +
+                              " pool's address is not 16-byte aligned (the GPU kernels load 16 bytes at a time)");
+    }
+    if (given < need) {
+      return invalid_argument(std::string("external KV cache: the ") + name + " pool has " + std::to_string(given) +
+                              " bytes, the config (" + std::to_string(config.num_pages) + " pages of " +
+                              std::to_string(config.page_size) + ") needs " + std::to_string(need));
+    }
+    return Status();
+  };
+  DSACP_RETURN_IF_ERROR(check(config.fp8_latent() ? "latent (fp8_ds_mla records)" : "latent", pools.latent,
+                              pools.latent_bytes, latent_bytes(config)));
+  if (config.fp8_latent()) {
+    if (pools.rope != nullptr) {
+      return invalid_argument("external KV cache: a rope pool was given, but fp8_ds_mla records hold the rope (pass none)");
+    }
+  } else {
+    DSACP_RETURN_IF_ERROR(check("rope", pools.rope, pools.rope_bytes, rope_bytes(config)));
+  }
+  DSACP_RETURN_IF_ERROR(check("indexer-key", pools.index_keys, pools.index_keys_bytes, index_keys_bytes(config)));
+  PagedKvCache c;
+  c.config_ = config;
+  // Views of the caller's memory: no deleter, the caller frees it.
+  c.latent_ = DeviceBuffer(pools.latent, latent_bytes(config), nullptr);
+  if (!config.fp8_latent()) c.rope_ = DeviceBuffer(pools.rope, rope_bytes(config), nullptr);
+  c.index_keys_ = DeviceBuffer(pools.index_keys, index_keys_bytes(config), nullptr);
   return c;
 }
 

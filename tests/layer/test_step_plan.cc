@@ -208,5 +208,98 @@ TEST(StepPlan, CaptureIsUnsupportedOnTheCpu) {
   EXPECT_NE(s.message().find("CUDA graphs need the CUDA backend"), std::string::npos) << s.message();
 }
 
+// Caches in the caller's memory (PagedKvCache::wrap, as a serving engine hands over its own tensors): the planned
+// step writes the new tokens into the caller's buffers and gives the results of library-allocated pools, bit for
+// bit, in the row layout and in the FP8 layouts (fp8_ds_mla records, two-plane indexer pages).
+TEST(ExternalCache, WrappedPoolsEqualCreatedPools) {
+  for (const bool fp8 : {false, true}) {
+    Example ex;
+    PagedCacheConfig cc = ex.cc;
+    cc.Dl = 128;  // fp8_ds_mla takes 128-value tiles
+    if (fp8) {
+      cc.latent_format = LatentFormat::kFp8DsMla;
+      cc.index_dtype = DType::kF8E4M3;
+    }
+    CaseGenSpec spec;
+    spec.dims = CaseDims{4, 128, 8, 2, 8};
+    spec.topk = 6;
+    spec.scale = 0.25f;
+    spec.requests = ex.requests;
+    spec.seed = testing::test_seed(77);
+    auto made = case_generate(spec);
+    ASSERT_TRUE(made.ok());
+    CaseFile c = std::move(*made);
+    if (fp8) ASSERT_TRUE(case_quantize_index(c).ok());
+    StepConfig config = testing::f32_step_config(c);
+    if (fp8) config.index_dtype = DType::kF8E4M3;
+    auto backend = make_cpu_backend(1);
+    // The caller's memory: 16-byte aligned vectors of the sizes the config needs.
+    std::vector<float> latent(PagedKvCache::latent_bytes(cc) / 4 + 4), rope(PagedKvCache::rope_bytes(cc) / 4 + 4),
+        index(PagedKvCache::index_keys_bytes(cc) / 4 + 4);
+    ExternalPools pools{latent.data(), latent.size() * 4, fp8 ? nullptr : rope.data(), rope.size() * 4, index.data(),
+                        index.size() * 4};
+    auto wrapped = PagedKvCache::wrap(cc, pools);
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status().to_string();
+    EXPECT_EQ(wrapped->latent().data, latent.data());
+    EXPECT_EQ(wrapped->index_keys().data, index.data());
+    auto created = PagedKvCache::create(*backend, cc, /*poison_unused=*/false);  // zeros, as the caller's vectors
+    ASSERT_TRUE(created.ok());
+    const Tensor* key_scales = fp8 ? &c.ctx_idx_k_scale : nullptr;
+    for (PagedKvCache* cache : {&*wrapped, &*created}) {
+      ASSERT_TRUE(cache_load_context(*backend, *cache, c.requests, ex.table, c.ctx_kv_latent, c.ctx_k_rope, c.ctx_idx_k,
+                                     key_scales).ok());
+    }
+    const std::vector<float> latent_before = latent;
+    auto plan = step_plan(*backend, config, ex.requests, ex.table, cc);
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    Outs a(3, 4, 128, 6), b(3, 4, 128, 6);
+    StepInputs in{c.q_nope.data(), c.q_rope.data(), c.kv_latent.data(), c.k_rope.data(), c.idx_q.data(),
+                  c.idx_w.data_as<float>(), c.idx_k.data()};
+    if (fp8) {
+      in.idx_q_scale = c.idx_q_scale.data_as<float>();
+      in.idx_k_scale = c.idx_k_scale.data_as<float>();
+    }
+    ASSERT_TRUE(step_run(*backend, *plan, *wrapped, in, a.view()).ok());
+    ASSERT_TRUE(step_run(*backend, *plan, *created, in, b.view()).ok());
+    ASSERT_TRUE(backend->synchronize().ok());
+    EXPECT_TRUE(a == b) << (fp8 ? "fp8" : "rows");
+    EXPECT_NE(std::memcmp(latent.data(), latent_before.data(), latent.size() * 4), 0)
+        << "the step's new keys went into the caller's latent pool";
+    EXPECT_EQ(std::memcmp(created->latent().data, latent.data(), PagedKvCache::latent_bytes(cc)), 0)
+        << "the caller's pool holds what the library's holds";
+  }
+}
+
+TEST(ExternalCache, BadPoolsAreRefused) {
+  const PagedCacheConfig cc{4, 4, 16, 8, 8, DType::kF32};
+  std::vector<float> buf(1024);
+  const size_t lat = PagedKvCache::latent_bytes(cc), rope = PagedKvCache::rope_bytes(cc),
+               idx = PagedKvCache::index_keys_bytes(cc);
+  EXPECT_EQ(lat, 4u * 4 * 16 * 4);
+  auto msg = [&](const ExternalPools& p) {
+    auto r = PagedKvCache::wrap(cc, p);
+    return r.ok() ? std::string("ok") : r.status().message();
+  };
+  float* b = buf.data();
+  EXPECT_NE(msg({nullptr, lat, b + 256, rope, b + 512, idx}).find("the latent pool is null"), std::string::npos);
+  EXPECT_NE(msg({b, lat - 4, b + 256, rope, b + 512, idx}).find("the latent pool has 1020 bytes, the config (4 pages of 4) needs 1024"),
+            std::string::npos);
+  EXPECT_NE(msg({b, lat, b + 257, rope, b + 512, idx}).find("the rope pool's address is not 16-byte aligned"),
+            std::string::npos);
+  EXPECT_NE(msg({b, lat, b + 256, rope, b + 512, idx - 1}).find("indexer-key pool has"), std::string::npos);
+  EXPECT_EQ(msg({b, lat, b + 256, rope, b + 512, idx}), "ok");
+  PagedCacheConfig fp8 = cc;
+  fp8.Dl = 128;
+  fp8.latent_format = LatentFormat::kFp8DsMla;
+  std::vector<float> big(PagedKvCache::latent_bytes(fp8) / 4 + 1024);
+  auto r = PagedKvCache::wrap(fp8, {big.data(), PagedKvCache::latent_bytes(fp8), b, rope, b + 512, idx});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("fp8_ds_mla records hold the rope"), std::string::npos) << r.status().message();
+  PagedCacheConfig bad = cc;
+  bad.page_size = 0;
+  EXPECT_NE(PagedKvCache::wrap(bad, {b, lat, b + 256, rope, b + 512, idx}).status().message().find("page_size must be >= 1"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace dsacp
