@@ -954,7 +954,7 @@ void run_fp8_indexer_case(Backend& gpu, const Fp8Case& c) {
   report(bad_rows == 0 && rerun_same && score_err <= 2e-5, name, std::string(buf) + first_bad);
 }
 
-// The persistent wgmma score kernel (off by default: only reachable through the internal launchers) against the
+// The persistent wgmma score kernel (the FP8 default, forced here through its launcher) against the
 // mma.sync kernel on the same plan: every visible score within 1e-5 of the row's largest (NaN where NaN), nothing
 // written past a token's key_len (both buffers start poisoned), reruns bit-identical.
 struct ScoreSideCase {
