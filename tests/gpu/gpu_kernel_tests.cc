@@ -954,7 +954,7 @@ void run_fp8_indexer_case(Backend& gpu, const Fp8Case& c) {
   report(bad_rows == 0 && rerun_same && score_err <= 2e-5, name, std::string(buf) + first_bad);
 }
 
-// The persistent wgmma score kernel (off by default: only reachable through the internal launchers) against the
+// The persistent wgmma score kernel (the FP8 default, forced here through its launcher) against the
 // mma.sync kernel on the same plan: every visible score within 1e-5 of the row's largest (NaN where NaN), nothing
 // written past a token's key_len (both buffers start poisoned), reruns bit-identical.
 struct ScoreSideCase {
@@ -963,6 +963,7 @@ struct ScoreSideCase {
   int page_size;
   std::vector<int64_t> ctx;
   std::vector<int> qlen;
+  int num_sms = 0;  // > 0: the CTAs the wgmma kernel is given (few: many items a CTA, batch boundaries crossed)
 };
 
 void run_scores_side_by_side(const ScoreSideCase& c) {
@@ -1038,6 +1039,7 @@ void run_scores_side_by_side(const ScoreSideCase& c) {
   const int64_t* d_off = static_cast<const int64_t*>(bufs[8]);
   LaunchContext ctx;  // pass 0: the mma.sync kernel (forced), passes 1 and 2: the wgmma kernel
   ctx.options.indexer_score_kernel = CudaBackendOptions::IndexerScoreKernel::kMmaSync;
+  if (c.num_sms > 0) ctx.num_sms = c.num_sms;
   Status st = Status::ok_status();
   std::vector<float> a, b, b2;
   bool applies = true;
@@ -1835,6 +1837,14 @@ int main(int argc, char** argv) {
     side.push_back({"Hi=64 page16 MTP 2+2", 64, 16, {4000, 700}, {2, 2}});
     side.push_back({"Hi=64 page128 prefill 300", 64, 128, {0}, {300}});
     side.push_back({"Hi=32 page64 decode ctx 200000", 32, 64, {200000}, {1}});
+    // pages of several blocks (a block's first row inside its page), the segment producer at page 4 (16 pages a
+    // block), and few CTAs: many items a CTA, so the producers' batches of 32 items and the rings wrap many times
+    side.push_back({"Hi=64 page128 decode b=3", 64, 128, {9000, 3001, 500}, {1, 1, 1}});
+    side.push_back({"Hi=32 page192 MTP 2+1", 32, 192, {7000, 2500}, {2, 1}});
+    side.push_back({"Hi=32 page4 decode b=2", 32, 4, {5000, 1300}, {1, 1}});
+    side.push_back({"Hi=64 page64 MTP 4+3 on 3 SMs", 64, 64, {40000, 30001}, {4, 3}, 3});
+    side.push_back({"Hi=64 page64 decode b=2 ctx 100000 on 2 SMs", 64, 64, {100000, 77777}, {1, 1}, 2});
+    side.push_back({"Hi=32 page16 decode ctx 60000 on 2 SMs", 32, 16, {60000}, {1}, 2});
     for (const ScoreSideCase& c : side) {
       if (selected("scores side by side " + c.name)) run_scores_side_by_side(c);
     }

@@ -4,26 +4,29 @@
 // with the ReLU; the contract's scales are positive and finite, and the cache write's are >= 2^-126).
 //
 // Work: the chunk's score items (a token group of <= 4 tokens of one request x 256 keys) cut into blocks of 64 keys;
-// each CTA (one an SM) takes a contiguous run of whole items. A CTA = 3 warpgroups:
-//  - warpgroup 0, warp 0, the producer: per item, one lane per page segment of each of its 4 blocks reads the block
-//    table (one item ahead of the copies), then each block's rows and scales come in by bulk copies (the copy
-//    engine: two per page segment, whole 128-byte rows and 16-byte scale groups; one a block for page sizes that
-//    are multiples of 64) into a ring of stages; a stage's full barrier completes when its block record (tokens,
-//    keys) is written and its bytes have landed (arrive.expect_tx). No thread computes an address per key row.
-//  - warpgroups 1 and 2, the math: they take the ring's blocks in turn. Each thread loads its two key rows' 32-byte
-//    slices from the stage, converts them to f16 (exact) in registers: the wgmma's A operand (64 keys x 128), so no
-//    shared-memory copy of the keys and no proxy fence a block. D[64 keys, N] = K x Q^T, N = Hi x the group's
-//    tokens (wgmma m64nNk16 f16 with A from registers, f32 accumulate; in passes of <= 128 columns: the e4m3 wgmma
-//    keeps too few bits in its sums, wgmma_f16_sm90.cuh): each key is read once for every token of its group. The
-//    columns of a k-step are a fixed permutation of the row's bytes (thread quad tq holds bytes [32 tq, 32 tq + 32)
-//    of its rows, so a row slice is two 16-byte loads); Q in shared memory is stored permuted the same way, so the
-//    dot products are unchanged. The sum over heads is within the thread (its columns, ascending) then over its quad
-//    (xor 1, 2): a fixed fp32 order, so reruns are bit-identical. Each warpgroup keeps its own f16 copy of the
-//    group's Q and of w * q_scale, reloaded (with the one proxy fence) when its next block belongs to another group.
+// each CTA (one an SM) takes a contiguous run of whole items, and inside it math warpgroup c takes items c, c + kMW,
+// ... (a static split: no atomics, bit-identical reruns). A CTA = 1 + kMW warpgroups (kMW = kMathWarpgroups<N>:
+// 3 or 2); math warpgroup c (warpgroup 1 + c) has its own producer warp (warp c of warpgroup 0) and ring of stages:
+//  - the producer resolves its items 32 at a time, one a lane (the item record, the group's request and longest
+//    key_len, the block-table entry of each of the item's 4 blocks), one batch ahead of the copies, and hands them
+//    out by shuffle; page sizes that are multiples of 64 put a block inside one page, so a block is one bulk copy
+//    of its rows (n x 128 B) and one of its scales (n x 4 B) by the copy engine, with no address arithmetic a key
+//    row and no division in the per-block chain. Other page sizes (multiples of 4) resolve one item ahead, one lane
+//    a page segment, two copies a segment. A stage's full barrier completes when its block record (tokens, keys)
+//    is written and its bytes have landed (arrive.expect_tx).
+//  - the math warpgroup: each thread loads its two key rows' 32-byte slices from the stage, converts them to f16
+//    (exact) in registers: the wgmma's A operand (64 keys x 128), so no shared-memory copy of the keys and no proxy
+//    fence a block. D[64 keys, N] = K x Q^T, N = Hi x the group's tokens (wgmma m64nNk16 f16 with A from registers,
+//    f32 accumulate; in passes of <= 128 columns: the e4m3 wgmma keeps too few bits in its sums,
+//    wgmma_f16_sm90.cuh): each key is read once for every token of its group. The columns of a k-step are a fixed
+//    permutation of the row's bytes (thread quad tq holds bytes [32 tq, 32 tq + 32) of its rows, so a row slice is
+//    two 16-byte loads); Q in shared memory is stored permuted the same way, so the dot products are unchanged. The
+//    sum over heads is within the thread (its columns, ascending) then over its quad (xor 1, 2): a fixed fp32
+//    order, so reruns are bit-identical. Each warpgroup keeps its own f16 copy of the group's Q and of
+//    w * q_scale, reloaded (with the one proxy fence) when its next block belongs to another group.
 // The math path has no fence: MEMBAR.ALL.CTA, which a proxy fence compiles to, waits for the warp's outstanding
-// global score stores; one a block made each block pay a store round trip (docs/design/2026-12-02-persistent-
-// score-kernel.md). The stage is released (mbarrier arrive, release at CTA scope: no membar in the SASS) once the
-// thread's loads of it are consumed.
+// global score stores (docs/design/2026-12-02-persistent-score-kernel.md). The stage is released (mbarrier arrive,
+// release at CTA scope: no membar in the SASS) once the thread's loads of it are consumed.
 // Only visible keys (j < key_len[t]) are written, into token t's row at score_offset[t]: the same output as the
 // mma.sync kernel (indexer_scores_mma.cu), which serves the layouts this one does not (bf16, page sizes that are
 // not multiples of 4: key rows then are not 16-byte aligned).
@@ -46,26 +49,27 @@ namespace {
 constexpr int kDi = 128;           // bytes of an e4m3 row
 constexpr int kBK = 64;            // keys a block (one wgmma M tile)
 constexpr int kSub = kScoreKeys / kBK;  // blocks of a score item
-constexpr int kThreads = 384;      // producer warpgroup + 2 math warpgroups
+// kMW (a template parameter): math warpgroups, each with its own producer warp and ring; a CTA is 128 (1 + kMW)
+// threads (the producer warpgroup + the math warpgroups).
 constexpr int kStageBytes = kBK * kDi;
-constexpr int kMaxStages = 16;
+constexpr int kMaxStages = 24;     // all rings together (as many as fit in shared memory)
 constexpr int kPassN = 128;        // wgmma columns a pass (accumulators: kPassN / 2 registers a thread)
 
 struct WgArgs : ScoreKernelArgs {
-  int32_t stages;
+  int32_t stages;  // a ring's (kMW rings)
 };
 static_assert(sizeof(WgArgs) <= 4096, "the wgmma score kernel's parameters past 4 KB");
 
-// Shared memory: stages [S][64 x 128 B e4m3] | f16 Q [2 warpgroups][2 slabs][N x 128 B] | key scales [S][64] f32
-// | w*q_scale [2][N] f32 | block records [S] int4 | barriers full [S], empty [S]; the base rounded up to 1024 B
-// (swizzle atoms).
-template <int kN>
+// Shared memory, S = all rings' stages (ring c: stages [c S / kMW, (c + 1) S / kMW)): stages [S][64 x 128 B e4m3]
+// | f16 Q [kMW][2 slabs][N x 128 B] | key scales [S][64] f32 | w*q_scale [kMW][N] f32 | block records [S] int4
+// | barriers full [S], empty [S]; the base rounded up to 1024 B (swizzle atoms).
+template <int kN, int kMW>
 struct Layout {
   int stages;
   __host__ __device__ int q_off() const { return stages * kStageBytes; }
-  __host__ __device__ int scale_off() const { return q_off() + 2 * 2 * kN * 128; }
+  __host__ __device__ int scale_off() const { return q_off() + kMW * 2 * kN * 128; }
   __host__ __device__ int wq_off() const { return scale_off() + stages * kBK * 4; }
-  __host__ __device__ int info_off() const { return wq_off() + 2 * kN * 4; }
+  __host__ __device__ int info_off() const { return wq_off() + kMW * kN * 4; }
   __host__ __device__ int bar_off() const { return info_off() + stages * 16; }
   __host__ __device__ int bytes() const { return bar_off() + 2 * stages * 8 + 1024; }
 };
@@ -101,11 +105,124 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
                : "memory");
 }
 
-// One score item as the producer resolved it: its tokens, keys, and for each of its kSub blocks the page of the
-// lane's segment (lane j: the block's j-th page; kNoSeg where the block has fewer pages or no keys).
+// A ring position: the stage within the ring and the parity of its current use; `wrapped` once every stage has
+// been used (the producer then waits for the stage's release before refilling it).
+struct RingPos {
+  int slot = 0;
+  uint32_t phase = 0;
+  bool wrapped = false;
+  __device__ __forceinline__ void next(int S) {
+    if (++slot == S) {
+      slot = 0;
+      phase ^= 1u;
+      wrapped = true;
+    }
+  }
+};
+
+// A producer's ring in shared memory.
+struct Ring {
+  uint32_t stage;   // first stage's rows
+  float* scale;     // [S][kBK]
+  int4* info;       // [S] block records
+  uint32_t full, empty;  // barriers [S] each
+  int S;
+};
+
+// Waits for the ring's next stage to be free and writes its block record, arriving with the bytes the copies will
+// bring (tx); lane 0 does the shared-memory work. Returns the stage's full barrier.
+__device__ __forceinline__ uint32_t begin_stage(const Ring& r, const RingPos& pos, int lane, int4 rec, uint32_t tx) {
+  if (pos.wrapped) mbar_wait(r.empty + 8 * pos.slot, pos.phase ^ 1u);
+  const uint32_t fb = r.full + 8 * pos.slot;
+  if (lane == 0) {
+    r.info[pos.slot] = rec;
+    mbar_arrive_expect_tx(fb, tx);
+  }
+  return fb;
+}
+
+// ---- page sizes that are multiples of 64: a block is inside one page ----
+// 32 items of a producer, one a lane: the item's tokens and keys, the group's longest key_len (keys past it are not
+// scored), and each block's page (its block-table entry; kNoSeg: no keys) and first row in that page.
 constexpr int32_t kNoSeg = -2;
+struct Batch {
+  int32_t t0, nt, k0, len;
+  int32_t pg[kSub];
+  int32_t row[kSub];
+};
+__device__ __forceinline__ Batch resolve_batch(const WgArgs& a, int64_t it, bool valid, int32_t blocks_per_page) {
+  Batch r;
+  r.t0 = r.nt = r.k0 = r.len = 0;
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    r.pg[j] = kNoSeg;
+    r.row[j] = 0;
+  }
+  if (!valid) return r;
+  const ScoreItem x = plan_item(a.inl, a.items, it);
+  const int32_t b = __ldg(a.request + x.t0);
+  int32_t len = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxGroupTokens; ++i) {
+    if (i < x.nt) len = max(len, __ldg(a.key_len + x.t0 + i));
+  }
+  r.t0 = x.t0;
+  r.nt = x.nt;
+  r.k0 = x.k0;
+  r.len = len;
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    if (x.k0 + j * kBK < len) {
+      const int32_t blk = x.k0 / kBK + j, p = blk / blocks_per_page;
+      r.pg[j] = p < a.max_pages ? __ldg(a.block_table + static_cast<int64_t>(b) * a.max_pages + p) : -1;
+      r.row[j] = (blk - p * blocks_per_page) * kBK;
+    }
+  }
+  return r;
+}
+
+// Producer c's items: first + stride n, n < nc. Batches of 32 resolved one batch ahead; per block, the record
+// comes from lane q of the batch by shuffle and lane 0 issues the two copies (rows, scales; n rounded up to 4 rows:
+// 16-byte scale groups, still inside the page).
+__device__ __forceinline__ void produce_paged64(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
+                                                int64_t first, int64_t stride, int64_t nc) {
+  const int32_t P = a.page_size, bpp = P / kBK;
+  const int64_t page_bytes = static_cast<int64_t>(P) * (kDi + 4);
+  Batch cur = resolve_batch(a, first + stride * lane, lane < nc, bpp);
+  for (int64_t nb = 0; nb < nc; nb += 32) {
+    const Batch nxt = resolve_batch(a, first + stride * (nb + 32 + lane), nb + 32 + lane < nc, bpp);
+    const int nq = static_cast<int>(min(int64_t{32}, nc - nb));
+    for (int q = 0; q < nq; ++q) {
+      const int32_t t0 = __shfl_sync(0xffffffffu, cur.t0, q), nt = __shfl_sync(0xffffffffu, cur.nt, q);
+      const int32_t k0 = __shfl_sync(0xffffffffu, cur.k0, q), len = __shfl_sync(0xffffffffu, cur.len, q);
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const int32_t pg = __shfl_sync(0xffffffffu, cur.pg[j], q), row = __shfl_sync(0xffffffffu, cur.row[j], q);
+        const int32_t kb = k0 + j * kBK;
+        if (kb >= len) break;  // (uniform)
+        const int32_t kend = min(kb + kBK, len);
+        const bool ok = pg >= 0 && pg < a.num_pages;
+        if (!ok && lane == 0) report_device_error(a.err, kDevBadPage, t0);
+        const int32_t n = ok ? (kend - kb + 3) & ~3 : 0;
+        const uint32_t fb = begin_stage(ring, pos, lane, make_int4(t0, nt, kb, kend), n * (kDi + 4));
+        if (lane == 0 && n > 0) {
+          const unsigned char* page = a.keys + pg * page_bytes;
+          bulk_g2s(ring.stage + pos.slot * kStageBytes, page + static_cast<int64_t>(row) * kDi, n * kDi, fb);
+          bulk_g2s(smem_u32(ring.scale + pos.slot * kBK), page + static_cast<int64_t>(P) * kDi + row * 4, n * 4, fb);
+        }
+        __syncwarp();
+        pos.next(ring.S);
+      }
+    }
+    cur = nxt;
+  }
+}
+
+// ---- other page sizes (multiples of 4): a block spans <= 64 / page_size + 1 pages ----
+// One item as the producer resolved it: for each of its kSub blocks the page of the lane's segment (lane j: the
+// block's j-th page; kNoSeg where the block has fewer pages or no keys).
 struct ItemRes {
-  int32_t t0, nt, k0, len;  // len: the group's longest key_len (keys past it are not scored)
+  int32_t t0, nt, k0, len;
   int32_t pg[kSub];
 };
 
@@ -137,8 +254,46 @@ __device__ __forceinline__ ItemRes resolve_item(const WgArgs& a, int64_t it, int
   return r;
 }
 
-template <int kHi, int kNT>
-__global__ void __launch_bounds__(kThreads, 1) indexer_scores_wgmma_kernel(const __grid_constant__ WgArgs a) {
+// Producer c's items (first + stride n, n < nc) one item ahead; per block, lane j copies the block's j-th page segment (rows [s0, s1) of its
+// page, rounded up to 4 rows: still inside the page, page sizes being multiples of 4).
+__device__ __forceinline__ void produce_segments(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
+                                                 int64_t first, int64_t stride, int64_t nc) {
+  const int32_t P = a.page_size;
+  const int64_t page_bytes = static_cast<int64_t>(P) * (kDi + 4);
+  int32_t seg_t0 = -1, seg_b = 0, seg_len = 0;
+  ItemRes cur{};
+  if (nc > 0) cur = resolve_item(a, first, lane, seg_t0, seg_b, seg_len);
+  for (int64_t n = 0; n < nc; ++n) {
+    ItemRes nxt{};
+    if (n + 1 < nc) nxt = resolve_item(a, first + stride * (n + 1), lane, seg_t0, seg_b, seg_len);
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const int32_t kb = cur.k0 + j * kBK, kend = min(kb + kBK, cur.len);
+      if (kb >= kend) break;  // (uniform)
+      const int32_t p = kb / P + lane, s0 = max(kb, p * P), s1 = min(kend, (p + 1) * P);
+      const int32_t pg = cur.pg[j];
+      const bool ok = pg >= 0 && pg < a.num_pages;
+      if (pg != kNoSeg && !ok) report_device_error(a.err, kDevBadPage, cur.t0);
+      const int32_t n_rows = ok ? (s1 - s0 + 3) & ~3 : 0;
+      const uint32_t tx = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(n_rows) * (kDi + 4));
+      const uint32_t fb = begin_stage(ring, pos, lane, make_int4(cur.t0, cur.nt, kb, kend), tx);
+      __syncwarp();
+      if (n_rows > 0) {
+        const unsigned char* page = a.keys + pg * page_bytes;
+        const int32_t in_page = s0 - p * P, row = s0 - kb;
+        bulk_g2s(ring.stage + pos.slot * kStageBytes + row * kDi, page + static_cast<int64_t>(in_page) * kDi,
+                 n_rows * kDi, fb);
+        bulk_g2s(smem_u32(ring.scale + pos.slot * kBK + row), page + static_cast<int64_t>(P) * kDi + in_page * 4,
+                 n_rows * 4, fb);
+      }
+      pos.next(ring.S);
+    }
+    cur = nxt;
+  }
+}
+
+template <int kHi, int kNT, int kMW>
+__global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma_kernel(const __grid_constant__ WgArgs a) {
   constexpr int kN = kHi * kNT;
   constexpr int kPN = kN < kPassN ? kN : kPassN;  // columns a pass
   constexpr int kPT = kPN / kHi;                  // tokens a pass
@@ -146,81 +301,39 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_wgmma_kernel(const
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
-  const Layout<kN> L{a.stages};
-  const int S = a.stages;
-  const uint32_t sStage = base;
-  float* sScale = reinterpret_cast<float*>(smem + L.scale_off());
-  int4* sInfo = reinterpret_cast<int4*>(smem + L.info_off());
+  const int S = a.stages, ST = kMW * S;  // a ring's stages, all stages
+  const Layout<kN, kMW> L{ST};
   const uint32_t bars = base + L.bar_off();
-  auto full_bar = [&](int s) { return bars + 8 * s; };
-  auto empty_bar = [&](int s) { return bars + 8 * (S + s); };
 
   const int tid = threadIdx.x, wg = tid >> 7;
-  if (tid < 2 * S) mbar_init(bars + 8 * tid, tid < S ? 1 : 128);
+  if (tid < 2 * ST) mbar_init(bars + 8 * tid, tid < ST ? 1 : 128);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
 
-  // this CTA's flattened blocks [f0, f1): whole items, split evenly
-  const int64_t f0 = a.num_items * blockIdx.x / gridDim.x * kSub, f1 = a.num_items * (blockIdx.x + 1) / gridDim.x * kSub;
+  // this CTA's items [i0, i1): whole items, split evenly; warpgroup c's: i0 + c + kMW n, n < nc
+  const int64_t i0 = a.num_items * blockIdx.x / gridDim.x, i1 = a.num_items * (blockIdx.x + 1) / gridDim.x;
+  const int c = wg == 0 ? tid >> 5 : wg - 1;
+  const int64_t nc = i1 - i0 > c ? (i1 - i0 - c + kMW - 1) / kMW : 0;
+  const Ring ring{base + c * S * kStageBytes, reinterpret_cast<float*>(smem + L.scale_off()) + c * S * kBK,
+                  reinterpret_cast<int4*>(smem + L.info_off()) + c * S, bars + 8 * c * S, bars + 8 * (ST + c * S), S};
 
   if (wg == 0) {
-    // ==== producer: warp 0 (the other three warps of the warpgroup have nothing to do) ====
-    if (tid >= 32) return;
-    const int lane = tid;
-    const int32_t P = a.page_size;
-    const int64_t page_bytes = static_cast<int64_t>(P) * (kDi + 4);
-    int32_t seg_t0 = -1, seg_b = 0, seg_len = 0;
-    int ring = 0;
-    const int64_t i0 = f0 / kSub, i1 = f1 / kSub;
-    ItemRes cur{};
-    if (i0 < i1) cur = resolve_item(a, i0, lane, seg_t0, seg_b, seg_len);
-    for (int64_t it = i0; it < i1; ++it) {
-      ItemRes nxt{};
-      if (it + 1 < i1) nxt = resolve_item(a, it + 1, lane, seg_t0, seg_b, seg_len);
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const int32_t kb = cur.k0 + j * kBK, kend = min(kb + kBK, cur.len);
-        if (kb >= kend) continue;  // (uniform)
-        const int slot = ring % S, u = ring / S;
-        if (u > 0) mbar_wait(empty_bar(slot), (u - 1) & 1);
-        // the lane's segment: rows [s0, s1) of page p, rounded up to 4 rows (16-byte scale groups; still inside
-        // the page: page sizes are multiples of 4)
-        const int32_t p = kb / P + lane, s0 = max(kb, p * P), s1 = min(kend, (p + 1) * P);
-        const int32_t pg = cur.pg[j];
-        const bool ok = pg >= 0 && pg < a.num_pages;
-        if (pg != kNoSeg && !ok) report_device_error(a.err, kDevBadPage, cur.t0);
-        const int32_t n = ok ? (s1 - s0 + 3) & ~3 : 0;
-        const uint32_t tx = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(n) * (kDi + 4));
-        const uint32_t fb = full_bar(slot);
-        if (lane == 0) {
-          sInfo[slot] = make_int4(cur.t0, cur.nt, kb, kend);
-          mbar_arrive_expect_tx(fb, tx);
-        }
-        __syncwarp();
-        if (n > 0) {
-          const unsigned char* page = a.keys + pg * page_bytes;
-          const int32_t in_page = s0 - p * P, row = s0 - kb;
-          bulk_g2s(sStage + slot * kStageBytes + row * kDi, page + static_cast<int64_t>(in_page) * kDi, n * kDi, fb);
-          bulk_g2s(smem_u32(sScale + slot * kBK + row), page + static_cast<int64_t>(P) * kDi + in_page * 4, n * 4, fb);
-        }
-        ++ring;
-      }
-      cur = nxt;
+    // ==== producers: warp c feeds math warpgroup c (the other warps of the warpgroup have nothing to do) ====
+    if (c >= kMW) return;
+    const int lane = tid & 31;
+    RingPos pos;
+    if (a.page_size % kBK == 0) {
+      produce_paged64(a, ring, pos, lane, i0 + c, kMW, nc);
+    } else {
+      produce_segments(a, ring, pos, lane, i0 + c, kMW, nc);
     }
-    // end markers, one for each math warpgroup
-    for (int e = 0; e < 2; ++e, ++ring) {
-      const int slot = ring % S, u = ring / S;
-      if (u > 0) mbar_wait(empty_bar(slot), (u - 1) & 1);
-      if (lane == 0) {
-        sInfo[slot] = make_int4(-1, 0, -1, 0);
-        mbar_arrive(full_bar(slot));
-      }
-    }
+    // the end marker
+    begin_stage(ring, pos, lane, make_int4(-1, 0, -1, 0), 0);
     return;
   }
 
   // ==== math warpgroups ====
-  const int c = wg - 1, wt = tid & 127, wl = wt >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int wt = tid & 127, wl = wt >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
   const uint32_t sQ = base + L.q_off() + c * 2 * kN * 128;  // f16 Q, permuted [2 slabs][N x 128 B]
   float* sWq = reinterpret_cast<float*>(smem + L.wq_off()) + c * kN;
   const int bar = 1 + c;  // the warpgroup's named barrier
@@ -229,10 +342,10 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_wgmma_kernel(const
   int32_t my_len = 0;       // key_len of token t0 + tq (tq < nt), else 0
   float* my_row = nullptr;  // its score row
   float acc[kPN / 2];
-  for (int ring = c;; ring += 2) {
-    const int slot = ring % S, u = ring / S;
-    mbar_wait(full_bar(slot), u & 1);
-    const int4 info = sInfo[slot];
+  for (RingPos pos;; pos.next(S)) {
+    const int slot = pos.slot;
+    mbar_wait(ring.full + 8 * slot, pos.phase);
+    const int4 info = ring.info[slot];
     if (info.z < 0) break;
     const int32_t t0 = info.x, nt = info.y, kb = info.z;
     if (t0 != cur_t0) {
@@ -267,10 +380,10 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_wgmma_kernel(const
     // the A operand: rows row0 and row0 + 8, bytes [32 tq, 32 tq + 32) (chunks 2 tq, 2 tq + 1), f16 in registers
     // (rows are 128 B apart, unswizzled: lanes of odd g load their second chunk first, so the 8 lanes of a
     // quarter warp read 8 distinct 16-byte bank groups)
-    const uint32_t st = sStage + slot * kStageBytes + 32 * tq, odd = (g & 1) * 16;
+    const uint32_t st = ring.stage + slot * kStageBytes + 32 * tq, odd = (g & 1) * 16;
     const uint4 xa = lds128(st + row0 * kDi + odd), xb = lds128(st + row0 * kDi + (odd ^ 16));
     const uint4 ya = lds128(st + (row0 + 8) * kDi + odd), yb = lds128(st + (row0 + 8) * kDi + (odd ^ 16));
-    const float sk0 = sScale[slot * kBK + row0], sk1 = sScale[slot * kBK + row0 + 8];
+    const float sk0 = ring.scale[slot * kBK + row0], sk1 = ring.scale[slot * kBK + row0 + 8];
     const uint4 x0 = odd ? xb : xa, x1 = odd ? xa : xb, y0 = odd ? yb : ya, y1 = odd ? ya : yb;
     const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     const uint32_t yw[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
@@ -284,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_wgmma_kernel(const
     }
     // The stage is read: its words are in af, its scales in sk0 / sk1 (the release orders those loads before the
     // producer's next copies into the slot).
-    mbar_arrive(empty_bar(slot));
+    mbar_arrive(ring.empty + 8 * slot);
 
     float mine0 = 0.f, mine1 = 0.f;  // token tq's scores of rows row0, row0 + 8
 #pragma unroll
@@ -335,19 +448,26 @@ __global__ void __launch_bounds__(kThreads, 1) indexer_scores_wgmma_kernel(const
   }
 }
 
+// Math warpgroups a CTA for N = kN columns (heads x group tokens).
+// Measured (docs/design/2026-12-02-persistent-score-kernel.md): 3 where N <= 64 (12-18% faster than 2 at next_n 1;
+// a 4th changed nothing), else 2 (N = 128 / 256 take 144-160 registers a thread: 512 threads allow 128).
+template <int kN>
+constexpr int kMathWarpgroups = kN <= 64 ? 3 : 2;
+
 template <int kHi, int kNT>
 Status launch_wg(WgArgs& a, const LaunchContext& ctx) {
-  constexpr int kN = kHi * kNT;
+  constexpr int kN = kHi * kNT, kMW = kMathWarpgroups<kN>;
+  static_assert(kMaxStages % kMW == 0, "whole rings");
   int device = 0, optin = 0;
   DSACP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   DSACP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  Layout<kN> L{kMaxStages};
-  while (L.stages > 2 && L.bytes() > optin) --L.stages;
-  a.stages = L.stages;
+  Layout<kN, kMW> L{kMaxStages};
+  while (L.stages > 2 * kMW && L.bytes() > optin) L.stages -= kMW;
+  a.stages = L.stages / kMW;
   const int bytes = L.bytes();
-  DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(indexer_scores_wgmma_kernel<kHi, kNT>, bytes));
+  DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(indexer_scores_wgmma_kernel<kHi, kNT, kMW>, bytes));
   const int grid = static_cast<int>(std::min<int64_t>(std::max(ctx.num_sms, 1), a.num_items));
-  indexer_scores_wgmma_kernel<kHi, kNT><<<grid, kThreads, bytes, ctx.stream>>>(a);
+  indexer_scores_wgmma_kernel<kHi, kNT, kMW><<<grid, 128 * (1 + kMW), bytes, ctx.stream>>>(a);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("indexer_scores_wgmma_kernel");
   return Status::ok_status();
 }
@@ -361,11 +481,11 @@ bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_toke
 }
 
 // The measured rule (dsacp_bench_gpu, one H200, b = 64, 32K..128K; docs/design/2026-12-02-persistent-score-kernel.md):
-// groups of 2..4 tokens (MTP decode, prefill) run 1.2-2.3x faster here, where each key is read once for the group
-// and the f16 wgmma serves all its tokens; single-token rows (next_n 1) are 5-10% faster on the mma.sync kernel.
+// this kernel wherever it applies: 1.9-2.2x faster than the mma.sync kernel at next_n 1, 2.0-2.6x at next_n 2..4,
+// 1.65x at prefill.
 bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens) {
   (void)p;
-  return max_group_tokens >= 2;
+  return max_group_tokens >= 1;
 }
 
 Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
