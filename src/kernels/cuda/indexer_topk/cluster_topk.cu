@@ -322,6 +322,14 @@ Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int3
                ? TopkForm::kRegister
                : TopkForm::kCluster;
   }
+  if (form == TopkForm::kFilter) {
+    const int th = opt.threads > 0 ? opt.threads : filter_topk_threads(t1 - t0, ctx);
+    const int c = opt.cluster > 0 ? opt.cluster : filter_topk_cluster(t1 - t0, max_len, th, ctx);
+    if (opt.form == TopkForm::kFilter || filter_topk_fits(max_len, c, th)) {
+      return launch_filter_topk(p, t0, t1, max_len, score_offset, scores, inl, ctx, c, th);
+    }
+    form = TopkForm::kRegister;  // the default's pick, for rows too long for the filter form's bitmaps
+  }
   if (form == TopkForm::kRegister) {
     const int c = opt.cluster > 0 ? opt.cluster : register_topk_cluster(t1 - t0, max_len, ctx);
     return launch_register_topk(p, t0, t1, max_len, score_offset, scores, inl, ctx, c);
