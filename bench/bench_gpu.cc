@@ -494,6 +494,7 @@ void bench_topk(const std::string& name, const std::vector<int32_t>& lens, int K
     for (int c : {1, 2, 4, 8}) {
       for (int cache : {-1, 0, 1}) {
         TopkLaunchOptions o;
+        o.form = dsacp::cuda::TopkForm::kCluster;
         o.cluster = c;
         o.cache = cache;
         vs.push_back({"C=" + std::to_string(c) + (cache < 0 ? " cache auto" : cache ? " cached" : " uncached"), o});
@@ -513,6 +514,7 @@ void bench_topk(const std::string& name, const std::vector<int32_t>& lens, int K
       o.form = dsacp::cuda::TopkForm::kFilter;
       o.threads = th;
       o.cluster = c;
+      if (c > 0 && !dsacp::cuda::filter_topk_fits(max_len, c, th)) continue;  // refused: slices too long
       vs.push_back({th == 0 ? std::string("filter")
                             : "filter T=" + std::to_string(th) + " C=" + std::to_string(c),
                     o});

@@ -15,11 +15,12 @@ namespace dsacp::cuda {
 // launch_topk_rows (kDefaultTopkForm).
 enum class TopkForm { kAuto = 0, kCluster = 1, kRegister = 2, kFilter = 3 };
 
-// The form a launch with form = kAuto takes: the one place the default kernel is chosen. kRegister makes the
-// register form the default where its cluster is 2 CTAs or more (decode batches: fewer rows than the clusters the
-// device holds at once); launches of many rows (a prefill's, one CTA a row) keep the cluster kernel, measured faster
-// there.
-inline constexpr TopkForm kDefaultTopkForm = TopkForm::kRegister;
+// The form a launch with form = kAuto takes: the one place the default kernel is chosen. kFilter: the filter form
+// wherever its bitmaps fit (slices up to ~700K keys: every decode and prefill row up to 5M keys), measured faster
+// than the other forms at every shape benchmarked (decode b = 64 at 32K-128K, the 8192 causal prefill, one 1M row);
+// rows too long for it take the register form's rule below (kRegister: the register form where its cluster is 2
+// CTAs or more, else the cluster kernel).
+inline constexpr TopkForm kDefaultTopkForm = TopkForm::kFilter;
 
 // The register form's candidate buffer (keys of the boundary bin, for the whole cluster of a row); a row whose
 // boundary bin holds more (heavy ties) takes the form's fallback, which walks the chunks for the later digits.
@@ -69,9 +70,9 @@ Status launch_filter_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, in
                           const int64_t* score_offset, const float* scores, const InlinePlan& inl,
                           const LaunchContext& ctx, int cluster, int threads);
 bool filter_topk_fits(int32_t max_len, int cluster, int threads);
-// The filter form's threads a CTA for `rows` rows (threads = 0), and its cluster (cluster = 0): the largest whose
-// clusters all run in one wave with at least 4 keys a thread.
-int filter_topk_threads(int64_t rows, const LaunchContext& ctx);
+// The filter form's threads a CTA for `rows` rows (threads = 0), and its cluster (cluster = 0): the smallest whose
+// rows x C fill the SMs, within one wave where a smaller cluster fits.
+int filter_topk_threads(int64_t rows, int32_t max_len, const LaunchContext& ctx);
 int filter_topk_cluster(int64_t rows, int32_t max_len, int threads, const LaunchContext& ctx);
 
 }  // namespace dsacp::cuda

@@ -25,6 +25,8 @@
 // (11/11/10 bits of u) walk the slice again over the keys of bin b1 with warp-aggregated atomics, then one walk
 // writes GT / EQ from u against u*, and a cluster barrier exchanges the CTAs' counts. Rows with key_len <= K are
 // 0..n-1 then -1. The result is a function of the scores alone (counts and bitmaps): bit-identical run to run.
+// What bounds it (ncu, b = 64 x 32K, 512 threads, C = 2): not bytes (DRAM < 30%) nor issue slots (SM 35%) but each
+// CTA's chain of loads and barriers at ~1 CTA an SM (docs/design/2026-12-02-topk.md).
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -579,20 +581,33 @@ bool filter_topk_fits(int32_t max_len, int cluster, int threads) {
   return dyn_smem(max_len, cluster, threads) <= kSmemPerBlock;
 }
 
-int filter_topk_threads(int64_t rows, const LaunchContext& ctx) {
-  return rows <= 2 * int64_t{std::max(1, ctx.num_sms)} ? 1024 : 256;
+int filter_topk_threads(int64_t rows, int32_t max_len, const LaunchContext& ctx) {
+  // many rows (a prefill's): 256 threads, several CTAs an SM; decode batches: 512 threads up to 32K keys a row, 1024
+  // past that (measured at b = 64: 32K 0.0236 ms at 512 against 0.0256 at 1024; 64K and 128K faster at 1024)
+  if (rows > 2 * int64_t{std::max(1, ctx.num_sms)}) return 256;
+  return max_len <= 32768 ? 512 : 1024;
 }
 
 int filter_topk_cluster(int64_t rows, int32_t max_len, int threads, const LaunchContext& ctx) {
-  // The largest C whose clusters all run in one wave, each CTA with at least 4 keys a thread of the longest row.
-  for (int c = 8; c >= 2; c /= 2) {
-    if (int64_t{max_len} < int64_t{c} * 4 * threads || !filter_topk_fits(max_len, c, threads)) continue;
-    const int have = threads == 1024  ? max_active_clusters_t<1024>(c, ctx.stream)
-                     : threads == 512 ? max_active_clusters_t<512>(c, ctx.stream)
-                                      : max_active_clusters_t<256>(c, ctx.stream);
-    if (rows <= have) return c;
+  // The smallest C (fewer, larger CTAs a row: measured faster, C = 2 against 4 and 8 at b = 64) whose rows x C fill
+  // the SMs (90%), or whose next size would leave fewer than 4 keys a thread; C whose bitmaps do not fit skipped.
+  // Then halved (down to the smallest that fits) while the clusters do not all fit one wave.
+  const int64_t sms = std::max(1, ctx.num_sms);
+  int c = 0, smallest = 0;
+  for (int k = 1; k <= 8; k *= 2) {
+    if (!filter_topk_fits(max_len, k, threads)) continue;
+    if (smallest == 0) smallest = k;
+    c = k;
+    if (rows * k * 10 >= sms * 9 || int64_t{max_len} < int64_t{k} * 2 * 4 * threads) break;
   }
-  return 1;
+  if (c == 0) return 8;  // nothing fits: launch_filter_topk refuses it with its message
+  auto active = [&](int k) {
+    return threads == 1024  ? max_active_clusters_t<1024>(k, ctx.stream)
+           : threads == 512 ? max_active_clusters_t<512>(k, ctx.stream)
+                            : max_active_clusters_t<256>(k, ctx.stream);
+  };
+  while (c > smallest && c > 1 && rows > active(c)) c /= 2;
+  return c;
 }
 
 Status launch_filter_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
