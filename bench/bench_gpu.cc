@@ -494,6 +494,7 @@ void bench_topk(const std::string& name, const std::vector<int32_t>& lens, int K
     for (int c : {1, 2, 4, 8}) {
       for (int cache : {-1, 0, 1}) {
         TopkLaunchOptions o;
+        o.form = dsacp::cuda::TopkForm::kCluster;
         o.cluster = c;
         o.cache = cache;
         vs.push_back({"C=" + std::to_string(c) + (cache < 0 ? " cache auto" : cache ? " cached" : " uncached"), o});
@@ -504,6 +505,19 @@ void bench_topk(const std::string& name, const std::vector<int32_t>& lens, int K
       o.form = dsacp::cuda::TopkForm::kRegister;
       o.cluster = c;
       vs.push_back({c == 0 ? std::string("register") : "register C=" + std::to_string(c), o});
+    }
+    // the filter form (filter_topk.cu): its threads and cluster chosen (0) or given
+    for (const auto& [th, c] : std::vector<std::pair<int, int>>{{0, 0}, {1024, 1}, {1024, 2}, {1024, 4}, {1024, 8},
+                                                                {512, 2}, {512, 4}, {512, 8}, {256, 1}, {256, 4},
+                                                                {256, 8}}) {
+      TopkLaunchOptions o;
+      o.form = dsacp::cuda::TopkForm::kFilter;
+      o.threads = th;
+      o.cluster = c;
+      if (c > 0 && !dsacp::cuda::filter_topk_fits(max_len, c, th)) continue;  // refused: slices too long
+      vs.push_back({th == 0 ? std::string("filter")
+                            : "filter T=" + std::to_string(th) + " C=" + std::to_string(c),
+                    o});
     }
     for (const V& v : vs) {
       record(name + " [" + v.tag + "]", time_ms([&] { CS(launch_topk_rows(p, 0, rows, max_len, d_offset, d_scores, inl,

@@ -152,6 +152,7 @@ std::vector<Form> all_forms() {
   for (int c : {1, 2, 4, 8}) {
     for (int cache : {0, 1}) {
       TopkLaunchOptions o;
+      o.form = cuda::TopkForm::kCluster;
       o.cluster = c;
       o.cache = cache;
       f.push_back({"C=" + std::to_string(c) + (cache ? " cached" : " uncached"), o});
@@ -165,6 +166,15 @@ std::vector<Form> all_forms() {
     o.form = cuda::TopkForm::kRegister;
     o.cluster = c;
     f.push_back({c == 0 ? std::string("reg") : "reg C=" + std::to_string(c), o});
+  }
+  // the filter form, its threads and cluster chosen (0) or given
+  for (const auto& [th, c] : std::vector<std::pair<int, int>>{{0, 0}, {1024, 1}, {1024, 2}, {1024, 8}, {512, 4},
+                                                              {256, 1}, {256, 8}}) {
+    TopkLaunchOptions o;
+    o.form = cuda::TopkForm::kFilter;
+    o.threads = th;
+    o.cluster = c;
+    f.push_back({th == 0 ? std::string("filter") : "filter T=" + std::to_string(th) + " C=" + std::to_string(c), o});
   }
   return f;
 }
@@ -223,8 +233,17 @@ void check_batch(CheckLog& log, const std::string& name, Batch& b, const std::ve
     std::vector<float> sc;
     std::string err;
     const std::string what = "topk_rows " + name + " [" + f.name + "]";
+    // the filter form refuses a cluster whose slices' bitmaps do not fit shared memory (the default never asks)
+    const bool refuse = f.opt.form == cuda::TopkForm::kFilter && f.opt.cluster > 0 &&
+                        !cuda::filter_topk_fits(b.max_len, f.opt.cluster, f.opt.threads);
     if (!run_form(b, f, topk, sc, err)) {
-      log.report(false, what, err + " (seed " + std::to_string(seed) + ")");
+      const bool as_expected = refuse && err.rfind("unsupported: filter top-k", 0) == 0;
+      log.report(as_expected, what, (as_expected ? "refused as expected: " : "") + err + " (seed " +
+                                        std::to_string(seed) + ")");
+      continue;
+    }
+    if (refuse) {
+      log.report(false, what, "expected a refusal (slices too long for the filter form's bitmaps)");
       continue;
     }
     int64_t bad = 0, bad_scores = 0;
@@ -284,7 +303,8 @@ void run_case(CheckLog& log, const std::string& name, int32_t K, const std::vect
 void test_topk_rows(CheckLog& log, uint64_t seed, bool small) {
   const std::vector<Form> forms = all_forms();
   const std::vector<Form> main_forms = pick_forms(
-      forms, {"default", "C=1 cached", "C=8 uncached", "C=8 cached", "one-CTA", "reg", "reg C=1", "reg C=8"});
+      forms, {"default", "C=1 cached", "C=8 uncached", "C=8 cached", "one-CTA", "reg", "reg C=1", "reg C=8", "filter",
+              "filter T=1024 C=2", "filter T=256 C=1", "filter T=256 C=8"});
   // Every K over the row lengths around its boundaries and the cache / slice sizes.
   const std::vector<int32_t> ks = small ? std::vector<int32_t>{7, 2048}
                                         : std::vector<int32_t>{1, 7, 512, 1000, 2048, 2049, 4096};
@@ -305,6 +325,19 @@ void test_topk_rows(CheckLog& log, uint64_t seed, bool small) {
       run_case(log, "candidates", K, {cap - 1, cap, cap + 1, 20000}, {Kind::kAllEqual}, seed + 10 + K, reg);
       if (!small) run_case(log, "candidates", K, {2 * cap - 2, 2 * cap, 2 * cap + 2, 40001}, {Kind::kHalfTied},
                            seed + 11 + K, reg);
+    }
+  }
+  // The filter form's candidate buffer at its edge (4096 keys of the boundary bin at 512 and 1024 threads, 2048 at
+  // 256): all tied rows of that many keys and one more or less (the fallback's radix passes), one CTA and a cluster.
+  {
+    const std::vector<Form> fil = pick_forms(
+        forms, {"filter", "filter T=1024 C=1", "filter T=1024 C=2", "filter T=512 C=4", "filter T=256 C=1",
+                "filter T=256 C=8"});
+    for (int32_t K : {7, 1000}) {
+      run_case(log, "filter candidates", K, {2047, 2048, 2049, 4095, 4096, 4097, 9000}, {Kind::kAllEqual},
+               seed + 12 + K, fil);
+      run_case(log, "filter candidates", K, {4095, 8192, 8194, 12000}, {Kind::kHalfTied, Kind::kNarrow},
+               seed + 13 + K, fil);
     }
   }
   if (small) {

@@ -304,9 +304,9 @@ Status launch_cluster_topk(const IndexerTopkParams& p, int64_t t0, int64_t t1, i
   return Status::ok_status();
 }
 
-// The default form (kDefaultTopkForm: the cluster kernel as set now, C CTAs a row, C the largest of 1, 2, 4, 8 that
-// keeps rows x C within about four CTAs per SM and gives every CTA at least 2048 keys of the longest row), or the
-// form the options name.
+// The default form (kDefaultTopkForm: the filter form where it fits; else the register form where its cluster is 2+
+// CTAs, else the cluster kernel: C CTAs a row, C the largest of 1, 2, 4, 8 that keeps rows x C within about four CTAs
+// per SM and gives every CTA at least 2048 keys of the longest row), or the form the options name.
 Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int32_t max_len,
                         const int64_t* score_offset, const float* scores, const InlinePlan& inl,
                         const LaunchContext& ctx, const TopkLaunchOptions& opt) {
@@ -316,9 +316,17 @@ Status launch_topk_rows(const IndexerTopkParams& p, int64_t t0, int64_t t1, int3
     return launch_radix_select_one_cta(p, t0, t1, max_len, score_offset, scores, inl, ctx);
   }
   TopkForm form = opt.form;
+  if (form == TopkForm::kAuto && kDefaultTopkForm == TopkForm::kFilter) form = TopkForm::kFilter;
+  if (form == TopkForm::kFilter) {
+    const int th = opt.threads > 0 ? opt.threads : filter_topk_threads(t1 - t0, max_len, ctx);
+    const int c = opt.cluster > 0 ? opt.cluster : filter_topk_cluster(t1 - t0, max_len, th, ctx);
+    if (opt.form == TopkForm::kFilter || filter_topk_fits(max_len, c, th)) {
+      return launch_filter_topk(p, t0, t1, max_len, score_offset, scores, inl, ctx, c, th);
+    }
+    form = TopkForm::kAuto;  // rows too long for the filter form's bitmaps: the rule below
+  }
   if (form == TopkForm::kAuto) {
-    form = kDefaultTopkForm == TopkForm::kRegister && (opt.cluster > 1 || (opt.cluster <= 0 &&
-                                                       register_topk_cluster(t1 - t0, max_len, ctx) > 1))
+    form = opt.cluster > 1 || (opt.cluster <= 0 && register_topk_cluster(t1 - t0, max_len, ctx) > 1)
                ? TopkForm::kRegister
                : TopkForm::kCluster;
   }
