@@ -229,7 +229,9 @@ TEST(ExternalCache, WrappedPoolsEqualCreatedPools) {
     auto made = case_generate(spec);
     ASSERT_TRUE(made.ok());
     CaseFile c = std::move(*made);
-    if (fp8) ASSERT_TRUE(case_quantize_index(c).ok());
+    if (fp8) {
+      ASSERT_TRUE(case_quantize_index(c).ok());
+    }
     StepConfig config = testing::f32_step_config(c);
     if (fp8) config.index_dtype = DType::kF8E4M3;
     auto backend = make_cpu_backend(1);
