@@ -46,6 +46,12 @@ class CpStepPlan {
   const CpLayout& layout() const;
   // Pages a layer's cache must hold (one past the highest page id of the rank's pools the plan addresses).
   int64_t pages_needed() const;
+  // The device buffers the plan keeps for its runs (the gathered rows, the exchanged candidates and partials):
+  // taken in the same order by every run, grown only where a run needs more, so the runs of a plan after its
+  // first allocate nothing (capture a run into a CUDA graph after one eager run). Bytes held now, and the
+  // backend allocations that took, all runs together.
+  size_t run_scratch_bytes() const;
+  int64_t run_scratch_allocations() const;
 
   struct Impl;
   const Impl& impl() const { return *impl_; }

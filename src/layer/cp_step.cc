@@ -112,18 +112,23 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
   }
   DSACP_RETURN_IF_ERROR(check_comms(comms, plan));
   DSACP_RETURN_IF_ERROR(check_indexer_inputs(c, in));
+  RunScratchClaim claim(p.scratch);
+  DSACP_RETURN_IF_ERROR(claim.claim("CP step run"));
   PhaseClock clock(backend);
   // The step's own top-k is canonical: the caller's buffer, or (slot form) one that output_forms converts from.
-  DeviceBuffer canonical_topk;
   StepOutputs out = caller_out;
-  DSACP_ASSIGN_OR_RETURN(out.topk, step_topk_buffer(backend, c, plan.num_rows, caller_out.topk, &canonical_topk));
+  RankStep s{backend, comms, p, cache, in, out, p.scratch, {}, {}, {}};
+  DeviceBuffer canonical_topk;
+  if (c.topk_form != TopkForm::kCanonical) {
+    DSACP_ASSIGN_OR_RETURN(canonical_topk, s.take(static_cast<size_t>(plan.num_rows) * c.K * sizeof(int32_t)));
+    out.topk = canonical_topk.as<int32_t>();
+  }
   const bool precomputed = in.topk != nullptr;
   const bool replicated = p.replicated;
   const bool fp8 = p.fp8;
   // Kernels, uploads and device copies only enqueue; collectives order themselves after them (NCCL's
   // producer stream) and errors come back from the synchronize() at the end.
   DeferredErrors defer(backend);
-  RankStep s{backend, comms, p, cache, in, out, {}, {}, {}};
   const int32_t B = cc.page_size;
   const int64_t rows = plan.num_rows;
   const int64_t Hr = plan.num_heads;
@@ -162,7 +167,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
       for (int i = 0; i < n_kv; ++i) {
         auto& e = kv[i];
         const size_t bytes = static_cast<size_t>(rows) * e.dim * e.elem;
-        DSACP_ASSIGN_OR_RETURN(e.rows, backend.allocate(std::max<size_t>(gathered * e.dim * e.elem, 1)));
+        DSACP_ASSIGN_OR_RETURN(e.rows, s.take(std::max<size_t>(gathered * e.dim * e.elem, 1)));
         e.gathered = e.rows.get();
         parts.push_back({e.local, e.rows.get(), bytes});
       }
@@ -229,8 +234,8 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
   std::unique_ptr<CollectiveHandle> h_q;
   if (layout.dsa_cp && decode_only) {
     const size_t qn_row = static_cast<size_t>(c.H) * c.Dl * act, qr_row = static_cast<size_t>(c.H) * c.Dr * act;
-    DSACP_ASSIGN_OR_RETURN(all_qn, backend.allocate(std::max<size_t>(T_all * qn_row, 1)));
-    DSACP_ASSIGN_OR_RETURN(all_qr, backend.allocate(std::max<size_t>(T_all * qr_row, 1)));
+    DSACP_ASSIGN_OR_RETURN(all_qn, s.take(std::max<size_t>(T_all * qn_row, 1)));
+    DSACP_ASSIGN_OR_RETURN(all_qr, s.take(std::max<size_t>(T_all * qr_row, 1)));
     DSACP_ASSIGN_OR_RETURN(h_q, comms.dcp->all_gather_group_async({{in.q_nope, all_qn.get(), rows * qn_row},
                                                                     {in.q_rope, all_qr.get(), rows * qr_row}}));
   }
@@ -241,7 +246,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
   DeviceBuffer all_topk;
   auto gather_all_topk = [&]() -> Status {  // DSA-CP decode-only: every token's rows on every rank
     if (!(layout.dsa_cp && decode_only)) return Status();
-    DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
+    DSACP_ASSIGN_OR_RETURN(all_topk, s.take(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
     return comms.dcp->all_gather(out.topk, all_topk.get(), rows * c.K * sizeof(int32_t));
   };
   if (precomputed) {
@@ -279,17 +284,17 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
     // Every rank needs every token's candidates: gather the indexer queries along tokens first.
     const size_t q_row = static_cast<size_t>(c.Hi) * c.Di * dtype_size(c.index_input_dtype());
     const size_t w_row = static_cast<size_t>(c.Hi) * sizeof(float);
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_q, backend.allocate(std::max<size_t>(T_all * q_row, 1)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_w, backend.allocate(std::max<size_t>(T_all * w_row, 1)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_q, s.take(std::max<size_t>(T_all * q_row, 1)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer all_w, s.take(std::max<size_t>(T_all * w_row, 1)));
     DeviceBuffer all_qs;  // FP8: the queries' scales travel with them
     std::vector<Communicator::Part> q_parts = {{in.idx_q, all_q.get(), rows * q_row}, {in.idx_w, all_w.get(), rows * w_row}};
     if (fp8) {
-      DSACP_ASSIGN_OR_RETURN(all_qs, backend.allocate(std::max<size_t>(T_all * w_row, 1)));
+      DSACP_ASSIGN_OR_RETURN(all_qs, s.take(std::max<size_t>(T_all * w_row, 1)));
       q_parts.push_back({in.idx_q_scale, all_qs.get(), rows * w_row});
     }
     DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_gather_group_async(q_parts));
     DSACP_RETURN_IF_ERROR(h->wait());
-    DSACP_ASSIGN_OR_RETURN(all_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
+    DSACP_ASSIGN_OR_RETURN(all_topk, s.take(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
     const MergedTopkRows all_rows{T_all, p.d_all_request, p.all_request.data(), p.d_all_local_len,
                                   p.all_local_len.data()};
     DSACP_ASSIGN_OR_RETURN(PendingTopk pt, start_merged_topk(s, all_rows, all_q.get(), all_qs.as<const float>(),
@@ -303,13 +308,13 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
     std::optional<PendingView> idx_pending;
     if (shared < rows) {
       // PCP prefill rows: a gathered view of every request's indexer keys.
-      DSACP_ASSIGN_OR_RETURN(idx_pending, start_view(backend, *comms.world, cache.index_keys(), *p.index_view));
+      DSACP_ASSIGN_OR_RETURN(idx_pending, start_view(s, *comms.world, cache.index_keys(), *p.index_view));
     }
     std::optional<PendingTopk> pending_topk;
     // The merged rows are the local decodes' rows: the merge writes their local top-k too (no remap kernel).
     DeviceBuffer merged_local_topk;
     if (shared > 0 && local_decodes && T_dec > 0 && shared == T_dec) {
-      DSACP_ASSIGN_OR_RETURN(merged_local_topk, backend.allocate(T_dec * c.K * sizeof(int32_t)));
+      DSACP_ASSIGN_OR_RETURN(merged_local_topk, s.take(T_dec * c.K * sizeof(int32_t)));
     }
     if (shared > 0) {
       // The plan's upload has the rows' local lengths already.
@@ -321,7 +326,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
     }
     DSACP_RETURN_IF_ERROR(start_q_heads());
     if (shared < rows) {
-      DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(backend, *idx_pending));
+      DSACP_ASSIGN_OR_RETURN(View idx_view, finish_view(s, *idx_pending));
       const DeviceViewPlan& iv = *p.index_view;
       IndexerTopkParams ip;
       ip.rows = {rows - shared, offset_ptr(p.d_row_request, shared), offset_ptr(p.d_row_key_len, shared)};
@@ -360,14 +365,14 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
     // Every token's query, local attention over own keys, all-to-all along tokens, merge.
     DSACP_RETURN_IF_ERROR(h_q->wait());
     const int64_t H = c.H;
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, backend.allocate(T_all * H * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer local_topk, backend.allocate(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, s.take(T_all * H * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, s.take(T_all * H * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer local_topk, s.take(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
     DSACP_RETURN_IF_ERROR(partial_attention_own_keys(s, T_all, all_qn.get(), all_qr.get(), p.d_all_request,
                                                      p.d_all_local_len, all_topk.as<const int32_t>(),
                                                      local_topk.as<int32_t>(), part_out.get(), part_lse.as<float>()));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, backend.allocate(T_all * H * c.Dl * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, backend.allocate(T_all * H * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, s.take(T_all * H * c.Dl * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, s.take(T_all * H * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_to_all_group_async({{part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)},
                                                                        {part_lse.get(), recv_lse.get(), rows * H * sizeof(float)}}));
     DSACP_RETURN_IF_ERROR(h->wait());

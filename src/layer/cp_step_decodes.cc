@@ -86,8 +86,8 @@ Result<PendingHeads> start_head_gather(RankStep& s, const void* q_nope, const vo
   PendingHeads ph;
   const size_t per_head = static_cast<size_t>(n) * s.plan().num_heads * s.act();
   const size_t nope = per_head * s.c().Dl, rope = per_head * s.c().Dr;
-  DSACP_ASSIGN_OR_RETURN(ph.nope_blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * nope, 1)));
-  DSACP_ASSIGN_OR_RETURN(ph.rope_blocks, s.backend.allocate(std::max<size_t>(s.comms.dcp->size() * rope, 1)));
+  DSACP_ASSIGN_OR_RETURN(ph.nope_blocks, s.take(std::max<size_t>(s.comms.dcp->size() * nope, 1)));
+  DSACP_ASSIGN_OR_RETURN(ph.rope_blocks, s.take(std::max<size_t>(s.comms.dcp->size() * rope, 1)));
   DSACP_ASSIGN_OR_RETURN(ph.handle, producing(s, *s.comms.dcp).all_gather_group_async({{q_nope, ph.nope_blocks.get(), nope},
                                                                           {q_rope, ph.rope_blocks.get(), rope}}));
   return ph;
@@ -114,7 +114,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   if (local_topk.get() != nullptr) {
     d.local_topk = std::move(local_topk);
   } else {
-    DSACP_ASSIGN_OR_RETURN(d.local_topk, be.allocate(n * c.K * sizeof(int32_t)));
+    DSACP_ASSIGN_OR_RETURN(d.local_topk, s.take(n * c.K * sizeof(int32_t)));
   }
   if (d.direct) {
     // Attention writes its partials straight into the world's exchange window where it has one.
@@ -126,10 +126,10 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
     d.send_out_at = d.window->mine;
     d.send_lse_at = reinterpret_cast<float*>(static_cast<char*>(d.window->mine) + d.window_lse_at);
   } else {
-    DSACP_ASSIGN_OR_RETURN(d.send_out, be.allocate(Pt * block * c.Dl * part));
-    DSACP_ASSIGN_OR_RETURN(d.send_lse, be.allocate(Pt * block * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(d.recv_out, be.allocate(Pt * block * c.Dl * part));
-    DSACP_ASSIGN_OR_RETURN(d.recv_lse, be.allocate(Pt * block * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(d.send_out, s.take(Pt * block * c.Dl * part));
+    DSACP_ASSIGN_OR_RETURN(d.send_lse, s.take(Pt * block * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(d.recv_out, s.take(Pt * block * c.Dl * part));
+    DSACP_ASSIGN_OR_RETURN(d.recv_lse, s.take(Pt * block * sizeof(float)));
     d.send_out_at = d.send_out.get();
     d.send_lse_at = d.send_lse.as<float>();
   }
@@ -140,13 +140,13 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
   }
   if (q_heads) {
     const size_t rows_all = static_cast<size_t>(n * D * Hr);
-    DSACP_ASSIGN_OR_RETURN(d.full_qn, be.allocate(std::max<size_t>(rows_all * c.Dl * s.act(), 1)));
-    DSACP_ASSIGN_OR_RETURN(d.full_qr, be.allocate(std::max<size_t>(rows_all * c.Dr * s.act(), 1)));
+    DSACP_ASSIGN_OR_RETURN(d.full_qn, s.take(std::max<size_t>(rows_all * c.Dl * s.act(), 1)));
+    DSACP_ASSIGN_OR_RETURN(d.full_qr, s.take(std::max<size_t>(rows_all * c.Dr * s.act(), 1)));
     d.qn = d.full_qn.get();
     d.qr = d.full_qr.get();
   }
-  DSACP_ASSIGN_OR_RETURN(d.part_out, be.allocate(n * H * c.Dl * part));
-  DSACP_ASSIGN_OR_RETURN(d.part_lse, be.allocate(n * H * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(d.part_out, s.take(n * H * c.Dl * part));
+  DSACP_ASSIGN_OR_RETURN(d.part_lse, s.take(n * H * sizeof(float)));
   return d;
 }
 

@@ -10,6 +10,7 @@
 
 #include "dsacp/cp_step.h"
 #include "dsacp/cp_step_plan.h"
+#include "layer/run_scratch.h"
 #include "layer/step_checks.h"
 
 namespace dsacp {
@@ -68,6 +69,9 @@ struct CpStepPlan::Impl {
   // (direct), the head-gather's row order, and the partials' pack order by head (when not direct).
   bool q_heads = false, decodes_direct = false;
   DeviceBuffer d_heads_order, d_pack;
+
+  // The runs' device buffers (run_scratch.h): after a plan's first run, its runs allocate nothing.
+  mutable RunScratch scratch;
 };
 
 struct View {
@@ -92,6 +96,7 @@ struct RankStep {
   PagedKvCache& cache;
   const StepInputs& in;
   const StepOutputs& out;
+  RunScratch& scratch;  // the plan's: every device buffer of the run comes from it
   // Collectives the backend's stream waits for on the device; the host waits for them (bounded) at the end.
   std::vector<std::unique_ptr<CollectiveHandle>> in_flight;
   // Communicators with a row-synchronized window exchange in this step (window_rows): after the step's
@@ -105,6 +110,8 @@ struct RankStep {
   const CpRankPlan& plan() const { return p.rank; }
   int32_t B() const { return p.cache.page_size; }
   size_t act() const { return dtype_size(p.config.act_dtype); }
+  // The run's next device buffer of `bytes` bytes (RunScratch::take).
+  Result<DeviceBuffer> take(size_t bytes) { return scratch.take(backend, bytes); }
 };
 
 template <typename T>
@@ -136,8 +143,8 @@ Result<WindowRowSync> try_window_rows(const CpLayout& layout, Communicator& comm
 
 // ---- gathered views (cp_step_views.cc)
 Result<DeviceViewPlan> upload_view_plan(Backend& backend, GatheredViewPlan plan);
-Result<PendingView> start_view(Backend& backend, Communicator& comm, const PagedPoolView& own, const DeviceViewPlan& v);
-Result<View> finish_view(Backend& backend, PendingView& pv);
+Result<PendingView> start_view(RankStep& s, Communicator& comm, const PagedPoolView& own, const DeviceViewPlan& v);
+Result<View> finish_view(RankStep& s, PendingView& pv);
 // The latent and rope views of the requests attended over the gathered KV, started early.
 // The group's handle is the last member, so it is destroyed first: a rank that returns early (an error) waits
 // for the gather before either view's buffers are freed (the last rank to post may still be copying into them).

@@ -17,6 +17,8 @@ const StepConfig& CpStepPlan::config() const { return impl_->config; }
 const CpRankPlan& CpStepPlan::rank_plan() const { return impl_->rank; }
 const CpLayout& CpStepPlan::layout() const { return impl_->layout; }
 int64_t CpStepPlan::pages_needed() const { return impl_->pages_needed; }
+size_t CpStepPlan::run_scratch_bytes() const { return impl_->scratch.bytes(); }
+int64_t CpStepPlan::run_scratch_allocations() const { return impl_->scratch.allocations(); }
 
 Result<DeviceViewPlan> upload_view_plan(Backend& backend, GatheredViewPlan plan) {
   DeviceViewPlan v;

@@ -68,8 +68,8 @@ Result<PendingTopk> start_merged_topk(RankStep& s, const MergedTopkRows& rows, c
     part_topk = static_cast<int32_t*>(pt.window->mine);
     part_scores = reinterpret_cast<float*>(static_cast<char*>(pt.window->mine) + topk_bytes);
   } else {
-    DSACP_ASSIGN_OR_RETURN(pt.part_topk, s.backend.allocate(n * K * sizeof(int32_t)));
-    DSACP_ASSIGN_OR_RETURN(pt.part_scores, s.backend.allocate(n * K * sizeof(float)));
+    DSACP_ASSIGN_OR_RETURN(pt.part_topk, s.take(n * K * sizeof(int32_t)));
+    DSACP_ASSIGN_OR_RETURN(pt.part_scores, s.take(n * K * sizeof(float)));
     part_topk = pt.part_topk.as<int32_t>();
     part_scores = pt.part_scores.as<float>();
   }
@@ -104,8 +104,8 @@ Result<PendingTopk> start_merged_topk(RankStep& s, const MergedTopkRows& rows, c
     }
     return pt;
   }
-  DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.backend.allocate(Pt * n * K * sizeof(int32_t)));
-  DSACP_ASSIGN_OR_RETURN(pt.all_scores, s.backend.allocate(Pt * n * K * sizeof(float)));
+  DSACP_ASSIGN_OR_RETURN(pt.all_topk, s.take(Pt * n * K * sizeof(int32_t)));
+  DSACP_ASSIGN_OR_RETURN(pt.all_scores, s.take(Pt * n * K * sizeof(float)));
   DSACP_ASSIGN_OR_RETURN(pt.handle,
                          world.all_gather_group_async({{pt.part_topk.get(), pt.all_topk.get(), n * K * sizeof(int32_t)},
                                                        {pt.part_scores.get(), pt.all_scores.get(), n * K * sizeof(float)}}));

@@ -40,7 +40,8 @@ RowUnits row_units(const PagedPoolView& own) {
 
 // Packs `own` rows for the view (reference-design 4.6: right after the cache write, so the gather overlaps
 // the indexer); its all-gather is started by the caller (alone, or grouped with another view's).
-Result<PendingView> pack_view(Backend& backend, Communicator& comm, const PagedPoolView& own, const DeviceViewPlan& v) {
+Result<PendingView> pack_view(RankStep& s, Communicator& comm, const PagedPoolView& own, const DeviceViewPlan& v) {
+  Backend& backend = s.backend;
   PendingView pv;
   pv.plan = &v;
   pv.own = own;
@@ -48,10 +49,10 @@ Result<PendingView> pack_view(Backend& backend, Communicator& comm, const PagedP
   const RowUnits u = row_units(own);
   const int64_t n = v.host.rows_per_rank;
   if (n < 1) return internal_error("gathered view with no rows");
-  DSACP_ASSIGN_OR_RETURN(pv.pack, backend.allocate(n * u.row_bytes()));
+  DSACP_ASSIGN_OR_RETURN(pv.pack, s.take(n * u.row_bytes()));
   DSACP_RETURN_IF_ERROR(gather_dev(backend, own.data, u.dtype, own.num_pages * own.page_size, u.dim, v.pack_slots, n,
                                    pv.pack.get(), u.dtype, "pack for a gathered view"));
-  DSACP_ASSIGN_OR_RETURN(pv.gathered, backend.allocate(pv.ranks * n * u.row_bytes()));
+  DSACP_ASSIGN_OR_RETURN(pv.gathered, s.take(pv.ranks * n * u.row_bytes()));
   return pv;
 }
 
@@ -61,8 +62,8 @@ Communicator::Part view_part(const PendingView& pv) {
 
 }  // namespace
 
-Result<PendingView> start_view(Backend& backend, Communicator& comm, const PagedPoolView& own, const DeviceViewPlan& v) {
-  DSACP_ASSIGN_OR_RETURN(PendingView pv, pack_view(backend, comm, own, v));
+Result<PendingView> start_view(RankStep& s, Communicator& comm, const PagedPoolView& own, const DeviceViewPlan& v) {
+  DSACP_ASSIGN_OR_RETURN(PendingView pv, pack_view(s, comm, own, v));
   const Communicator::Part part = view_part(pv);
   DSACP_ASSIGN_OR_RETURN(pv.handle, comm.all_gather_async(part.send, part.recv, part.bytes));
   return pv;
@@ -70,7 +71,8 @@ Result<PendingView> start_view(Backend& backend, Communicator& comm, const Paged
 
 // Waits for the view's all-gather and lays the gathered rows out as the view's pool.
 // (A view whose gather was grouped with another's has no handle of its own: the other's wait covers it.)
-Result<View> finish_view(Backend& backend, PendingView& pv) {
+Result<View> finish_view(RankStep& s, PendingView& pv) {
+  Backend& backend = s.backend;
   if (pv.handle) DSACP_RETURN_IF_ERROR(pv.handle->wait());
   const GatheredViewPlan& v = pv.plan->host;
   const RowUnits u = row_units(pv.own);
@@ -81,7 +83,7 @@ Result<View> finish_view(Backend& backend, PendingView& pv) {
     out.storage = std::move(pv.gathered);
   } else {
     const int64_t n = v.view_num_pages * pv.own.page_size;
-    DSACP_ASSIGN_OR_RETURN(out.storage, backend.allocate(n * u.row_bytes()));
+    DSACP_ASSIGN_OR_RETURN(out.storage, s.take(n * u.row_bytes()));
     DSACP_RETURN_IF_ERROR(gather_dev(backend, pv.gathered.get(), u.dtype, pv.ranks * v.rows_per_rank, u.dim,
                                      pv.plan->unpack_rows, static_cast<int64_t>(v.unpack_rows.size()),
                                      out.storage.get(), u.dtype, "unpack a gathered view"));
@@ -94,27 +96,27 @@ Result<PendingKvView> start_kv_view(RankStep& s) {
   const DeviceViewPlan& v = *s.p.kv_view;
   Communicator& world = *s.comms.world;
   PendingKvView kv;
-  DSACP_ASSIGN_OR_RETURN(kv.latent, pack_view(s.backend, world, s.cache.latent(), v));
+  DSACP_ASSIGN_OR_RETURN(kv.latent, pack_view(s, world, s.cache.latent(), v));
   if (s.p.cache.fp8_latent()) {
     // fp8_ds_mla: the latent view's records carry the rope too (the 656-byte records travel, not bf16 rows).
     DSACP_ASSIGN_OR_RETURN(kv.latent.handle, world.all_gather_group_async({view_part(kv.latent)}));
     return kv;
   }
-  DSACP_ASSIGN_OR_RETURN(kv.rope, pack_view(s.backend, world, s.cache.rope(), v));
+  DSACP_ASSIGN_OR_RETURN(kv.rope, pack_view(s, world, s.cache.rope(), v));
   DSACP_ASSIGN_OR_RETURN(kv.handle, world.all_gather_group_async({view_part(kv.latent), view_part(kv.rope)}));
   return kv;
 }
 
 Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& kv) {
   if (kv.handle) DSACP_RETURN_IF_ERROR(kv.handle->wait());
-  DSACP_ASSIGN_OR_RETURN(View lat, finish_view(s.backend, kv.latent));
+  DSACP_ASSIGN_OR_RETURN(View lat, finish_view(s, kv.latent));
   View rope;
   if (s.p.cache.fp8_latent()) {
     rope.pool = s.cache.rope();  // the rope view of the gathered records
     rope.pool.data = lat.pool.data;
     rope.pool.num_pages = lat.pool.num_pages;
   } else {
-    DSACP_ASSIGN_OR_RETURN(rope, finish_view(s.backend, kv.rope));
+    DSACP_ASSIGN_OR_RETURN(rope, finish_view(s, kv.rope));
   }
   if (n == 0) return Status();
   const StepConfig& c = s.c();

@@ -117,6 +117,8 @@ TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
   std::vector<std::vector<StepResult>> results(2);
   for (auto& r : results) r.resize(static_cast<size_t>(Pt));
   std::vector<Status> status(static_cast<size_t>(Pt));
+  std::vector<int64_t> allocations(static_cast<size_t>(Pt), -1);
+  std::vector<char> exchanged(static_cast<size_t>(Pt), 0);
   std::vector<std::thread> threads;
   for (int32_t cr = 0; cr < Pt; ++cr) {
     threads.emplace_back([&, cr] {
@@ -143,11 +145,21 @@ TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
           return;
         }
         results[k][static_cast<size_t>(cr)] = std::move(*r);
+        // The run's buffers come from the plan: the first layer's run allocates them, the next one nothing.
+        if (k == 0) allocations[static_cast<size_t>(cr)] = plan->run_scratch_allocations();
       }
+      if (st.ok() && plan->run_scratch_allocations() != allocations[static_cast<size_t>(cr)]) {
+        st = internal_error("rank " + std::to_string(cr) + ": the second layer's run allocated " +
+                            std::to_string(plan->run_scratch_allocations() - allocations[static_cast<size_t>(cr)]) +
+                            " buffers");
+      }
+      exchanged[static_cast<size_t>(cr)] = plan->run_scratch_bytes() > 0;
     });
   }
   for (auto& t : threads) t.join();
   for (const Status& st : status) ASSERT_TRUE(st.ok()) << st.to_string();
+  // Every layout exchanges something through the plan's buffers (KV rows, candidates, partials or queries).
+  for (int32_t cr = 0; cr < Pt; ++cr) EXPECT_TRUE(exchanged[static_cast<size_t>(cr)]) << pl.name << " rank " << cr;
   for (size_t k = 0; k < layers.size(); ++k) {
     auto assembled = cp_assemble_result(config, l, layers[k].num_tokens(), *plans, results[k]);
     ASSERT_TRUE(assembled.ok()) << assembled.status().to_string();
