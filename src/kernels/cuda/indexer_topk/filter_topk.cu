@@ -222,11 +222,7 @@ __global__ void __launch_bounds__(kT, (kT >= 1024 ? 1 : 1024 / kT))
   const int tid = threadIdx.x, lane = tid & 31;
 
   if (n <= K) {  // the same n in every CTA of the cluster: no barrier is skipped by some and met by others
-#pragma unroll 1
-    for (int32_t i = rank * kT + tid; i < K; i += C * kT) {
-      out[i] = i < n ? i : -1;
-      if (out_scores != nullptr) out_scores[i] = i < n ? row[i] : -INFINITY;
-    }
+    topk::short_row_topk<kT>(C, rank, n, K, row, out, out_scores);
     return;
   }
   const int32_t slice = ((n + C - 1) / C + 3) / 4 * 4;

@@ -114,10 +114,7 @@ __global__ void __launch_bounds__(kThreads) radix_select_topk_kernel(const float
   const float* row = scores + plan_score_offset(inl, score_offset, t);
   float* out_scores = topk_scores == nullptr ? nullptr : topk_scores + t * K;  // optional [T, K]
   if (n <= K) {
-    for (int i = tid; i < K; i += kThreads) {
-      out[i] = i < n ? i : -1;
-      if (out_scores != nullptr) out_scores[i] = i < n ? row[i] : -INFINITY;
-    }
+    topk::short_row_topk<kThreads>(1, 0, n, K, row, out, out_scores);
     peer::window_row_signal(signal, t);
     merge_after_topk<kMerge>(merge, t, s_cache, err);
     return;

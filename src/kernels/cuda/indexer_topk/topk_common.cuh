@@ -14,6 +14,18 @@ namespace cg = cooperative_groups;
 
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
+// A row with no more keys than K (n <= K): every position in order, then -1 (scores: the row's, then -inf), the
+// positions [0, K) split over the `C` CTAs of the row's cluster (`rank` this one's) and their kT threads each.
+template <int kT>
+__device__ __forceinline__ void short_row_topk(int C, int rank, int32_t n, int32_t K, const float* row, int32_t* out,
+                                               float* out_scores) {
+#pragma unroll 1
+  for (int32_t i = rank * kT + static_cast<int32_t>(threadIdx.x); i < K; i += C * kT) {
+    out[i] = i < n ? i : -1;
+    if (out_scores != nullptr) out_scores[i] = i < n ? row[i] : -INFINITY;
+  }
+}
+
 // Rank key u(s): larger = better; NaN = 0 (below everything), -0 == +0, never 0 for a number: the CPU oracle's map.
 __device__ __forceinline__ uint32_t rank_key(float s) {
   if (s != s) return 0u;
