@@ -25,8 +25,15 @@ struct PagedPoolView {
   int32_t page_size = 0;
   int32_t dim = 0;
   int32_t record_bytes = 0;  // 0: rows (or FP8 two-plane pages); > 0: fp8_ds_mla records
+  // Rows only (f32/bf16 pools): elements from one slot's row to the next; 0 = dim (dense rows). A latent and a
+  // rope view of one [num_pages, page_size, Dl + Dr] buffer (vLLM's and FlashMLA's bf16 KV layout) both have
+  // row_stride Dl + Dr, the rope view starting Dl elements into the buffer.
+  int64_t row_stride = 0;
   bool records() const { return record_bytes > 0; }
 };
+
+// Elements from one slot's row of a row pool to the next.
+DSACP_HD int64_t pool_row_stride(const PagedPoolView& v) { return v.row_stride > 0 ? v.row_stride : v.dim; }
 
 // The first byte of slot `slot`'s part in a record pool: the latent values (dtype kF8E4M3) or the rope (kBF16).
 DSACP_HD int64_t record_part_offset(const PagedPoolView& v, int64_t slot) {
@@ -292,6 +299,7 @@ struct GatherRowsParams {
   DType src_dtype = DType::kBF16;
   int64_t src_rows = 0;
   int32_t dim = 0;
+  int64_t src_stride = 0;  // elements from one source row to the next; 0 = dim
   const int64_t* index = nullptr;  // [num_rows], each in [-1, src_rows)
   int64_t num_rows = 0;
   void* dst = nullptr;  // [num_rows, dim], f32 or bf16

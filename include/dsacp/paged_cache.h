@@ -99,6 +99,12 @@ struct ExternalPools {
   size_t rope_bytes = 0;
   void* index_keys = nullptr;
   size_t index_keys_bytes = 0;
+  // Instead of latent and rope (f32/bf16 latent only): one buffer of [num_pages, page_size, kv_row] elements,
+  // each token's row its Dl latent values, then its Dr rope values, then kv_row - Dl - Dr unused ones (vLLM's and
+  // FlashMLA's bf16 KV cache: kv_row = 576 for 512 + 64). kv_bytes: at least kv_bytes(config, kv_row).
+  void* kv = nullptr;
+  size_t kv_bytes = 0;
+  int32_t kv_row = 0;
 };
 
 // The three pools of one layer, in a backend's memory.
@@ -115,6 +121,7 @@ class PagedKvCache {
   static size_t latent_bytes(const PagedCacheConfig& config);
   static size_t rope_bytes(const PagedCacheConfig& config);
   static size_t index_keys_bytes(const PagedCacheConfig& config);
+  static size_t kv_bytes(const PagedCacheConfig& config, int32_t kv_row);
 
   const PagedCacheConfig& config() const { return config_; }
   // With fp8_ds_mla both are views of the one record pool (PagedPoolView::record_bytes).
@@ -125,12 +132,13 @@ class PagedKvCache {
     v.num_pages *= config_.index_page_factor;
     return v;
   }
-  size_t bytes() const { return latent_.bytes() + rope_.bytes() + index_keys_.bytes(); }
+  size_t bytes() const { return latent_.bytes() + (kv_row_ > 0 ? 0 : rope_.bytes()) + index_keys_.bytes(); }
 
  private:
   PagedPoolView view(const DeviceBuffer& b, int32_t dim, DType dtype) const;
   PagedCacheConfig config_;
   DeviceBuffer latent_, rope_, index_keys_;
+  int64_t kv_row_ = 0;  // > 0: latent_ and rope_ are views of one buffer of rows this many elements apart
 };
 
 }  // namespace dsacp

@@ -160,6 +160,12 @@ size_t PagedKvCache::rope_bytes(const PagedCacheConfig& config) {
   return static_cast<size_t>(config.num_pages * config.page_size) * config.Dr * dtype_size(config.dtype);
 }
 
+size_t PagedKvCache::kv_bytes(const PagedCacheConfig& config, int32_t kv_row) {
+  if (config.fp8_latent() || kv_row <= 0) return 0;
+  return static_cast<size_t>(config.num_pages * config.page_size) * static_cast<size_t>(kv_row) *
+         dtype_size(config.dtype);
+}
+
 size_t PagedKvCache::index_keys_bytes(const PagedCacheConfig& config) {
   return static_cast<size_t>(index_elements(config)) * dtype_size(config.index_key_dtype());
 }
@@ -203,6 +209,37 @@ Result<PagedKvCache> PagedKvCache::wrap(const PagedCacheConfig& config, const Ex
     }
     return Status();
   };
+  if (pools.kv != nullptr) {
+    // One buffer of latent-then-rope rows.
+    if (config.fp8_latent()) {
+      return invalid_argument("external KV cache: a combined kv buffer was given, but the cache is fp8_ds_mla (pass "
+                              "its records as the latent pool)");
+    }
+    if (pools.latent != nullptr || pools.rope != nullptr) {
+      return invalid_argument("external KV cache: both a combined kv buffer and latent/rope pools were given (pass one)");
+    }
+    if (pools.kv_row < config.Dl + config.Dr) {
+      return invalid_argument("external KV cache: kv_row " + std::to_string(pools.kv_row) + " is less than Dl + Dr = " +
+                              std::to_string(config.Dl + config.Dr) + " (a row holds the latent, then the rope)");
+    }
+    if (static_cast<size_t>(pools.kv_row) * dtype_size(config.dtype) % 16 != 0 ||
+        static_cast<size_t>(config.Dl) * dtype_size(config.dtype) % 16 != 0) {
+      return invalid_argument("external KV cache: kv_row " + std::to_string(pools.kv_row) + " and Dl " +
+                              std::to_string(config.Dl) + " must each be a multiple of 16 bytes (" +
+                              std::to_string(16 / dtype_size(config.dtype)) + " " + dtype_name(config.dtype) +
+                              " elements: the GPU kernels load 16 bytes at a time)");
+    }
+    DSACP_RETURN_IF_ERROR(check("kv", pools.kv, pools.kv_bytes, kv_bytes(config, pools.kv_row)));
+    DSACP_RETURN_IF_ERROR(check("indexer-key", pools.index_keys, pools.index_keys_bytes, index_keys_bytes(config)));
+    PagedKvCache c;
+    c.config_ = config;
+    c.kv_row_ = pools.kv_row;
+    const size_t row0 = static_cast<size_t>(config.Dl) * dtype_size(config.dtype);
+    c.latent_ = DeviceBuffer(pools.kv, kv_bytes(config, pools.kv_row), nullptr);
+    c.rope_ = DeviceBuffer(static_cast<char*>(pools.kv) + row0, kv_bytes(config, pools.kv_row) - row0, nullptr);
+    c.index_keys_ = DeviceBuffer(pools.index_keys, index_keys_bytes(config), nullptr);
+    return c;
+  }
   DSACP_RETURN_IF_ERROR(check(config.fp8_latent() ? "latent (fp8_ds_mla records)" : "latent", pools.latent,
                               pools.latent_bytes, latent_bytes(config)));
   if (config.fp8_latent()) {
@@ -245,6 +282,7 @@ PagedPoolView PagedKvCache::view(const DeviceBuffer& b, int32_t dim, DType dtype
   v.num_pages = config_.num_pages;
   v.page_size = config_.page_size;
   v.dim = dim;
+  if (&b != &index_keys_) v.row_stride = kv_row_;
   return v;
 }
 

@@ -75,8 +75,19 @@ Status check_record_pool(const char* kernel, const std::string& n, const PagedPo
 // A pool must be non-empty and its element count must fit int64 (slots and offsets are int64). fp8_ok: the pool
 // may hold FP8 two-plane pages (the indexer keys); records_ok: it may be a view of fp8_ds_mla records.
 Status check_pool(const char* kernel, const char* name, const PagedPoolView& pool, bool fp8_ok = false,
-                  bool records_ok = false) {
+                  bool records_ok = false, bool strided_ok = false) {
   const std::string n(name);
+  if (pool.row_stride != 0) {
+    if (!strided_ok || pool.records() || pool.dtype == DType::kF8E4M3) {
+      return invalid_argument(std::string(kernel) + ": " + n + ".row_stride must be 0 here (" +
+                              (strided_ok ? "records and FP8 pages have their own layout" : "this pool is dense") +
+                              "), got " + str(pool.row_stride));
+    }
+    if (pool.row_stride < pool.dim) {
+      return invalid_argument(std::string(kernel) + ": " + n + ".row_stride " + str(pool.row_stride) +
+                              " is less than its dim " + str(pool.dim) + " (rows would overlap)");
+    }
+  }
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".num_pages").c_str(), pool.num_pages));
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".page_size").c_str(), pool.page_size));
   DSACP_RETURN_IF_ERROR(check_positive(kernel, (n + ".dim").c_str(), pool.dim));
@@ -92,7 +103,7 @@ Status check_pool(const char* kernel, const char* name, const PagedPoolView& poo
   }
   DSACP_RETURN_IF_ERROR(check_value_dtype(kernel, (n + ".dtype").c_str(), pool.dtype, fp8_ok));
   const int64_t max = std::numeric_limits<int64_t>::max();
-  const int64_t row = pool.dtype == DType::kF8E4M3 ? int64_t{pool.dim} + 4 : pool.dim;  // + the f32 scale
+  const int64_t row = pool.dtype == DType::kF8E4M3 ? int64_t{pool.dim} + 4 : pool_row_stride(pool);  // + the f32 scale
   if (pool.dim > max - 4 || pool.num_pages > max / pool.page_size / row) {
     return invalid_argument(std::string(kernel) + ": " + n +
                             " has too many elements: num_pages=" + str(pool.num_pages) +
@@ -120,10 +131,10 @@ Status validate(const CacheWriteParams& p) {
   const char* k = "cache_write";
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
   DSACP_RETURN_IF_ERROR(check_value_dtype(k, "rows_dtype", p.rows_dtype, true));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool, true, true));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "pool", p.pool, true, true, true));
   for (const CacheWriteParams::MorePool& m : p.more) {
     if (m.pool.data == nullptr) continue;
-    DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool, true, true));
+    DSACP_RETURN_IF_ERROR(check_pool(k, "more[].pool", m.pool, true, true, true));
     if (m.rows_dtype != DType::kI32) {
       DSACP_RETURN_IF_ERROR(check_value_dtype(k, "more[].rows_dtype", m.rows_dtype, true));
     }
@@ -208,8 +219,8 @@ Status validate(const SparseMlaParams& p) {
   }
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "q_dtype", p.q_dtype));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "out_dtype", p.out_dtype));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "latent", p.latent, false, true));
-  DSACP_RETURN_IF_ERROR(check_pool(k, "rope", p.rope, false, true));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "latent", p.latent, false, true, true));
+  DSACP_RETURN_IF_ERROR(check_pool(k, "rope", p.rope, false, true, true));
   // fp8_ds_mla: the latent view (F8_E4M3) and the rope view (BF16) of one pool of records of exactly
   // fp8_ds_mla_record_bytes(Dl, Dr) bytes; rows: neither is a record view.
   if (p.latent.records() || p.rope.records()) {
@@ -292,6 +303,9 @@ Status validate(const GatherRowsParams& p) {
   const char* k = "gather_rows";
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "src_rows", p.src_rows));
   DSACP_RETURN_IF_ERROR(check_positive(k, "dim", p.dim));
+  if (p.src_stride != 0 && p.src_stride < p.dim) {
+    return invalid_argument(std::string(k) + ": src_stride " + str(p.src_stride) + " is less than dim " + str(p.dim));
+  }
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "src_dtype", p.src_dtype));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "dst_dtype", p.dst_dtype));

@@ -9,9 +9,11 @@
 namespace dsacp {
 
 Status gather_dev(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
-                  const int64_t* d_index, int64_t n, void* dst, DType dst_dtype, const char* what) {
+                  const int64_t* d_index, int64_t n, void* dst, DType dst_dtype, const char* what,
+                  int64_t src_stride) {
   if (n == 0) return Status();
   GatherRowsParams g;
+  g.src_stride = src_stride;
   g.src = src;
   g.src_dtype = src_dtype;
   g.src_rows = src_rows;
@@ -51,7 +53,8 @@ Result<PendingView> pack_view(RankStep& s, Communicator& comm, const PagedPoolVi
   if (n < 1) return internal_error("gathered view with no rows");
   DSACP_ASSIGN_OR_RETURN(pv.pack, s.take(n * u.row_bytes()));
   DSACP_RETURN_IF_ERROR(gather_dev(backend, own.data, u.dtype, own.num_pages * own.page_size, u.dim, v.pack_slots, n,
-                                   pv.pack.get(), u.dtype, "pack for a gathered view"));
+                                   pv.pack.get(), u.dtype, "pack for a gathered view",
+                                   own.records() ? 0 : own.row_stride));
   DSACP_ASSIGN_OR_RETURN(pv.gathered, s.take(pv.ranks * n * u.row_bytes()));
   return pv;
 }
@@ -79,6 +82,7 @@ Result<View> finish_view(RankStep& s, PendingView& pv) {
   View out;
   out.pool = pv.own;
   out.pool.num_pages = v.view_num_pages;
+  out.pool.row_stride = 0;  // the gathered rows are dense, whatever the own pool's stride
   if (v.direct) {
     out.storage = std::move(pv.gathered);
   } else {

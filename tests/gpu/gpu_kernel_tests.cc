@@ -1852,6 +1852,7 @@ int main(int argc, char** argv) {
   // The serving options (slot top-k, base-2 LSE, a precomputed top-k) on one GPU and CP layouts on it.
   if (selected("serving options")) dsacp::testing::gpu_serving_checks(*gpu, *cpu, 271, g_log);
   if (selected("external stream")) dsacp::testing::gpu_external_stream_checks(*gpu, 272, g_log);
+  if (selected("combined kv rows")) dsacp::testing::gpu_combined_kv_checks(*gpu, 273, g_log);
   if (selected("decode b=4 ctx 5000 page64 (plan in device memory)")) {
     CudaBackendOptions o;
     o.indexer_inline_plan = false;

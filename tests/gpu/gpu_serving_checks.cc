@@ -241,4 +241,90 @@ void gpu_external_stream_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
   (void)cudaStreamDestroy(mine);
 }
 
+void gpu_combined_kv_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
+  for (const int32_t H : {64, 16}) {
+    CaseFile c = make_serving_case(seed + H);
+    if (H != 64) {
+      CaseGenSpec spec;
+      spec.dims = c.dims;
+      spec.dims.H = H;
+      spec.topk = c.topk;
+      spec.scale = c.scale;
+      spec.dtype = DType::kBF16;
+      spec.seed = seed + H;
+      spec.requests = c.requests;
+      c = std::move(case_generate(spec)).value();
+    }
+    ReplayOptions o;
+    o.page_size = 64;
+    KvSharding sharding;
+    const BlockTable table = replay_table(c, o, &sharding);
+    PagedCacheConfig cc;
+    cc.page_size = 64;
+    cc.Dl = c.dims.Dl;
+    cc.Dr = c.dims.Dr;
+    cc.Di = c.dims.Di;
+    cc.dtype = DType::kBF16;
+    cc.num_pages = o.spare_pages;
+    for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), 64);
+    const StepConfig config = step_config_of(c.dims, c.topk, c.scale, DType::kBF16);
+    const HostStepInputs in{&c.q_nope, &c.q_rope, &c.kv_latent, &c.k_rope, &c.idx_q, &c.idx_w, &c.idx_k};
+    auto created = PagedKvCache::create(gpu, cc, /*poison_unused=*/false);
+    Status st = created.ok() ? cache_load_context(gpu, *created, c.requests, table, c.ctx_kv_latent, c.ctx_k_rope,
+                                                  c.ctx_idx_k)
+                             : created.status();
+    Result<StepResult> want = st.ok() ? step_run_host(gpu, config, c.requests, table, *created, in)
+                                      : Result<StepResult>(st);
+    for (const int32_t kv_row : {cc.Dl + cc.Dr, cc.Dl + cc.Dr + 8}) {
+      const std::string tag = "combined kv rows, H=" + std::to_string(H) + " kv_row " + std::to_string(kv_row) + ": ";
+      const size_t kv_bytes = PagedKvCache::kv_bytes(cc, kv_row), key_bytes = PagedKvCache::index_keys_bytes(cc);
+      void* kv = nullptr;
+      void* keys = nullptr;
+      if (cudaMalloc(&kv, kv_bytes) != cudaSuccess || cudaMalloc(&keys, key_bytes) != cudaSuccess ||
+          cudaMemset(kv, 0, kv_bytes) != cudaSuccess || cudaMemset(keys, 0, key_bytes) != cudaSuccess) {
+        log.report(false, tag + "cudaMalloc", cudaGetErrorString(cudaGetLastError()));
+        (void)cudaFree(kv);
+        (void)cudaFree(keys);
+        continue;
+      }
+      ExternalPools pools;
+      pools.kv = kv;
+      pools.kv_bytes = kv_bytes;
+      pools.kv_row = kv_row;
+      pools.index_keys = keys;
+      pools.index_keys_bytes = key_bytes;
+      auto wrapped = PagedKvCache::wrap(cc, pools);
+      Status ws = wrapped.ok() ? cache_load_context(gpu, *wrapped, c.requests, table, c.ctx_kv_latent, c.ctx_k_rope,
+                                                    c.ctx_idx_k)
+                               : wrapped.status();
+      Result<StepResult> got = ws.ok() ? step_run_host(gpu, config, c.requests, table, *wrapped, in)
+                                       : Result<StepResult>(ws);
+      log.report(got.ok() && want.ok() && same_bytes(got->topk_indices, want->topk_indices) &&
+                     same_bytes(got->out, want->out) && same_bytes(got->lse, want->lse),
+                 tag + "a step over one [pages, 64, kv_row] buffer = over the library's two pools, bit for bit",
+                 !got.ok() ? got.status().to_string() : !want.ok() ? want.status().to_string() : "");
+      // Row by row: the latent, then the rope, then zeros (the padding untouched).
+      if (got.ok() && want.ok()) {
+        const int64_t slots = cc.num_pages * cc.page_size;
+        std::vector<uint16_t> rows(static_cast<size_t>(slots * kv_row)), lat(static_cast<size_t>(slots * cc.Dl)),
+            rope(static_cast<size_t>(slots * cc.Dr));
+        Status cs = gpu.copy_to_host(rows.data(), kv, kv_bytes);
+        if (cs.ok()) cs = gpu.copy_to_host(lat.data(), created->latent().data, lat.size() * 2);
+        if (cs.ok()) cs = gpu.copy_to_host(rope.data(), created->rope().data, rope.size() * 2);
+        int64_t bad = 0;
+        for (int64_t t = 0; cs.ok() && t < slots; ++t) {
+          const uint16_t* r = rows.data() + t * kv_row;
+          bad += std::memcmp(r, lat.data() + t * cc.Dl, cc.Dl * 2) != 0;
+          bad += std::memcmp(r + cc.Dl, rope.data() + t * cc.Dr, cc.Dr * 2) != 0;
+          for (int32_t d = cc.Dl + cc.Dr; d < kv_row; ++d) bad += r[d] != 0;
+        }
+        log.report(cs.ok() && bad == 0, tag + "each slot's row = the library pools' latent and rope rows, padding untouched",
+                   cs.ok() ? std::to_string(bad) + " rows differ" : cs.to_string());
+      }
+      (void)cudaFree(kv);
+      (void)cudaFree(keys);
+    }
+  }
+}
+
 }  // namespace dsacp::testing

@@ -69,8 +69,9 @@ struct PlannedLayout {
 
 class CpStepPlanTest : public ::testing::TestWithParam<PlannedLayout> {};
 
-// Two layers (two caches per rank, different inputs and contexts) under one plan per rank: each layer's
-// assembled result is the one-shot cluster step's, bit for bit.
+// Two layers (two caches per rank, different inputs and contexts; the second in the caller's memory with latent
+// and rope in one padded row) under one plan per rank: each layer's assembled result is the one-shot cluster
+// step's, bit for bit.
 TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
   const PlannedLayout& pl = GetParam();
   const CpLayout& l = pl.layout;
@@ -130,7 +131,24 @@ TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
       }
       for (size_t k = 0; k < layers.size() && st.ok(); ++k) {
         const CaseFile& c = layers[k];
-        auto cache = PagedKvCache::create(*cpu, rank_cc);
+        // Layer 1's cache is the caller's memory in the combined layout (latent then rope in each token's row,
+        // padded): the gathered views pack its strided rows.
+        std::vector<float> kv, keys;
+        Result<PagedKvCache> cache = Status(StatusCode::kInternal, "unset");
+        if (k == 1) {
+          const int32_t kv_row = rank_cc.Dl + rank_cc.Dr + 8;
+          kv.assign(PagedKvCache::kv_bytes(rank_cc, kv_row) / 4, 0.f);
+          keys.assign(PagedKvCache::index_keys_bytes(rank_cc) / 4, 0.f);
+          ExternalPools pools;
+          pools.kv = kv.data();
+          pools.kv_bytes = kv.size() * 4;
+          pools.kv_row = kv_row;
+          pools.index_keys = keys.data();
+          pools.index_keys_bytes = keys.size() * 4;
+          cache = PagedKvCache::wrap(rank_cc, pools);
+        } else {
+          cache = PagedKvCache::create(*cpu, rank_cc);
+        }
         if (!cache.ok()) {
           st = cache.status();
           return;

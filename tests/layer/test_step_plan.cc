@@ -272,6 +272,120 @@ TEST(ExternalCache, WrappedPoolsEqualCreatedPools) {
   }
 }
 
+// The latent and rope rows of a token in one row of a caller's buffer ([num_pages, page_size, kv_row]: vLLM's and
+// FlashMLA's bf16 KV layout, latent then rope, here with and without padding at the row's end): the step reads and
+// writes it as the library's two pools, bit for bit, and leaves the padding as it was.
+TEST(ExternalCache, CombinedKvRowsEqualSeparatePools) {
+  Example ex;
+  const PagedCacheConfig& cc = ex.cc;
+  const int32_t row = cc.Dl + cc.Dr;
+  const float kPad = -12345.f;
+  for (const int32_t kv_row : {row, row + 8}) {
+    auto backend = make_cpu_backend(1);
+    // Zeros where the rows go (as the library's pools without poison), kPad in the padding.
+    std::vector<float> kv(PagedKvCache::kv_bytes(cc, kv_row) / 4, 0.f), index(PagedKvCache::index_keys_bytes(cc) / 4);
+    for (size_t i = 0; i < kv.size(); ++i) {
+      if (static_cast<int32_t>(i % kv_row) >= row) kv[i] = kPad;
+    }
+    ExternalPools pools;
+    pools.kv = kv.data();
+    pools.kv_bytes = kv.size() * 4;
+    pools.kv_row = kv_row;
+    pools.index_keys = index.data();
+    pools.index_keys_bytes = index.size() * 4;
+    auto wrapped = PagedKvCache::wrap(cc, pools);
+    ASSERT_TRUE(wrapped.ok()) << wrapped.status().to_string();
+    EXPECT_EQ(wrapped->latent().data, kv.data());
+    EXPECT_EQ(wrapped->rope().data, kv.data() + cc.Dl);
+    EXPECT_EQ(wrapped->latent().row_stride, kv_row);
+    auto created = PagedKvCache::create(*backend, cc, /*poison_unused=*/false);
+    ASSERT_TRUE(created.ok());
+    for (PagedKvCache* cache : {&*wrapped, &*created}) {
+      ASSERT_TRUE(cache_load_context(*backend, *cache, ex.requests, ex.table, ex.c.ctx_kv_latent, ex.c.ctx_k_rope,
+                                     ex.c.ctx_idx_k).ok());
+    }
+    auto plan = step_plan(*backend, ex.config, ex.requests, ex.table, cc);
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    Outs a(3, 4, cc.Dl, 6), b(3, 4, cc.Dl, 6);
+    ASSERT_TRUE(step_run(*backend, *plan, *wrapped, ex.inputs(), a.view()).ok());
+    ASSERT_TRUE(step_run(*backend, *plan, *created, ex.inputs(), b.view()).ok());
+    ASSERT_TRUE(backend->synchronize().ok());
+    EXPECT_TRUE(a == b) << "kv_row " << kv_row;
+    // Slot by slot: the row holds the library's latent row, then its rope row, then the untouched padding.
+    const float* lat = static_cast<const float*>(created->latent().data);
+    const float* rope = static_cast<const float*>(created->rope().data);
+    int64_t mismatches = 0, written = 0;
+    for (int64_t slot = 0; slot < cc.num_pages * cc.page_size; ++slot) {
+      const float* r = kv.data() + slot * kv_row;
+      written += r[0] != 0.f;
+      mismatches += std::memcmp(r, lat + slot * cc.Dl, cc.Dl * 4) != 0;
+      mismatches += std::memcmp(r + cc.Dl, rope + slot * cc.Dr, cc.Dr * 4) != 0;
+      for (int32_t d = row; d < kv_row; ++d) mismatches += r[d] != kPad;
+    }
+    EXPECT_EQ(mismatches, 0) << "kv_row " << kv_row;
+    EXPECT_GT(written, 0);
+  }
+  // Refusals: a row shorter than Dl + Dr, both forms at once, too few bytes, an fp8_ds_mla cache.
+  auto msg = [&](const PagedCacheConfig& config, const ExternalPools& p) {
+    auto r = PagedKvCache::wrap(config, p);
+    return r.ok() ? std::string("ok") : r.status().message();
+  };
+  std::vector<float> buf(PagedKvCache::kv_bytes(cc, row + 8) / 4 + 1024);
+  std::vector<float> idx(PagedKvCache::index_keys_bytes(cc) / 4);
+  ExternalPools p;
+  p.kv = buf.data();
+  p.kv_bytes = PagedKvCache::kv_bytes(cc, row);
+  p.kv_row = row;
+  p.index_keys = idx.data();
+  p.index_keys_bytes = idx.size() * 4;
+  EXPECT_EQ(msg(cc, p), "ok");
+  ExternalPools short_row = p;
+  short_row.kv_row = row - 4;
+  EXPECT_NE(msg(cc, short_row).find("kv_row 20 is less than Dl + Dr = 24"), std::string::npos) << msg(cc, short_row);
+  ExternalPools odd = p;
+  odd.kv_row = row + 1;
+  EXPECT_NE(msg(cc, odd).find("must each be a multiple of 16 bytes"), std::string::npos) << msg(cc, odd);
+  ExternalPools small = p;
+  small.kv_bytes -= 4;
+  EXPECT_NE(msg(cc, small).find("the kv pool has"), std::string::npos) << msg(cc, small);
+  ExternalPools both = p;
+  both.latent = buf.data();
+  EXPECT_NE(msg(cc, both).find("pass one"), std::string::npos) << msg(cc, both);
+  PagedCacheConfig fp8 = cc;
+  fp8.Dl = 128;
+  fp8.latent_format = LatentFormat::kFp8DsMla;
+  EXPECT_NE(msg(fp8, p).find("the cache is fp8_ds_mla"), std::string::npos) << msg(fp8, p);
+}
+
+// A pool's row stride is checked by the kernels: shorter than the row, or on a pool that takes none.
+TEST(ExternalCache, BadRowStridesAreRefused) {
+  auto backend = make_cpu_backend(1);
+  std::vector<float> pool(4 * 4 * 32), rows(2 * 16);
+  std::vector<int64_t> slots{0, 5};
+  CacheWriteParams w;
+  w.rows = rows.data();
+  w.rows_dtype = DType::kF32;
+  w.num_rows = 2;
+  w.slots = slots.data();
+  w.pool = PagedPoolView{pool.data(), DType::kF32, 4, 4, 16};
+  w.pool.row_stride = 8;
+  Status s = cache_write_run(*backend, w);
+  EXPECT_NE(s.message().find("pool.row_stride 8 is less than its dim 16"), std::string::npos) << s.message();
+  w.pool.row_stride = 32;
+  EXPECT_TRUE(cache_write_run(*backend, w).ok());
+  EXPECT_EQ(pool[5 * 32], rows[16]);
+  IndexerTopkParams ip;
+  ip.keys = PagedPoolView{pool.data(), DType::kF32, 4, 4, 16};
+  ip.keys.row_stride = 32;
+  ip.Hi = 1;
+  ip.Di = 16;
+  ip.K = 2;
+  ip.q_dtype = DType::kF32;
+  ip.block_table = {nullptr, 1, 1};
+  s = indexer_topk_run(*backend, ip);
+  EXPECT_NE(s.message().find("keys.row_stride must be 0 here (this pool is dense)"), std::string::npos) << s.message();
+}
+
 TEST(ExternalCache, BadPoolsAreRefused) {
   const PagedCacheConfig cc{4, 4, 16, 8, 8, DType::kF32};
   std::vector<float> buf(1024);

@@ -75,7 +75,7 @@ void write_row(const CacheWriteParams& p, int64_t t, std::vector<float>& scratch
   if (p.pool.dtype == DType::kF8E4M3) return write_fp8_row(p, t, slot, scratch);
   const int64_t dim = p.pool.dim;
   const int64_t src = t * dim;
-  const int64_t dst = slot * dim;  // slot = page * page_size + offset, rows contiguous
+  const int64_t dst = slot * pool_row_stride(p.pool);  // slot = page * page_size + offset
   if (p.rows_dtype == p.pool.dtype) {
     const size_t esz = dtype_size(p.rows_dtype);
     std::memcpy(static_cast<char*>(p.pool.data) + dst * esz, static_cast<const char*>(p.rows) + src * esz,

@@ -30,6 +30,7 @@ struct WritePools {
   const int64_t* slots[3];
   void* pool[3];
   int dim[3];
+  int64_t stride[3];  // elements from one slot's row to the next
   int64_t num_slots[3];
 };
 
@@ -84,7 +85,7 @@ __global__ void cache_write_kernel(const WritePools w, int64_t n, DeviceErrorWor
     return;
   }
   const SrcT* src = rows + t * dim;
-  DstT* dst = pool + slot * dim;
+  DstT* dst = pool + slot * w.stride[y];
   for (int d = lane; d < dim; d += 32) store_f(dst, d, load_f(src, d));
 }
 
@@ -224,6 +225,7 @@ Status launch_cw_pools(const CacheWriteParams& p, int count, const LaunchContext
     w.slots[i] = one.slots;
     w.pool[i] = one.pool.data;
     w.dim[i] = one.pool.dim;
+    w.stride[i] = pool_row_stride(one.pool);
     w.num_slots[i] = one.pool.num_pages * one.pool.page_size;
   }
   const int64_t threads = p.num_rows * 32;

@@ -33,8 +33,9 @@ __global__ void gather_rows_kernel(const GatherRowsParams p, bool src_bf, bool d
     if (lane == 0) report_device_error(err, kDevBadIndex, r);
     return;
   }
+  const int64_t stride = p.src_stride > 0 ? p.src_stride : p.dim;
   for (int d = lane; d < p.dim; d += 32) {
-    st(p.dst, dst_bf, r * p.dim + d, src < 0 ? __int_as_float(0x7fc00000) : ld(p.src, src_bf, src * p.dim + d));
+    st(p.dst, dst_bf, r * p.dim + d, src < 0 ? __int_as_float(0x7fc00000) : ld(p.src, src_bf, src * stride + d));
   }
 }
 

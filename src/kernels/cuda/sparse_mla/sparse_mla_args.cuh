@@ -29,6 +29,7 @@ struct MlaArgs {
   const __nv_bfloat16* q_rope;  // [T, H, 64]
   const __nv_bfloat16* latent;  // [num_pages * page_size, 512]
   const __nv_bfloat16* rope;    // [num_pages * page_size, 64]
+  int64_t latent_stride, rope_stride;  // elements from one key row to the next (512 / 64 when dense)
   const int32_t* block_table;   // [num_requests, max_pages]
   const int32_t* topk;          // [T, K]
   void* out;                    // [T, H, 512] f32 or bf16 (splits == 1)

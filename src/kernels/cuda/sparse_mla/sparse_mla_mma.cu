@@ -142,8 +142,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
     const int j = tid >> 3, c0 = tid & 7;
     const int key = tile * kBN + j;
     const int32_t row = key < nkeys ? sRow[key] : -1;
-    const __nv_bfloat16* lat = a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * kDl;
-    const __nv_bfloat16* rop = a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * kDr;
+    const __nv_bfloat16* lat = a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * a.latent_stride;
+    const __nv_bfloat16* rop = a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * a.rope_stride;
     const int bytes = row >= 0 ? 16 : 0;
 #pragma unroll
     for (int k = 0; k < 9; ++k) {
@@ -468,6 +468,15 @@ Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& 
                        "656-byte records (latent record_bytes " + std::to_string(p.latent.record_bytes) +
                        ", rope record_bytes " + std::to_string(p.rope.record_bytes) + ")");
   }
+  for (const PagedPoolView* v : {&p.latent, &p.rope}) {
+    if (pool_row_stride(*v) % 8 != 0 || reinterpret_cast<uintptr_t>(v->data) % 16 != 0) {
+      return unsupported(std::string("sparse_mla: the ") + (v == &p.latent ? "latent" : "rope") + " pool's rows start " +
+                         "every " + std::to_string(pool_row_stride(*v)) + " elements from an address " +
+                         (reinterpret_cast<uintptr_t>(v->data) % 16 != 0 ? "not " : "") +
+                         "16-byte aligned (the CUDA kernels load rows 16 bytes at a time: a row stride a multiple of 8 "
+                         "bf16 elements and a 16-byte aligned pool)");
+    }
+  }
   if (p.head_blocks < 1 || p.H % p.head_blocks != 0) {
     return unsupported("sparse_mla: head_blocks=" + std::to_string(p.head_blocks) + " with H=" + std::to_string(p.H) +
                        " (H must be a multiple of head_blocks)");
@@ -564,6 +573,8 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   a.q_rope = static_cast<const __nv_bfloat16*>(p.q_rope);
   a.latent = static_cast<const __nv_bfloat16*>(p.latent.data);
   a.rope = static_cast<const __nv_bfloat16*>(p.rope.data);
+  a.latent_stride = pool_row_stride(p.latent);
+  a.rope_stride = pool_row_stride(p.rope);
   if (p.latent.records()) {
     a.records = static_cast<const unsigned char*>(p.latent.data);
     a.record_bytes = p.latent.record_bytes;

@@ -121,13 +121,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
           const int r = (p >> 3) + 16 * pass;
           const int32_t row = ring[r];
           const int64_t row_ok = row < 0 ? 0 : row;
-          const __nv_bfloat16* lat = a.latent + row_ok * kDl + (p & 7) * 8;
+          const __nv_bfloat16* lat = a.latent + row_ok * a.latent_stride + (p & 7) * 8;
           const int bytes = row >= 0 ? 16 : 0;
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
             cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
           }
-          cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * kDr + (p & 7) * 8, bytes);
+          cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * a.rope_stride + (p & 7) * 8, bytes);
         }
         cp_async_mbar_arrive_noinc(full_bar(bars, slot));
         mbar_arrive(full_bar(bars, slot));
