@@ -40,6 +40,19 @@ BlockTable replay_table(const CaseFile& c, const ReplayOptions& o, KvSharding* s
   return BlockTable::from_sequences(ptrs);
 }
 
+// The bf16 cache of one device that holds the replay's table (its pages and spares).
+PagedCacheConfig replay_cache_config(const CaseFile& c, const ReplayOptions& o, const KvSharding& sharding) {
+  PagedCacheConfig cc;
+  cc.page_size = o.page_size;
+  cc.Dl = c.dims.Dl;
+  cc.Dr = c.dims.Dr;
+  cc.Di = c.dims.Di;
+  cc.dtype = DType::kBF16;
+  cc.num_pages = o.spare_pages;
+  for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), o.page_size);
+  return cc;
+}
+
 // How many slot entries differ from the lookup of the canonical rows (-1 for a row shape mismatch).
 int64_t slot_mismatches(const CaseFile& c, const ReplayOptions& o, const StepResult& canonical, const StepResult& slots) {
   if (canonical.topk_indices.numel() != slots.topk_indices.numel()) return -1;
@@ -182,14 +195,7 @@ void gpu_serving_checks(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log
     auto canonical = replay_case(gpu, c, o);
     KvSharding sharding;
     const BlockTable table = replay_table(c, o, &sharding);
-    PagedCacheConfig cc;
-    cc.page_size = 64;
-    cc.Dl = c.dims.Dl;
-    cc.Dr = c.dims.Dr;
-    cc.Di = c.dims.Di;
-    cc.dtype = DType::kBF16;
-    cc.num_pages = o.spare_pages;
-    for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), 64);
+    const PagedCacheConfig cc = replay_cache_config(c, o, sharding);
     auto cache = PagedKvCache::create(gpu, cc);
     Status st = cache.ok() ? cache_load_context(gpu, *cache, c.requests, table, c.ctx_kv_latent, c.ctx_k_rope, c.ctx_idx_k)
                            : cache.status();
@@ -259,14 +265,7 @@ void gpu_combined_kv_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
     o.page_size = 64;
     KvSharding sharding;
     const BlockTable table = replay_table(c, o, &sharding);
-    PagedCacheConfig cc;
-    cc.page_size = 64;
-    cc.Dl = c.dims.Dl;
-    cc.Dr = c.dims.Dr;
-    cc.Di = c.dims.Di;
-    cc.dtype = DType::kBF16;
-    cc.num_pages = o.spare_pages;
-    for (const Request& r : c.requests) cc.num_pages += sharding.pages_needed(r.seq_len(), 64);
+    const PagedCacheConfig cc = replay_cache_config(c, o, sharding);
     const StepConfig config = step_config_of(c.dims, c.topk, c.scale, DType::kBF16);
     const HostStepInputs in{&c.q_nope, &c.q_rope, &c.kv_latent, &c.k_rope, &c.idx_q, &c.idx_w, &c.idx_k};
     auto created = PagedKvCache::create(gpu, cc, /*poison_unused=*/false);
