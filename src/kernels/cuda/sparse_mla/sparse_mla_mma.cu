@@ -443,9 +443,24 @@ MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests, con
 // partial ones (bh = 48, 96, ...: one key pass a 64-head group) the mma.sync kernel, whose rows are masked.
 int mla_head_group(int block_heads) { return block_heads <= 16 ? 16 : block_heads <= 32 ? 32 : 64; }
 
+// fp8_ds_mla records: the warp-specialized 32-key-tile kernel, whose producer warpgroup dequantizes the records
+// (sparse_mla_wgmma_ws32.cu), for every head block (a block of fewer than 64 heads, or a partial last group, as a
+// 64-head group with its missing rows masked), unless o.mla_kernel forces the mma.sync kernel (which dequantizes
+// on its MMA warps: the fallback, kept for tests and comparisons).
+bool sparse_mla_fp8_ws32(const SparseMlaParams& p, const CudaBackendOptions& o) {
+  return p.latent.records() && o.mla_kernel != CudaBackendOptions::MlaKernel::kMmaSync;
+}
+
 MlaShape sparse_mla_shape(const SparseMlaParams& p, const CudaBackendOptions& o) {
   MlaShape s;
   const int bh = p.head_blocks >= 1 ? p.H / p.head_blocks : p.H;
+  if (sparse_mla_fp8_ws32(p, o)) {
+    s.head_group = 64;
+    s.block_groups = std::max(1, (bh + 63) / 64);
+    s.groups = std::max(1, p.head_blocks) * s.block_groups;
+    s.kernel = MlaKernel::kWgmmaWs32;
+    return s;
+  }
   s.head_group = mla_head_group(bh);
   s.block_groups = std::max(1, (bh + s.head_group - 1) / s.head_group);
   s.groups = std::max(1, p.head_blocks) * s.block_groups;

@@ -17,6 +17,14 @@
 //   WG1 folds in its own tile and publishes the pair's max; WG0 then rescales the P it hands over, its O and its
 //   row sums.
 // An odd last tile is paired with an empty one (every key absent: zero-filled, masked).
+// fp8_ds_mla records (kFp8, MlaArgs::record_bytes > 0): the producer gathers each key's 656-byte record and
+// dequantizes it into the same bf16 tile slot, so the consumers are unchanged. Producer warp w takes rows w + 4i of
+// a tile, lane l the record's e4m3 chunk l (values 16l .. 16l + 15, tile scale l / 8): one coalesced 512-byte read
+// a row, dequantized (mla_dequant8: scale * value in f32, one rounding) into bf16 chunks 2l, 2l + 1 (stored in an
+// order that keeps the 8 lanes of each shared-memory phase on distinct banks); the rope goes by cp.async as it is.
+// The records of pair k + 2 are prefetched into L2 (cp.async.bulk.prefetch) when its rows are resolved, so the
+// register loads of pair k + 2 hit L2. A partial head group (block_heads < 64, e.g. H = 16) runs on zero query rows
+// that are never stored (the FP8 decode runs every head count here; sparse_mla_shape).
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE). The layout needs the whole
 // 227 KB from a 1024-byte-aligned base (what the driver gives); a misaligned base is reported (kDevSmemAlign).
@@ -67,6 +75,12 @@ constexpr int kFullArrivals = 256, kEmptyArrivals = 256;
 __device__ __forceinline__ uint32_t full_bar(uint32_t bars, int slot) { return bars + 8 * slot; }
 __device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int slot) { return bars + 8 * (kSlots + slot); }
 
+// The L2 prefetch of one fp8_ds_mla record (656 B: a multiple of 16, records 16-byte aligned).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(const MlaArgs a) {
   extern __shared__ __align__(1024) unsigned char smem[];
   if (!mla_smem_aligned(a, smem)) return;
@@ -101,50 +115,120 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     // ==== producer ====
     setmaxnreg_dec<56>();
     const int p = tid - 256;  // 0..127
-    // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
-    auto resolve_pair = [&](int pair) {
-      if (p >= 64) return;
-      sRing[(pair & 3) * 64 + p] = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
-    };
-    resolve_pair(0);
-    named_bar_sync(kBarProducer, 128);
-    for (int pair = 0; pair < npairs; ++pair) {
-#pragma unroll 1
-      for (int tile = 0; tile < 2; ++tile) {
-        const int slot = (pair & 1) * 2 + tile;
-        if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
-        // 8 threads per row, 16 rows per pass: each warp instruction reads 4 whole 128-byte segments.
-        const uint32_t base = sKV + slot * kTileBytes;
-        const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
-#pragma unroll 1  // the producer has 56 registers
-        for (int pass = 0; pass < 2; ++pass) {
-          const int r = (p >> 3) + 16 * pass;
-          const int32_t row = ring[r];
-          const int64_t row_ok = row < 0 ? 0 : row;
-          const __nv_bfloat16* lat = a.latent + row_ok * kDl + (p & 7) * 8;
-          const int bytes = row >= 0 ? 16 : 0;
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
-          }
-          cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * kDr + (p & 7) * 8, bytes);
-        }
-        cp_async_mbar_arrive_noinc(full_bar(bars, slot));
-        mbar_arrive(full_bar(bars, slot));
-      }
-      // The next pair's rows (its ring slot was last read by pair - 3's gathers and masks, long done).
-      if (pair + 1 < npairs) resolve_pair(pair + 1);
+    if constexpr (kFp8) {
+      // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63, each record prefetched
+      // into L2 as it is resolved.
+      auto resolve_pair = [&](int pair) {
+        if (p >= 64) return;
+        const int32_t row = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
+        sRing[(pair & 3) * 64 + p] = row;
+        if (row >= 0) prefetch_l2(a.records + static_cast<int64_t>(row) * a.record_bytes, a.record_bytes);
+      };
+      resolve_pair(0);
+      if (npairs > 1) resolve_pair(1);
       named_bar_sync(kBarProducer, 128);
+      const int pw = p >> 5, pl = p & 31;
+      const int sel = (pl >> 2) & 1;  // which of its two bf16 chunks a lane stores first (bank-conflict free)
+      for (int pair = 0; pair < npairs; ++pair) {
+#pragma unroll 1
+        for (int tile = 0; tile < 2; ++tile) {
+          const int slot = (pair & 1) * 2 + tile;
+          if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
+          const uint32_t base = sKV + slot * kTileBytes;
+          const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
+          // the rope: 8 chunks a row, 16 rows a pass
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass) {
+            const int r = (p >> 3) + 16 * pass;
+            const int32_t row = ring[r];
+            const unsigned char* rec = a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_bytes;
+            cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), rec + 528 + (p & 7) * 16,
+                        row >= 0 ? 16 : 0);
+          }
+          cp_async_mbar_arrive_noinc(full_bar(bars, slot));
+          // the latent: rows pw + 4i, four loads in flight a batch
+#pragma unroll 1
+          for (int batch = 0; batch < 2; ++batch) {
+            uint4 v[4];
+            float sc[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int32_t row = ring[pw + 4 * (batch * 4 + i)];
+              if (row >= 0) {
+                const unsigned char* rec = a.records + static_cast<int64_t>(row) * a.record_bytes;
+                v[i] = __ldg(reinterpret_cast<const uint4*>(rec + pl * 16));
+                sc[i] = __ldg(reinterpret_cast<const float*>(rec + 512 + (pl >> 3) * 4));
+              } else {  // an absent key: zeros (masked, and no NaN reaches P * V)
+                v[i] = make_uint4(0u, 0u, 0u, 0u);
+                sc[i] = 0.f;
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int r = pw + 4 * (batch * 4 + i);
+              const uint4 lo = mla_dequant8(v[i].x, v[i].y, sc[i]);
+              const uint4 hi = mla_dequant8(v[i].z, v[i].w, sc[i]);
+              const uint4 first = sel ? hi : lo, second = sel ? lo : hi;
+              asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + sw128_chunk_off(r, 2 * pl + sel, kSlabBytes)),
+                           "r"(first.x), "r"(first.y), "r"(first.z), "r"(first.w));
+              asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + sw128_chunk_off(r, 2 * pl + 1 - sel, kSlabBytes)),
+                           "r"(second.x), "r"(second.y), "r"(second.z), "r"(second.w));
+            }
+          }
+          fence_proxy_async_smem();  // the bf16 rows, to the consumers' wgmma (the async proxy)
+          mbar_arrive(full_bar(bars, slot));
+        }
+        // Pair + 2's rows (its ring slot held pair - 2's, which both consumers are done with: the empty waits above).
+        if (pair + 2 < npairs) resolve_pair(pair + 2);
+        named_bar_sync(kBarProducer, 128);
+      }
+    } else {
+      // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
+      auto resolve_pair = [&](int pair) {
+        if (p >= 64) return;
+        sRing[(pair & 3) * 64 + p] = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
+      };
+      resolve_pair(0);
+      named_bar_sync(kBarProducer, 128);
+      for (int pair = 0; pair < npairs; ++pair) {
+  #pragma unroll 1
+        for (int tile = 0; tile < 2; ++tile) {
+          const int slot = (pair & 1) * 2 + tile;
+          if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
+          // 8 threads per row, 16 rows per pass: each warp instruction reads 4 whole 128-byte segments.
+          const uint32_t base = sKV + slot * kTileBytes;
+          const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
+  #pragma unroll 1  // the producer has 56 registers
+          for (int pass = 0; pass < 2; ++pass) {
+            const int r = (p >> 3) + 16 * pass;
+            const int32_t row = ring[r];
+            const int64_t row_ok = row < 0 ? 0 : row;
+            const __nv_bfloat16* lat = a.latent + row_ok * kDl + (p & 7) * 8;
+            const int bytes = row >= 0 ? 16 : 0;
+  #pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
+            }
+            cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * kDr + (p & 7) * 8, bytes);
+          }
+          cp_async_mbar_arrive_noinc(full_bar(bars, slot));
+          mbar_arrive(full_bar(bars, slot));
+        }
+        // The next pair's rows (its ring slot was last read by pair - 3's gathers and masks, long done).
+        if (pair + 1 < npairs) resolve_pair(pair + 1);
+        named_bar_sync(kBarProducer, 128);
+      }
     }
     cp_async_wait<0>();
-    mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+    mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, kFp8 ? mla_cta_heads(a, 64) : 64);
     mla_peer_merge<64, kThreads, 0>(a, t, h0, smem_part, peer_stage);  // (the consumers sum unstaged rows)
     return;
   }
 
   // ==== consumers: warpgroup wg owns tile wg of each pair and output columns [256 wg, 256 wg + 256) ====
   // Q, while the producer gathers the first pairs
-  mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return sw128_chunk_off(r, c, kQSlabBytes); });
+  const int nh = kFp8 ? mla_cta_heads(a, 64) : 64;  // rows stored (a partial group: FP8 records only)
+  mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return sw128_chunk_off(r, c, kQSlabBytes); }, nh);
   cp_async_commit();
   setmaxnreg_inc<224>();
   const int other = wg ^ 1;
@@ -269,15 +353,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   // ---- epilogue ----
   wgmma_wait<0>();  // nothing is in flight here; said so the compiler need not infer it
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
-                     m1, smem_part);
-  mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+                     m1, smem_part, nh);
+  mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, nh);
   mla_peer_merge<64, kThreads, 256>(a, t, h0, smem_part, peer_stage);
 }
 
 }  // namespace
 
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx) {
-  return launch_mla_grid(sparse_mla_wgmma_ws32_kernel, "sparse_mla_wgmma_ws32_kernel", args, groups, kThreads, kSmemBytes, ctx.stream);
+  if (args.record_bytes > 0) {
+    return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<true>, "sparse_mla_wgmma_ws32_kernel (fp8_ds_mla)", args,
+                           groups, kThreads, kSmemBytes, ctx.stream);
+  }
+  return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<false>, "sparse_mla_wgmma_ws32_kernel", args, groups, kThreads,
+                         kSmemBytes, ctx.stream);
 }
 
 }  // namespace dsacp::cuda
