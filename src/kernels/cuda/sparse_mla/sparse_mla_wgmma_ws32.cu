@@ -191,21 +191,21 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       resolve_pair(0);
       named_bar_sync(kBarProducer, 128);
       for (int pair = 0; pair < npairs; ++pair) {
-  #pragma unroll 1
+#pragma unroll 1
         for (int tile = 0; tile < 2; ++tile) {
           const int slot = (pair & 1) * 2 + tile;
           if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
           // 8 threads per row, 16 rows per pass: each warp instruction reads 4 whole 128-byte segments.
           const uint32_t base = sKV + slot * kTileBytes;
           const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
-  #pragma unroll 1  // the producer has 56 registers
+#pragma unroll 1  // the producer has 56 registers
           for (int pass = 0; pass < 2; ++pass) {
             const int r = (p >> 3) + 16 * pass;
             const int32_t row = ring[r];
             const int64_t row_ok = row < 0 ? 0 : row;
             const __nv_bfloat16* lat = a.latent + row_ok * kDl + (p & 7) * 8;
             const int bytes = row >= 0 ? 16 : 0;
-  #pragma unroll
+#pragma unroll
             for (int k = 0; k < 8; ++k) {
               cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
             }
