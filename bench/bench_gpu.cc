@@ -623,10 +623,16 @@ int main(int argc, char** argv) {
                      "target<=0.045 FlashMLA-fp8=0.079");
     bench_sparse_mla("fp8_ds_mla sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4),
                      0, 2048, true, "target>=600TFLOP/s");
-    // the fallback (the mma.sync kernel dequantizing on its MMA warps), for comparison
-    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kMmaSync;
-    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048, true);
-    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps, 0, 2048, true);
+    // the warp-specialized kernel whose producer dequantizes the records (CudaBackendOptions::MlaKernel::kWgmmaWs32)
+    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kWgmmaWs32;
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.028");
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.065");
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps, 0, 2048,
+                     true, "target<=0.125");
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.045");
     g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kAuto;
   }
   if (want("gather")) {  // the decodes' byte ceiling: the same rows gathered with no math (KV bytes only)

@@ -352,39 +352,56 @@ void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, C
   cases.push_back({"prefill H=128 page64 K=2048", 128, 2048, 64, {0}, {small ? 100 : 500}});
   cases.push_back({"prefill H=64 page1 K=512 ue8m0", 64, 512, 1, {300}, {small ? 30 : 120}, DType::kBF16,
                    Fp8ScaleMode::kUe8m0});
-  // The warp-specialized decode over records (the default for every head count): partial 64-head groups
-  // (H = 8, 16, 48, 96), MTP 1..4, page sizes 1 / 61 / 64, split-K with the cluster merge and without.
-  cases.push_back({"ws32 decode H=16 page1 K=2048 b=5", 16, 2048, 1, {2500, 4000, 700, 2100, 65}, {1, 1, 1, 1, 1},
-                   DType::kBF16});
-  cases.push_back({"ws32 decode H=8 page61 K=1024", 8, 1024, 61, {1900, 400}, {1, 1}});
-  cases.push_back({"ws32 MTP-3 H=64 page61 K=2048 ue8m0", 64, 2048, 61, {6000, 2300}, {3, 3}, DType::kF32,
-                   Fp8ScaleMode::kUe8m0});
-  cases.push_back({"ws32 MTP-4 H=128 page64 K=2048 bf16 out", 128, 2048, 64, {5000, 100}, {4, 4}, DType::kBF16});
-  cases.push_back({"ws32 MTP-1..4 H=48 page64 K=512", 48, 512, 64, {3000, 800, 1200, 64}, {1, 2, 3, 4}});
-  cases.push_back({"ws32 decode H=96 head_blocks=2 page1 K=2048", 96, 2048, 1, {3000, 2200}, {1, 1}, DType::kBF16,
-                   Fp8ScaleMode::kFp32, 2});
-  cases.push_back({"ws32 decode H=16 page64 K=64 short", 16, 64, 64, {30, 200, 64}, {1, 1, 1}});
   for (size_t i = 0; i < cases.size(); ++i) {
     if (small && i % 2 == 1) continue;
     if (selected("fp8_ds_mla sparse_mla " + cases[i].name)) run_case(gpu, cpu, cases[i], seed + 1000 * i, log);
   }
-  // The fallback (CudaBackendOptions::MlaKernel::kMmaSync: the mma.sync kernel dequantizing on its MMA warps).
-  std::vector<Fp8MlaCase> fallback;
-  fallback.push_back({"mma_sync decode H=16 page64 K=2048", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}, DType::kBF16});
-  fallback.push_back({"mma_sync MTP-2 H=128 page61 K=2048", 128, 2048, 61, {4096, 3000}, {2, 2}});
-  bool want_fallback = false;
-  for (const Fp8MlaCase& c : fallback) want_fallback = want_fallback || selected("fp8_ds_mla sparse_mla " + c.name);
-  if (!want_fallback) return;
-  CudaBackendOptions o;
-  o.mla_kernel = CudaBackendOptions::MlaKernel::kMmaSync;
-  auto be = make_cuda_backend(0, o);
-  if (!be.ok()) {
-    log.report(false, "fp8_ds_mla sparse_mla mma_sync: backend", be.status().to_string());
-    return;
-  }
-  for (size_t i = 0; i < fallback.size(); ++i) {
-    if (small && i % 2 == 1) continue;
-    if (selected("fp8_ds_mla sparse_mla " + fallback[i].name)) run_case(**be, cpu, fallback[i], seed + 7000 + 1000 * i, log);
+  // Each decode kernel over records forced by CudaBackendOptions::mla_kernel: the warp-specialized one whose
+  // producer dequantizes (kWgmmaWs32: partial 64-head groups H = 8, 16, 48, 96; MTP 1..4; page sizes 1 / 61 / 64;
+  // split-K with the cluster merge and with the workspace), and the mma.sync one dequantizing on its MMA warps.
+  struct Forced {
+    const char* tag;
+    CudaBackendOptions::MlaKernel kernel;
+    std::vector<Fp8MlaCase> cases;
+  };
+  std::vector<Forced> forced;
+  forced.push_back({"ws32", CudaBackendOptions::MlaKernel::kWgmmaWs32, {}});
+  std::vector<Fp8MlaCase>& ws = forced.back().cases;
+  ws.push_back({"decode H=16 page1 K=2048 b=5", 16, 2048, 1, {2500, 4000, 700, 2100, 65}, {1, 1, 1, 1, 1},
+                DType::kBF16});
+  ws.push_back({"decode H=8 page61 K=1024", 8, 1024, 61, {1900, 400}, {1, 1}});
+  ws.push_back({"decode H=64 page64 K=2048", 64, 2048, 64, {3000, 1500}, {1, 1}});
+  ws.push_back({"MTP-3 H=64 page61 K=2048 ue8m0", 64, 2048, 61, {6000, 2300}, {3, 3}, DType::kF32,
+                Fp8ScaleMode::kUe8m0});
+  ws.push_back({"MTP-4 H=128 page64 K=2048 bf16 out", 128, 2048, 64, {5000, 100}, {4, 4}, DType::kBF16});
+  ws.push_back({"MTP-1..4 H=48 page64 K=512", 48, 512, 64, {3000, 800, 1200, 64}, {1, 2, 3, 4}});
+  ws.push_back({"decode H=96 head_blocks=2 page1 K=2048", 96, 2048, 1, {3000, 2200}, {1, 1}, DType::kBF16,
+                Fp8ScaleMode::kFp32, 2});
+  ws.push_back({"decode H=128 page61 K=2048 head_blocks=2", 128, 2048, 61, {3000, 2100}, {1, 1}, DType::kF32,
+                Fp8ScaleMode::kFp32, 2});
+  ws.push_back({"decode H=16 page64 K=64 short", 16, 64, 64, {30, 200, 64}, {1, 1, 1}});
+  forced.push_back({"mma_sync", CudaBackendOptions::MlaKernel::kMmaSync, {}});
+  forced.back().cases.push_back({"decode H=16 page64 K=2048", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}, DType::kBF16});
+  forced.back().cases.push_back({"MTP-2 H=128 page61 K=2048", 128, 2048, 61, {4096, 3000}, {2, 2}});
+  for (size_t f = 0; f < forced.size(); ++f) {
+    const Forced& fc = forced[f];
+    const std::string prefix = std::string("fp8_ds_mla sparse_mla ") + fc.tag + " ";
+    bool want = false;
+    for (const Fp8MlaCase& c : fc.cases) want = want || selected(prefix + c.name);
+    if (!want) continue;
+    CudaBackendOptions o;
+    o.mla_kernel = fc.kernel;
+    auto be = make_cuda_backend(0, o);
+    if (!be.ok()) {
+      log.report(false, prefix + "backend", be.status().to_string());
+      continue;
+    }
+    for (size_t i = 0; i < fc.cases.size(); ++i) {
+      if (small && i % 2 == 1) continue;
+      Fp8MlaCase c = fc.cases[i];
+      c.name = std::string(fc.tag) + " " + c.name;
+      if (selected(prefix + fc.cases[i].name)) run_case(**be, cpu, c, seed + 7000 * (f + 1) + 1000 * i, log);
+    }
   }
 }
 

@@ -445,10 +445,12 @@ int mla_head_group(int block_heads) { return block_heads <= 16 ? 16 : block_head
 
 // fp8_ds_mla records: the warp-specialized 32-key-tile kernel, whose producer warpgroup dequantizes the records
 // (sparse_mla_wgmma_ws32.cu), for every head block (a block of fewer than 64 heads, or a partial last group, as a
-// 64-head group with its missing rows masked), unless o.mla_kernel forces the mma.sync kernel (which dequantizes
-// on its MMA warps: the fallback, kept for tests and comparisons).
+// 64-head group with its missing rows masked), when o.mla_kernel asks for a wgmma kernel. kAuto keeps the mma.sync
+// kernel (dequantizing on its MMA warps) until the ws32 kernel is measured faster on the H200
+// (docs/design/2026-12-02-fp8-ds-mla.md); the rule is this function.
 bool sparse_mla_fp8_ws32(const SparseMlaParams& p, const CudaBackendOptions& o) {
-  return p.latent.records() && o.mla_kernel != CudaBackendOptions::MlaKernel::kMmaSync;
+  return p.latent.records() && (o.mla_kernel == CudaBackendOptions::MlaKernel::kWgmmaWs32 ||
+                                o.mla_kernel == CudaBackendOptions::MlaKernel::kWgmmaWs);
 }
 
 MlaShape sparse_mla_shape(const SparseMlaParams& p, const CudaBackendOptions& o) {
