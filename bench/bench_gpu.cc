@@ -633,7 +633,20 @@ int main(int argc, char** argv) {
                      true, "target<=0.125");
     bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps, 0, 2048, true,
                      "target<=0.045");
+    // the mma.sync kernel dequantizing on its MMA warps (the default for 64-head groups before the ws32 one)
+    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kMmaSync;
+    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.065");
+    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps, 0, 2048,
+                     true, "target<=0.125");
+    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.045");
     g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kAuto;
+  }
+  if (!only.empty() && std::string("fp8mla_one b=64 h=128").find(only) != std::string::npos) {
+    // one FP8 decode at the size, by the default rule (for compute-sanitizer and ncu: --reps 1); only when
+    // asked for by name
+    bench_sparse_mla("fp8mla_one sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true);
   }
   if (want("gather")) {  // the decodes' byte ceiling: the same rows gathered with no math (KV bytes only)
     for (int c : {4, 8, 16})

@@ -17,14 +17,14 @@
 //   WG1 folds in its own tile and publishes the pair's max; WG0 then rescales the P it hands over, its O and its
 //   row sums.
 // An odd last tile is paired with an empty one (every key absent: zero-filled, masked).
-// fp8_ds_mla records (kFp8, MlaArgs::record_bytes > 0): the producer gathers each key's 656-byte record and
-// dequantizes it into the same bf16 tile slot, so the consumers are unchanged. Producer warp w takes rows w + 4i of
-// a tile, lane l the record's e4m3 chunk l (values 16l .. 16l + 15, tile scale l / 8): one coalesced 512-byte read
-// a row, dequantized (mla_dequant8: scale * value in f32, one rounding) into bf16 chunks 2l, 2l + 1 (stored in an
-// order that keeps the 8 lanes of each shared-memory phase on distinct banks); the rope goes by cp.async as it is.
-// The records of pair k + 2 are prefetched into L2 (cp.async.bulk.prefetch) when its rows are resolved, so the
-// register loads of pair k + 2 hit L2. A partial head group (block_heads < 64, e.g. H = 16) runs on zero query rows
-// that are never stored (the FP8 decode runs every head count here; sparse_mla_shape).
+// fp8_ds_mla records (kFp8, MlaArgs::record_bytes > 0): the producer copies both tiles of a pair by cp.async as
+// raw bytes into their slots (a row's 512 e4m3 bytes over latent slabs 4..7, its rope into slab 8, the scales to
+// registers), then dequantizes each tile in place as it lands (mla_dequant8: scale * value in f32, one rounding to
+// bf16): chunks 0..255 first (slabs 0..3, clear of the raw bytes), then 256..511 once every producer thread has
+// read the raw bytes those stores overwrite. The consumers are unchanged. Many copies are in flight a thread (the
+// whole pair, 20 a thread) where register loads held four; the records of pair k + 2 are prefetched into L2
+// (cp.async.bulk.prefetch) when its rows are resolved. A partial head group (block_heads < 64) runs on zero query
+// rows that are never stored (sparse_mla_shape picks this kernel for 64-head groups).
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE). The layout needs the whole
 // 227 KB from a 1024-byte-aligned base (what the driver gives); a misaligned base is reported (kDevSmemAlign).
@@ -62,6 +62,11 @@ constexpr int kOffBar = kOffMisc + 16;               // mbarriers: full[slot], e
 constexpr int kSmemBytes = kOffBar + 2 * kSlots * 8;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
+// Registers a thread after setmaxnreg (the CTA's 168 x 384): bf16 224 / 56; fp8_ds_mla 216 / 72, the producer's
+// in-place dequantization holding a tile's raw chunks and the pair's copies in flight.
+constexpr int kFp8ConsumerRegs = 216, kFp8ProducerRegs = 72;
+static_assert(2 * 128 * kFp8ConsumerRegs + 128 * kFp8ProducerRegs <= 168 * kThreads, "the register file");
+
 // Named barriers (0 is __syncthreads); each hands data from one party to the other, waited on by the receiver only.
 constexpr int kBarMax0 = 7;       // WG0's max published (WG0 arrives, WG1 waits: 256)
 constexpr int kBarMax1 = 8;       // the pair's max published (WG1 arrives, WG0 waits)
@@ -78,6 +83,40 @@ __device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int slot) { return 
 // The L2 prefetch of one fp8_ds_mla record (656 B: a multiple of 16, records 16-byte aligned).
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// fp8_ds_mla: a tile's e4m3 rows land raw over its latent slabs 4..7 ([32 rows][512 B], linear) and are
+// dequantized in place into the bf16 slabs 0..8 (sparse_mla_wgmma_ws32.cu's producer).
+constexpr int kRawOff = 4 * kSlabBytes;
+static_assert(kRawOff + kBN * 512 == 8 * kSlabBytes, "the raw rows fill latent slabs 4..7 exactly");
+
+// Key row `row`'s record (row 0's for an absent key, whose copies are zero-filled), its byte offset in 64 bits
+// (num_pages * page_size * 656 passes 2^31 from 3.3M keys).
+__device__ __forceinline__ const unsigned char* mla_record(const MlaArgs& a, int32_t row) {
+  return a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_bytes;
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// The 16 e4m3 values of chunk c (values 16c .. 16c + 15) of tile row r, dequantized (mla_dequant8) into bf16
+// chunks 2c, 2c + 1 of the swizzled tile at base; `sel` (c / 4 odd) stores the second first, so that the 8 lanes
+// of a shared-memory phase (one row, chunks c .. c + 7) hit distinct banks.
+__device__ __forceinline__ void store_dequant16(uint32_t base, int r, int c, int sel, uint4 v, float scale) {
+  const uint4 lo = mla_dequant8(v.x, v.y, scale);
+  const uint4 hi = mla_dequant8(v.z, v.w, scale);
+  sts128(base + sw128_chunk_off(r, 2 * c + sel, kSlabBytes), sel ? hi : lo);
+  sts128(base + sw128_chunk_off(r, 2 * c + 1 - sel, kSlabBytes), sel ? lo : hi);
 }
 
 template <bool kFp8>
@@ -113,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
 
   if (wg == 2) {
     // ==== producer ====
-    setmaxnreg_dec<56>();
+    setmaxnreg_dec<kFp8 ? kFp8ProducerRegs : 56>();
     const int p = tid - 256;  // 0..127
     if constexpr (kFp8) {
       // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63, each record prefetched
@@ -128,53 +167,68 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       if (npairs > 1) resolve_pair(1);
       named_bar_sync(kBarProducer, 128);
       const int pw = p >> 5, pl = p & 31;
-      const int sel = (pl >> 2) & 1;  // which of its two bf16 chunks a lane stores first (bank-conflict free)
+      const int half = pl >> 4, c16 = pl & 15;  // a conversion item's row (of two) and 16-value chunk (of 16)
+      const int sel = (c16 >> 2) & 1;           // which of its two bf16 chunks a lane stores first (bank-conflict free)
       for (int pair = 0; pair < npairs; ++pair) {
-#pragma unroll 1
+        const int32_t* ring = sRing + (pair & 3) * 64;
+        // Both tiles' bytes by cp.async: the e4m3 rows raw into the slot's latent slabs 4..7 (row r at kRawOff +
+        // 512 r), the rope into slab 8; the scale of this lane's (row pw + 4 (pl % 8), tile pl / 8) to a register.
+        float sc[2];
+#pragma unroll
         for (int tile = 0; tile < 2; ++tile) {
           const int slot = (pair & 1) * 2 + tile;
           if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
           const uint32_t base = sKV + slot * kTileBytes;
-          const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
-          // the rope: 8 chunks a row, 16 rows a pass
+          const int32_t* tr = ring + tile * kBN;
 #pragma unroll
-          for (int pass = 0; pass < 2; ++pass) {
+          for (int k = 0; k < 8; ++k) {  // warp pw: rows pw + 4k, one 512-byte row a warp instruction
+            const int r = pw + 4 * k;
+            const int32_t row = tr[r];
+            cp_async_16(base + kRawOff + r * 512 + pl * 16, mla_record(a, row) + pl * 16, row >= 0 ? 16 : 0);
+          }
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass) {  // the rope: 8 chunks a row, 16 rows a pass
             const int r = (p >> 3) + 16 * pass;
-            const int32_t row = ring[r];
-            const unsigned char* rec = a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_bytes;
-            cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), rec + 528 + (p & 7) * 16,
+            const int32_t row = tr[r];
+            cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
                         row >= 0 ? 16 : 0);
           }
+          cp_async_commit();
           cp_async_mbar_arrive_noinc(full_bar(bars, slot));
-          // the latent: rows pw + 4i, four loads in flight a batch
+          const int32_t srow = tr[pw + 4 * (pl & 7)];
+          sc[tile] = srow >= 0 ? __ldg(reinterpret_cast<const float*>(mla_record(a, srow) + 512 + (pl >> 3) * 4)) : 0.f;
+        }
+        // Each tile dequantized in place once its bytes landed: items (row pw + 4k, chunk c), k = 2j + half; chunks
+        // 0..15 (slabs 0..3, clear of the raw rows) first, then chunks 16..31, whose stores overwrite the raw rows:
+        // read by every producer thread before any of them stores.
 #pragma unroll 1
-          for (int batch = 0; batch < 2; ++batch) {
-            uint4 v[4];
-            float sc[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int32_t row = ring[pw + 4 * (batch * 4 + i)];
-              if (row >= 0) {
-                const unsigned char* rec = a.records + static_cast<int64_t>(row) * a.record_bytes;
-                v[i] = __ldg(reinterpret_cast<const uint4*>(rec + pl * 16));
-                sc[i] = __ldg(reinterpret_cast<const float*>(rec + 512 + (pl >> 3) * 4));
-              } else {  // an absent key: zeros (masked, and no NaN reaches P * V)
-                v[i] = make_uint4(0u, 0u, 0u, 0u);
-                sc[i] = 0.f;
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int r = pw + 4 * (batch * 4 + i);
-              const uint4 lo = mla_dequant8(v[i].x, v[i].y, sc[i]);
-              const uint4 hi = mla_dequant8(v[i].z, v[i].w, sc[i]);
-              const uint4 first = sel ? hi : lo, second = sel ? lo : hi;
-              asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + sw128_chunk_off(r, 2 * pl + sel, kSlabBytes)),
-                           "r"(first.x), "r"(first.y), "r"(first.z), "r"(first.w));
-              asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + sw128_chunk_off(r, 2 * pl + 1 - sel, kSlabBytes)),
-                           "r"(second.x), "r"(second.y), "r"(second.z), "r"(second.w));
-            }
+        for (int tile = 0; tile < 2; ++tile) {
+          if (tile == 0) {
+            cp_async_wait<1>();
+          } else {
+            cp_async_wait<0>();
           }
+          named_bar_sync(kBarProducer, 128);  // every producer thread's copies of the tile landed
+          const int slot = (pair & 1) * 2 + tile;
+          const uint32_t base = sKV + slot * kTileBytes;
+          const float st = tile == 0 ? sc[0] : sc[1];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int k = 2 * j + half, r = pw + 4 * k;
+            const float scale = __shfl_sync(0xffffffffu, st, (c16 >> 3) * 8 + k);
+            store_dequant16(base, r, c16, sel, lds128(base + kRawOff + r * 512 + c16 * 16), scale);
+          }
+          uint4 vb[4];
+          float sb[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int k = 2 * j + half, r = pw + 4 * k;
+            sb[j] = __shfl_sync(0xffffffffu, st, (2 + (c16 >> 3)) * 8 + k);
+            vb[j] = lds128(base + kRawOff + r * 512 + (16 + c16) * 16);
+          }
+          named_bar_sync(kBarProducer, 128);  // the raw rows read
+#pragma unroll
+          for (int j = 0; j < 4; ++j) store_dequant16(base, pw + 4 * (2 * j + half), 16 + c16, sel, vb[j], sb[j]);
           fence_proxy_async_smem();  // the bf16 rows, to the consumers' wgmma (the async proxy)
           mbar_arrive(full_bar(bars, slot));
         }
@@ -230,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   const int nh = kFp8 ? mla_cta_heads(a, 64) : 64;  // rows stored (a partial group: FP8 records only)
   mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return sw128_chunk_off(r, c, kQSlabBytes); }, nh);
   cp_async_commit();
-  setmaxnreg_inc<224>();
+  setmaxnreg_inc<kFp8 ? kFp8ConsumerRegs : 224>();
   const int other = wg ^ 1;
   const int wt = tid & 127;                          // this thread's index in its warpgroup
   const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
