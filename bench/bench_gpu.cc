@@ -229,7 +229,9 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
     const double flops = 2.0 * T * H * used * (576 + 512);
     // unique bytes: the KV rows, q, out (bf16), lse, top-k
     const double bytes = kv_rows * key_bytes + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
-    const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H), g_ctx.options);
+    // (the head group the launch runs: records take 64-head groups from 33 heads on, sparse_mla_shape)
+    const bool merged_in_kernel = sparse_mla_cluster_merge(splits, sparse_mla_shape(run, g_ctx.options).head_group,
+                                                           g_ctx.options);
     record(name, ms, flops, bytes,
            "splits=" + std::to_string(splits) +
                (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : "") +
