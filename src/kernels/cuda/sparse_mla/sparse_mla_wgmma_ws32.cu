@@ -157,37 +157,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     if constexpr (kFp8) {
       // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63, each record prefetched
       // into L2 as it is resolved.
-      // In two steps, so that the dependent loads of pair k + 2 overlap pair k's copies: its top-k entries at the
-      // pair's start (entry), its pages once the tiles are converted (resolve_pair).
-      auto entry = [&](int pair) -> int32_t {
-        const int key = pair * 2 * kBN + p;
-        return p < 64 && key < keys.nkeys ? keys.entries[key] : -1;
-      };
-      auto resolve_pair = [&](int pair, int32_t e) {
+      auto resolve_pair = [&](int pair) {
         if (p >= 64) return;
-        int32_t row = -1;
-        if (e >= 0) {  // (a used entry is in [0, key_len))
-          const int32_t c = e / a.page_size;
-          const int32_t page =
-              c < a.max_pages ? a.block_table[static_cast<int64_t>(keys.request) * a.max_pages + c] : -1;
-          if (page < 0 || page >= a.num_pages) {
-            report_device_error(a.err, kDevBadPage, t);
-          } else {
-            row = page * a.page_size + e % a.page_size;
-          }
-        }
+        const int32_t row = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
         sRing[(pair & 3) * 64 + p] = row;
-        if (row >= 0) prefetch_l2(mla_record(a, row), a.record_bytes);
+        if (row >= 0) prefetch_l2(a.records + static_cast<int64_t>(row) * a.record_bytes, a.record_bytes);
       };
-      resolve_pair(0, entry(0));
-      if (npairs > 1) resolve_pair(1, entry(1));
+      resolve_pair(0);
+      if (npairs > 1) resolve_pair(1);
       named_bar_sync(kBarProducer, 128);
       const int pw = p >> 5, pl = p & 31;
       const int half = pl >> 4, c16 = pl & 15;  // a conversion item's row (of two) and 16-value chunk (of 16)
       const int sel = (c16 >> 2) & 1;           // which of its two bf16 chunks a lane stores first (bank-conflict free)
       for (int pair = 0; pair < npairs; ++pair) {
         const int32_t* ring = sRing + (pair & 3) * 64;
-        const int32_t e2 = pair + 2 < npairs ? entry(pair + 2) : -1;
         // Both tiles' bytes by cp.async: the e4m3 rows raw into the slot's latent slabs 4..7 (row r at kRawOff +
         // 512 r), the rope into slab 8; the scale of this lane's (row pw + 4 (pl % 8), tile pl / 8) to a register.
         float sc[2];
@@ -250,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
           mbar_arrive(full_bar(bars, slot));
         }
         // Pair + 2's rows (its ring slot held pair - 2's, which both consumers are done with: the empty waits above).
-        if (pair + 2 < npairs) resolve_pair(pair + 2, e2);
+        if (pair + 2 < npairs) resolve_pair(pair + 2);
         named_bar_sync(kBarProducer, 128);
       }
     } else {
