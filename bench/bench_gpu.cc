@@ -229,7 +229,9 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
     const double flops = 2.0 * T * H * used * (576 + 512);
     // unique bytes: the KV rows, q, out (bf16), lse, top-k
     const double bytes = kv_rows * key_bytes + T * H * 576 * 2.0 + T * H * Dl * 2.0 + T * H * 4.0 + T * K * 4.0;
-    const bool merged_in_kernel = sparse_mla_cluster_merge(splits, mla_head_group(H), g_ctx.options);
+    // (the head group the launch runs: records take 64-head groups from 33 heads on, sparse_mla_shape)
+    const bool merged_in_kernel = sparse_mla_cluster_merge(splits, sparse_mla_shape(run, g_ctx.options).head_group,
+                                                           g_ctx.options);
     record(name, ms, flops, bytes,
            "splits=" + std::to_string(splits) +
                (splits > 1 ? (merged_in_kernel ? " (cluster merge)" : " (merge kernel)") : "") +
@@ -623,6 +625,30 @@ int main(int argc, char** argv) {
                      "target<=0.045 FlashMLA-fp8=0.079");
     bench_sparse_mla("fp8_ds_mla sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4),
                      0, 2048, true, "target>=600TFLOP/s");
+    // the warp-specialized kernel whose producer dequantizes the records (CudaBackendOptions::MlaKernel::kWgmmaWs32)
+    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kWgmmaWs32;
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.028");
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.065");
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps, 0, 2048,
+                     true, "target<=0.125");
+    bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.045");
+    // the mma.sync kernel dequantizing on its MMA warps (the default for 64-head groups before the ws32 one)
+    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kMmaSync;
+    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.065");
+    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps, 0, 2048,
+                     true, "target<=0.125");
+    bench_sparse_mla("fp8_ds_mla mma_sync sparse_decode b=64 ctx32K h=64", 64, 64, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.045");
+    g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kAuto;
+  }
+  if (!only.empty() && std::string("fp8mla_one b=64 h=128").find(only) != std::string::npos) {
+    // one FP8 decode at the size, by the default rule (for compute-sanitizer and ncu: --reps 1); only when
+    // asked for by name
+    bench_sparse_mla("fp8mla_one sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true);
   }
   if (want("gather")) {  // the decodes' byte ceiling: the same rows gathered with no math (KV bytes only)
     for (int c : {4, 8, 16})

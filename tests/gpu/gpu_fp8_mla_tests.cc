@@ -168,6 +168,7 @@ struct Fp8MlaCase {
   DType out_dtype = DType::kF32;
   Fp8ScaleMode mode = Fp8ScaleMode::kFp32;
   int head_blocks = 1;
+  int64_t low_pages = 0;  // unused pages below the requests' (their records past 2^31 bytes from 52000 x 64 keys)
 };
 
 double rel_err(const std::vector<float>& a, const std::vector<float>& ref, bool* mismatch) {
@@ -200,9 +201,9 @@ void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, Ch
     need += (l + ps - 1) / ps;
     maxp = std::max<int64_t>(maxp, (l + ps - 1) / ps);
   }
-  const int64_t num_pages = need + 3;
-  std::vector<int32_t> ids(static_cast<size_t>(num_pages));
-  std::iota(ids.begin(), ids.end(), 0);
+  const int64_t num_pages = need + 3 + c.low_pages;
+  std::vector<int32_t> ids(static_cast<size_t>(need + 3));
+  std::iota(ids.begin(), ids.end(), static_cast<int32_t>(c.low_pages));
   for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[mix64(seed + i) % i]);
   std::vector<int32_t> bt(lens.size() * maxp, -1);
   size_t next = 0;
@@ -355,6 +356,67 @@ void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, C
   for (size_t i = 0; i < cases.size(); ++i) {
     if (small && i % 2 == 1) continue;
     if (selected("fp8_ds_mla sparse_mla " + cases[i].name)) run_case(gpu, cpu, cases[i], seed + 1000 * i, log);
+  }
+  // Each decode kernel over records forced by CudaBackendOptions::mla_kernel: the warp-specialized one whose
+  // producer dequantizes (kWgmmaWs32: partial 64-head groups H = 8, 16, 48, 96; MTP 1..4; page sizes 1 / 61 / 64;
+  // split-K with the cluster merge and with the workspace), and the mma.sync one dequantizing on its MMA warps.
+  struct Forced {
+    const char* tag;
+    CudaBackendOptions::MlaKernel kernel;
+    std::vector<Fp8MlaCase> cases;
+    int32_t splits = 0;  // CudaBackendOptions::mla_splits (1: a CTA walks all 2048 keys, 32 pairs of tiles)
+  };
+  std::vector<Forced> forced;
+  forced.push_back({"ws32", CudaBackendOptions::MlaKernel::kWgmmaWs32, {}});
+  std::vector<Fp8MlaCase>& ws = forced.back().cases;
+  ws.push_back({"decode H=16 page1 K=2048 b=5", 16, 2048, 1, {2500, 4000, 700, 2100, 65}, {1, 1, 1, 1, 1},
+                DType::kBF16});
+  ws.push_back({"decode H=8 page61 K=1024", 8, 1024, 61, {1900, 400}, {1, 1}});
+  ws.push_back({"decode H=64 page64 K=2048", 64, 2048, 64, {3000, 1500}, {1, 1}});
+  ws.push_back({"MTP-3 H=64 page61 K=2048 ue8m0", 64, 2048, 61, {6000, 2300}, {3, 3}, DType::kF32,
+                Fp8ScaleMode::kUe8m0});
+  ws.push_back({"MTP-4 H=128 page64 K=2048 bf16 out", 128, 2048, 64, {5000, 100}, {4, 4}, DType::kBF16});
+  ws.push_back({"MTP-1..4 H=48 page64 K=512", 48, 512, 64, {3000, 800, 1200, 64}, {1, 2, 3, 4}});
+  ws.push_back({"decode H=96 head_blocks=2 page1 K=2048", 96, 2048, 1, {3000, 2200}, {1, 1}, DType::kBF16,
+                Fp8ScaleMode::kFp32, 2});
+  ws.push_back({"decode H=128 page61 K=2048 head_blocks=2", 128, 2048, 61, {3000, 2100}, {1, 1}, DType::kF32,
+                Fp8ScaleMode::kFp32, 2});
+  ws.push_back({"decode H=16 page64 K=64 short", 16, 64, 64, {30, 200, 64}, {1, 1, 1}});
+  // One split: the whole key list in one CTA (what b=64 runs: 128 CTAs, no split), and a pool whose records pass
+  // 2^31 bytes (the byte offset of a record is 64-bit).
+  forced.push_back({"ws32 splits=1", CudaBackendOptions::MlaKernel::kWgmmaWs32, {}, 1});
+  std::vector<Fp8MlaCase>& w1 = forced.back().cases;
+  w1.push_back({"decode H=128 page64 K=2048", 128, 2048, 64, {3000, 2100, 4100}, {1, 1, 1}});
+  w1.push_back({"decode H=64 page1 K=2048 ue8m0", 64, 2048, 1, {2500, 2049}, {1, 1}, DType::kBF16,
+                Fp8ScaleMode::kUe8m0});
+  w1.push_back({"MTP-2 H=128 page61 K=2048 bf16 out", 128, 2048, 61, {4096, 3000}, {2, 2}, DType::kBF16});
+  w1.push_back({"decode H=96 head_blocks=2 page64 K=1024", 96, 1024, 64, {1500, 3000}, {1, 1}, DType::kF32,
+                Fp8ScaleMode::kFp32, 2});
+  w1.push_back({"decode H=128 page64 K=2048 records past 2^31 bytes", 128, 2048, 64, {3000, 2500}, {1, 1},
+                DType::kBF16, Fp8ScaleMode::kFp32, 1, 52000});
+  forced.push_back({"mma_sync", CudaBackendOptions::MlaKernel::kMmaSync, {}});
+  forced.back().cases.push_back({"decode H=16 page64 K=2048", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}, DType::kBF16});
+  forced.back().cases.push_back({"MTP-2 H=128 page61 K=2048", 128, 2048, 61, {4096, 3000}, {2, 2}});
+  for (size_t f = 0; f < forced.size(); ++f) {
+    const Forced& fc = forced[f];
+    const std::string prefix = std::string("fp8_ds_mla sparse_mla ") + fc.tag + " ";
+    bool want = false;
+    for (const Fp8MlaCase& c : fc.cases) want = want || selected(prefix + c.name);
+    if (!want) continue;
+    CudaBackendOptions o;
+    o.mla_kernel = fc.kernel;
+    o.mla_splits = fc.splits;
+    auto be = make_cuda_backend(0, o);
+    if (!be.ok()) {
+      log.report(false, prefix + "backend", be.status().to_string());
+      continue;
+    }
+    for (size_t i = 0; i < fc.cases.size(); ++i) {
+      if (small && i % 2 == 1) continue;
+      Fp8MlaCase c = fc.cases[i];
+      c.name = std::string(fc.tag) + " " + c.name;
+      if (selected(prefix + fc.cases[i].name)) run_case(**be, cpu, c, seed + 7000 * (f + 1) + 1000 * i, log);
+    }
   }
 }
 

@@ -579,11 +579,13 @@ __device__ __forceinline__ bool mla_smem_aligned(const MlaArgs& a, const void* s
 // accumulator layout (o[4j], o[4j+1]: row r0, columns 256 wg + 8 j + 2 (lane % 4) and +1; o[4j+2], o[4j+3]: row
 // r1), divided by the row sums (0 where a row has no key), goes to the caller's layout (splits == 1: bf16 or f32)
 // or the split-K partials (f32: the workspace, or smem_part for the cluster merge, which must not overlap sL);
-// warpgroup 0 stores the LSE too (m0, m1: the rows' max in the log2 domain, -inf without keys).
+// warpgroup 0 stores the LSE too (m0, m1: the rows' max in the log2 domain, -inf without keys). Rows from nh on
+// (a partial head group's) are not stored.
 template <typename Sync>
 __device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, int h0, int split, int wg, int lane,
                                                    int r0, int r1, const float (&o)[128], float l0, float l1,
-                                                   float* sL, Sync sync, float m0, float m1, float* smem_part) {
+                                                   float* sL, Sync sync, float m0, float m1, float* smem_part,
+                                                   int nh = 64) {
   constexpr float kLn2 = 0.6931471805599453f;
   mla_allow_dependents();
   if ((lane & 3) == 0) {
@@ -593,21 +595,22 @@ __device__ __forceinline__ void store_wgmma64_rows(const MlaArgs& a, int64_t t, 
   sync();
   const float L0 = sL[r0] + sL[64 + r0], L1 = sL[r1] + sL[64 + r1];
   const float inv0 = L0 > 0.f ? 1.f / L0 : 0.f, inv1 = L1 > 0.f ? 1.f / L1 : 0.f;
-  const int64_t row0 = mla_out_row(a, t, h0, r0), row1 = mla_out_row(a, t, h0, r1);
+  const bool st0 = r0 < nh, st1 = r1 < nh;
+  const int64_t row0 = mla_out_row(a, t, h0, st0 ? r0 : 0), row1 = mla_out_row(a, t, h0, st1 ? r1 : 0);
   mla_with_out_rows(a, split, smem_part, [&](auto* out) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int c = wg * 256 + j * 8 + (lane & 3) * 2;
-      mla_store_pair(out + row0 * 512 + c, o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
-      mla_store_pair(out + row1 * 512 + c, o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
+      if (st0) mla_store_pair(out + row0 * 512 + c, o[j * 4 + 0] * inv0, o[j * 4 + 1] * inv0);
+      if (st1) mla_store_pair(out + row1 * 512 + c, o[j * 4 + 2] * inv1, o[j * 4 + 3] * inv1);
     }
   });
   if (wg == 0 && (lane & 3) == 0) {
     const float v0 = L0 > 0.f ? (m0 + log2f(L0)) * kLn2 : -INFINITY;
     const float v1 = L1 > 0.f ? (m1 + log2f(L1)) * kLn2 : -INFINITY;
     float* dst = mla_lse_rows(a, split, smem_part, 64);
-    dst[row0] = v0;
-    dst[row1] = v1;
+    if (st0) dst[row0] = v0;
+    if (st1) dst[row1] = v1;
   }
 }
 

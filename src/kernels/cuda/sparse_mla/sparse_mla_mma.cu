@@ -22,7 +22,7 @@
 //             cluster of the token's splits through shared memory (mla_cluster_merge: up to 8 splits, the default
 //             for 64-head groups), or go to a workspace that launch_lse_merge combines (16 / 32-head groups, more
 //             than 8 splits; CudaBackendOptions::mla_cluster_merge forces either).
-// fp8_ds_mla records (MlaArgs::record_bytes > 0; every head group runs this kernel): each key's e4m3 values and
+// fp8_ds_mla records (MlaArgs::record_bytes > 0; 16 / 32-head groups, 64 when forced): each key's e4m3 values and
 // tile scales are loaded to registers when its tile is issued and dequantized (scale * value in f32, one rounding
 // to bf16) into the same bf16 tile after the current tile's MMAs; the rope goes by cp.async as in the bf16 path.
 // Absent keys (past the used entries, bad pages) are zero-filled in shared memory and masked to -inf, so NaN in
@@ -443,9 +443,33 @@ MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests, con
 // partial ones (bh = 48, 96, ...: one key pass a 64-head group) the mma.sync kernel, whose rows are masked.
 int mla_head_group(int block_heads) { return block_heads <= 16 ? 16 : block_heads <= 32 ? 32 : 64; }
 
+// fp8_ds_mla records: the warp-specialized 32-key-tile kernel, whose producer warpgroup dequantizes the records in
+// place (sparse_mla_wgmma_ws32.cu), runs 64-head groups: head blocks of more than 32 heads (a partial last group,
+// bh = 48, 96, as a 64-head group with its missing rows masked), or any block when o.mla_kernel asks for a wgmma
+// kernel. Blocks of up to 32 heads keep the mma.sync kernel (16 / 32-head groups: the wgmma tile is 64 rows).
+// One H200, b=64 ctx 32K top-k 2048: docs/design/2026-12-03-fp8-mla-decode.md.
+bool sparse_mla_fp8_ws32(const SparseMlaParams& p, const CudaBackendOptions& o) {
+  if (!p.latent.records()) return false;
+  switch (o.mla_kernel) {
+    case CudaBackendOptions::MlaKernel::kWgmmaWs32:
+    case CudaBackendOptions::MlaKernel::kWgmmaWs: return true;
+    case CudaBackendOptions::MlaKernel::kMmaSync: return false;
+    case CudaBackendOptions::MlaKernel::kAuto: break;
+  }
+  const int bh = p.head_blocks >= 1 ? p.H / p.head_blocks : p.H;
+  return mla_head_group(bh) == 64;
+}
+
 MlaShape sparse_mla_shape(const SparseMlaParams& p, const CudaBackendOptions& o) {
   MlaShape s;
   const int bh = p.head_blocks >= 1 ? p.H / p.head_blocks : p.H;
+  if (sparse_mla_fp8_ws32(p, o)) {
+    s.head_group = 64;
+    s.block_groups = std::max(1, (bh + 63) / 64);
+    s.groups = std::max(1, p.head_blocks) * s.block_groups;
+    s.kernel = MlaKernel::kWgmmaWs32;
+    return s;
+  }
   s.head_group = mla_head_group(bh);
   s.block_groups = std::max(1, (bh + s.head_group - 1) / s.head_group);
   s.groups = std::max(1, p.head_blocks) * s.block_groups;

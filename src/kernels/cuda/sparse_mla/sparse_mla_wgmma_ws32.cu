@@ -17,6 +17,14 @@
 //   WG1 folds in its own tile and publishes the pair's max; WG0 then rescales the P it hands over, its O and its
 //   row sums.
 // An odd last tile is paired with an empty one (every key absent: zero-filled, masked).
+// fp8_ds_mla records (kFp8, MlaArgs::record_bytes > 0): the producer copies both tiles of a pair by cp.async as
+// raw bytes into their slots (a row's 512 e4m3 bytes over latent slabs 4..7, its rope into slab 8, the scales to
+// registers), then dequantizes each tile in place as it lands (mla_dequant8: scale * value in f32, one rounding to
+// bf16): chunks 0..255 first (slabs 0..3, clear of the raw bytes), then 256..511 once every producer thread has
+// read the raw bytes those stores overwrite. The consumers are unchanged. Many copies are in flight a thread (the
+// whole pair, 20 a thread) where register loads held four; the records of pair k + 2 are prefetched into L2
+// (cp.async.bulk.prefetch) when its rows are resolved. A partial head group (block_heads < 64) runs on zero query
+// rows that are never stored (sparse_mla_shape picks this kernel for 64-head groups).
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE). The layout needs the whole
 // 227 KB from a 1024-byte-aligned base (what the driver gives); a misaligned base is reported (kDevSmemAlign).
@@ -54,6 +62,11 @@ constexpr int kOffBar = kOffMisc + 16;               // mbarriers: full[slot], e
 constexpr int kSmemBytes = kOffBar + 2 * kSlots * 8;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
+// Registers a thread after setmaxnreg (the CTA's 168 x 384): bf16 224 / 56; fp8_ds_mla 216 / 72, the producer's
+// in-place dequantization holding a tile's raw chunks and the pair's copies in flight.
+constexpr int kFp8ConsumerRegs = 216, kFp8ProducerRegs = 72;
+static_assert(2 * 128 * kFp8ConsumerRegs + 128 * kFp8ProducerRegs <= 168 * kThreads, "the register file");
+
 // Named barriers (0 is __syncthreads); each hands data from one party to the other, waited on by the receiver only.
 constexpr int kBarMax0 = 7;       // WG0's max published (WG0 arrives, WG1 waits: 256)
 constexpr int kBarMax1 = 8;       // the pair's max published (WG1 arrives, WG0 waits)
@@ -67,6 +80,46 @@ constexpr int kFullArrivals = 256, kEmptyArrivals = 256;
 __device__ __forceinline__ uint32_t full_bar(uint32_t bars, int slot) { return bars + 8 * slot; }
 __device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int slot) { return bars + 8 * (kSlots + slot); }
 
+// The L2 prefetch of one fp8_ds_mla record (656 B: a multiple of 16, records 16-byte aligned).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// fp8_ds_mla: a tile's e4m3 rows land raw over its latent slabs 4..7 ([32 rows][512 B], linear) and are
+// dequantized in place into the bf16 slabs 0..8 (sparse_mla_wgmma_ws32.cu's producer).
+constexpr int kRawOff = 4 * kSlabBytes;
+static_assert(kRawOff + kBN * 512 == 8 * kSlabBytes, "the raw rows fill latent slabs 4..7 exactly");
+
+// Key row `row`'s record (row 0's for an absent key, whose copies are zero-filled), its byte offset in 64 bits
+// (num_pages * page_size * 656 passes 2^31 from 3.3M keys).
+__device__ __forceinline__ const unsigned char* mla_record(const MlaArgs& a, int32_t row) {
+  return a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_bytes;
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// The 16 e4m3 values of chunk c (values 16c .. 16c + 15) of tile row r, dequantized (mla_dequant8) into bf16
+// chunks 2c, 2c + 1 of the swizzled tile at base; `sel` (c / 4 odd) stores the second first, so that the 8 lanes
+// of a shared-memory phase (one row, chunks c .. c + 7) hit distinct banks.
+__device__ __forceinline__ void store_dequant16(uint32_t base, int r, int c, int sel, uint4 v, float scale) {
+  const uint4 lo = mla_dequant8(v.x, v.y, scale);
+  const uint4 hi = mla_dequant8(v.z, v.w, scale);
+  sts128(base + sw128_chunk_off(r, 2 * c + sel, kSlabBytes), sel ? hi : lo);
+  sts128(base + sw128_chunk_off(r, 2 * c + 1 - sel, kSlabBytes), sel ? lo : hi);
+}
+
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(const MlaArgs a) {
   extern __shared__ __align__(1024) unsigned char smem[];
   if (!mla_smem_aligned(a, smem)) return;
@@ -99,54 +152,140 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
 
   if (wg == 2) {
     // ==== producer ====
-    setmaxnreg_dec<56>();
+    setmaxnreg_dec<kFp8 ? kFp8ProducerRegs : 56>();
     const int p = tid - 256;  // 0..127
-    // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
-    auto resolve_pair = [&](int pair) {
-      if (p >= 64) return;
-      sRing[(pair & 3) * 64 + p] = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
-    };
-    resolve_pair(0);
-    named_bar_sync(kBarProducer, 128);
-    for (int pair = 0; pair < npairs; ++pair) {
-#pragma unroll 1
-      for (int tile = 0; tile < 2; ++tile) {
-        const int slot = (pair & 1) * 2 + tile;
-        if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
-        // 8 threads per row, 16 rows per pass: each warp instruction reads 4 whole 128-byte segments.
-        const uint32_t base = sKV + slot * kTileBytes;
-        const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
-#pragma unroll 1  // the producer has 56 registers
-        for (int pass = 0; pass < 2; ++pass) {
-          const int r = (p >> 3) + 16 * pass;
-          const int32_t row = ring[r];
-          const int64_t row_ok = row < 0 ? 0 : row;
-          const __nv_bfloat16* lat = a.latent + row_ok * a.latent_stride + (p & 7) * 8;
-          const int bytes = row >= 0 ? 16 : 0;
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
-          }
-          cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes), a.rope + row_ok * a.rope_stride + (p & 7) * 8, bytes);
-        }
-        cp_async_mbar_arrive_noinc(full_bar(bars, slot));
-        mbar_arrive(full_bar(bars, slot));
-      }
-      // The next pair's rows (its ring slot was last read by pair - 3's gathers and masks, long done).
-      if (pair + 1 < npairs) resolve_pair(pair + 1);
+    if constexpr (kFp8) {
+      // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63, each record prefetched
+      // into L2 as it is resolved.
+      auto resolve_pair = [&](int pair) {
+        if (p >= 64) return;
+        const int32_t row = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
+        sRing[(pair & 3) * 64 + p] = row;
+        if (row >= 0) prefetch_l2(a.records + static_cast<int64_t>(row) * a.record_bytes, a.record_bytes);
+      };
+      resolve_pair(0);
+      if (npairs > 1) resolve_pair(1);
       named_bar_sync(kBarProducer, 128);
+      const int pw = p >> 5, pl = p & 31;
+      const int half = pl >> 4, c16 = pl & 15;  // a conversion item's row (of two) and 16-value chunk (of 16)
+      const int sel = (c16 >> 2) & 1;           // which of its two bf16 chunks a lane stores first (bank-conflict free)
+      for (int pair = 0; pair < npairs; ++pair) {
+        const int32_t* ring = sRing + (pair & 3) * 64;
+        // Both tiles' bytes by cp.async: the e4m3 rows raw into the slot's latent slabs 4..7 (row r at kRawOff +
+        // 512 r), the rope into slab 8; the scale of this lane's (row pw + 4 (pl % 8), tile pl / 8) to a register.
+        float sc[2];
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile) {
+          const int slot = (pair & 1) * 2 + tile;
+          if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
+          const uint32_t base = sKV + slot * kTileBytes;
+          const int32_t* tr = ring + tile * kBN;
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {  // warp pw: rows pw + 4k, one 512-byte row a warp instruction
+            const int r = pw + 4 * k;
+            const int32_t row = tr[r];
+            cp_async_16(base + kRawOff + r * 512 + pl * 16, mla_record(a, row) + pl * 16, row >= 0 ? 16 : 0);
+          }
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass) {  // the rope: 8 chunks a row, 16 rows a pass
+            const int r = (p >> 3) + 16 * pass;
+            const int32_t row = tr[r];
+            cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
+                        row >= 0 ? 16 : 0);
+          }
+          cp_async_commit();
+          cp_async_mbar_arrive_noinc(full_bar(bars, slot));
+          const int32_t srow = tr[pw + 4 * (pl & 7)];
+          sc[tile] = srow >= 0 ? __ldg(reinterpret_cast<const float*>(mla_record(a, srow) + 512 + (pl >> 3) * 4)) : 0.f;
+        }
+        // Each tile dequantized in place once its bytes landed: items (row pw + 4k, chunk c), k = 2j + half; chunks
+        // 0..15 (slabs 0..3, clear of the raw rows) first, then chunks 16..31, whose stores overwrite the raw rows:
+        // read by every producer thread before any of them stores.
+#pragma unroll 1
+        for (int tile = 0; tile < 2; ++tile) {
+          if (tile == 0) {
+            cp_async_wait<1>();
+          } else {
+            cp_async_wait<0>();
+          }
+          named_bar_sync(kBarProducer, 128);  // every producer thread's copies of the tile landed
+          const int slot = (pair & 1) * 2 + tile;
+          const uint32_t base = sKV + slot * kTileBytes;
+          const float st = tile == 0 ? sc[0] : sc[1];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int k = 2 * j + half, r = pw + 4 * k;
+            const float scale = __shfl_sync(0xffffffffu, st, (c16 >> 3) * 8 + k);
+            store_dequant16(base, r, c16, sel, lds128(base + kRawOff + r * 512 + c16 * 16), scale);
+          }
+          uint4 vb[4];
+          float sb[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int k = 2 * j + half, r = pw + 4 * k;
+            sb[j] = __shfl_sync(0xffffffffu, st, (2 + (c16 >> 3)) * 8 + k);
+            vb[j] = lds128(base + kRawOff + r * 512 + (16 + c16) * 16);
+          }
+          named_bar_sync(kBarProducer, 128);  // the raw rows read
+#pragma unroll
+          for (int j = 0; j < 4; ++j) store_dequant16(base, pw + 4 * (2 * j + half), 16 + c16, sel, vb[j], sb[j]);
+          fence_proxy_async_smem();  // the bf16 rows, to the consumers' wgmma (the async proxy)
+          mbar_arrive(full_bar(bars, slot));
+        }
+        // Pair + 2's rows (its ring slot held pair - 2's, which both consumers are done with: the empty waits above).
+        if (pair + 2 < npairs) resolve_pair(pair + 2);
+        named_bar_sync(kBarProducer, 128);
+      }
+    } else {
+      // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
+      auto resolve_pair = [&](int pair) {
+        if (p >= 64) return;
+        sRing[(pair & 3) * 64 + p] = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
+      };
+      resolve_pair(0);
+      named_bar_sync(kBarProducer, 128);
+      for (int pair = 0; pair < npairs; ++pair) {
+#pragma unroll 1
+        for (int tile = 0; tile < 2; ++tile) {
+          const int slot = (pair & 1) * 2 + tile;
+          if (pair >= 2) mbar_wait(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);  // pair - 2 is done with it
+          // 8 threads per row, 16 rows per pass: each warp instruction reads 4 whole 128-byte segments.
+          const uint32_t base = sKV + slot * kTileBytes;
+          const int32_t* ring = sRing + (pair & 3) * 64 + tile * kBN;
+#pragma unroll 1  // the producer has 56 registers
+          for (int pass = 0; pass < 2; ++pass) {
+            const int r = (p >> 3) + 16 * pass;
+            const int32_t row = ring[r];
+            const int64_t row_ok = row < 0 ? 0 : row;
+            const __nv_bfloat16* lat = a.latent + row_ok * a.latent_stride + (p & 7) * 8;
+            const int bytes = row >= 0 ? 16 : 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
+            }
+            cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes),
+                        a.rope + row_ok * a.rope_stride + (p & 7) * 8, bytes);
+          }
+          cp_async_mbar_arrive_noinc(full_bar(bars, slot));
+          mbar_arrive(full_bar(bars, slot));
+        }
+        // The next pair's rows (its ring slot was last read by pair - 3's gathers and masks, long done).
+        if (pair + 1 < npairs) resolve_pair(pair + 1);
+        named_bar_sync(kBarProducer, 128);
+      }
     }
     cp_async_wait<0>();
-    mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+    mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, kFp8 ? mla_cta_heads(a, 64) : 64);
     mla_peer_merge<64, kThreads, 0>(a, t, h0, smem_part, peer_stage);  // (the consumers sum unstaged rows)
     return;
   }
 
   // ==== consumers: warpgroup wg owns tile wg of each pair and output columns [256 wg, 256 wg + 256) ====
   // Q, while the producer gathers the first pairs
-  mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return sw128_chunk_off(r, c, kQSlabBytes); });
+  const int nh = kFp8 ? mla_cta_heads(a, 64) : 64;  // rows stored (a partial group: FP8 records only)
+  mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return sw128_chunk_off(r, c, kQSlabBytes); }, nh);
   cp_async_commit();
-  setmaxnreg_inc<224>();
+  setmaxnreg_inc<kFp8 ? kFp8ConsumerRegs : 224>();
   const int other = wg ^ 1;
   const int wt = tid & 127;                          // this thread's index in its warpgroup
   const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
@@ -269,15 +408,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   // ---- epilogue ----
   wgmma_wait<0>();  // nothing is in flight here; said so the compiler need not infer it
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
-                     m1, smem_part);
-  mla_cluster_merge<64, kThreads>(a, t, h0, smem_part);
+                     m1, smem_part, nh);
+  mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, nh);
   mla_peer_merge<64, kThreads, 256>(a, t, h0, smem_part, peer_stage);
 }
 
 }  // namespace
 
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx) {
-  return launch_mla_grid(sparse_mla_wgmma_ws32_kernel, "sparse_mla_wgmma_ws32_kernel", args, groups, kThreads, kSmemBytes, ctx.stream);
+  if (args.record_bytes > 0) {
+    return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<true>, "sparse_mla_wgmma_ws32_kernel (fp8_ds_mla)", args,
+                           groups, kThreads, kSmemBytes, ctx.stream);
+  }
+  return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<false>, "sparse_mla_wgmma_ws32_kernel", args, groups, kThreads,
+                         kSmemBytes, ctx.stream);
 }
 
 }  // namespace dsacp::cuda
