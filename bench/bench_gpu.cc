@@ -625,7 +625,8 @@ int main(int argc, char** argv) {
                      0, 2048, true, "target>=600TFLOP/s");
   }
   // The streaming kernel for 16-head groups (sparse_mla_small_heads.cu) forced on the decodes above, through the
-  // merge kernel (default) and the cluster merge; bf16 pools and fp8_ds_mla records.
+  // merge kernel (its default) and the cluster merge; bf16 pools and fp8_ds_mla records. (The fp8_ds_mla decode
+  // rows above run it by default.)
   if (want("sparse_decode small_heads") || want("fp8_ds_mla small_heads")) {
     using MlaKernel = CudaBackendOptions::MlaKernel;
     using Choice = CudaBackendOptions::Choice;

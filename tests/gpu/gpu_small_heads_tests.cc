@@ -2,7 +2,8 @@
 // CudaBackendOptions::MlaKernel::kSmallHeads) against the CPU oracle: H = 1, 2, 4, 8, 16 and the DCP head-block
 // layouts (blocks of 8 and 16 heads), bf16 pools and fp8_ds_mla records, page sizes 1 / 61 / 64, -1 holes with
 // garbage after them, short rows, a row with no key, key lengths below top-k, NaN in every unused cache slot,
-// split-K through the merge kernel and through the cluster merge, 1..8 splits, f32 and bf16 out; reruns
+// split-K through the merge kernel (the rule, and forced) and through the cluster merge, 1..8 splits, f32 and bf16
+// out; reruns
 // bit-identical; a bad page id reported as out_of_range.
 #include <algorithm>
 #include <cmath>
@@ -57,7 +58,8 @@ struct SmallCase {
   DType out_dtype = DType::kF32;
   int head_blocks = 1;
   int splits = 0;         // CudaBackendOptions::mla_splits (0: the rule)
-  bool cluster = false;   // split-K merged in a cluster (else the merge kernel)
+  int merge = -1;  // split-K: -1 the rule (the merge kernel for 16-head groups), 1 in a cluster, 0 the merge
+                   // kernel forced
 };
 
 double rel_err(const std::vector<float>& a, const std::vector<float>& ref, bool* mismatch) {
@@ -77,7 +79,9 @@ void run_case(Backend& cpu, const SmallCase& c, bool fp8, uint64_t seed, CheckLo
   CudaBackendOptions o;
   o.mla_kernel = CudaBackendOptions::MlaKernel::kSmallHeads;
   o.mla_splits = c.splits;
-  o.mla_cluster_merge = c.cluster ? CudaBackendOptions::Choice::kOn : CudaBackendOptions::Choice::kOff;
+  o.mla_cluster_merge = c.merge < 0    ? CudaBackendOptions::Choice::kAuto
+                        : c.merge == 1 ? CudaBackendOptions::Choice::kOn
+                                       : CudaBackendOptions::Choice::kOff;
   auto be = make_cuda_backend(0, o);
   if (!be.ok()) {
     log.report(false, name, "backend: " + be.status().to_string());
@@ -279,11 +283,15 @@ void gpu_small_heads_checks(Backend& cpu, uint64_t seed, bool small, CheckLog& l
                    DType::kBF16, 2});
   cases.push_back({"decode H=16 page64 K=2048 splits=1", 16, 2048, 64, {3000, 900}, {1, 1}, DType::kF32, 1, 1});
   cases.push_back({"decode H=16 page64 K=2048 splits=3 cluster", 16, 2048, 64, {3000, 2100}, {1, 1}, DType::kF32, 1,
-                   3, true});
+                   3, 1});
   cases.push_back({"decode H=8 page61 K=2048 splits=8 cluster bf16 out", 8, 2048, 61, {4000, 2100}, {1, 1},
-                   DType::kBF16, 1, 8, true});
+                   DType::kBF16, 1, 8, 1});
   cases.push_back({"decode H=16 page1 K=2048 splits=2 cluster", 16, 2048, 1, {2600, 3100}, {1, 1}, DType::kF32, 1, 2,
-                   true});
+                   1});
+  cases.push_back({"decode H=16 page64 K=2048 splits=4 merge kernel", 16, 2048, 64, {3000, 2100, 700}, {1, 1, 1},
+                   DType::kF32, 1, 4, 0});
+  cases.push_back({"decode H=4 page61 K=2048 splits=3 bf16 out", 4, 2048, 61, {3000, 2100}, {1, 1},
+                   DType::kBF16, 1, 3, -1});
   cases.push_back({"prefill H=16 page61 K=300 chunked", 16, 300, 61, {900, 0}, {small ? 30 : 120, 90}});
   for (int f = 0; f < 2; ++f) {
     for (size_t i = 0; i < cases.size(); ++i) {
