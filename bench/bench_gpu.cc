@@ -650,6 +650,36 @@ int main(int argc, char** argv) {
     // asked for by name
     bench_sparse_mla("fp8mla_one sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true);
   }
+  // The streaming kernel for 16-head groups (sparse_mla_small_heads.cu) forced on the decodes above, through the
+  // merge kernel (its default) and the cluster merge; bf16 pools and fp8_ds_mla records. (The fp8_ds_mla decode
+  // rows above run it by default.)
+  if (want("sparse_decode small_heads") || want("fp8_ds_mla small_heads")) {
+    using MlaKernel = CudaBackendOptions::MlaKernel;
+    using Choice = CudaBackendOptions::Choice;
+    g_ctx.options.mla_kernel = MlaKernel::kSmallHeads;
+    if (want("sparse_decode small_heads")) {
+      for (int h : {16, 8, 1}) {
+        bench_sparse_mla("small_heads sparse_decode b=64 ctx32K h=" + std::to_string(h), 64, h, 32768, 64, reps);
+      }
+      bench_sparse_mla("small_heads sparse_decode b=64 ctx32K h=16 MTP2", 128, 16, 32768, 64, reps);
+      g_ctx.options.mla_cluster_merge = Choice::kOn;
+      bench_sparse_mla("small_heads cluster_merge sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
+      g_ctx.options.mla_cluster_merge = Choice::kAuto;
+      g_ctx.options.mla_splits = 2;
+      bench_sparse_mla("small_heads splits=2 sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
+      g_ctx.options.mla_splits = 0;
+    }
+    if (want("fp8_ds_mla small_heads")) {
+      bench_sparse_mla("small_heads fp8_ds_mla sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048,
+                       true, "target<=0.028");
+      bench_sparse_mla("small_heads fp8_ds_mla sparse_decode b=64 ctx32K h=1", 64, 1, 32768, 64, reps, 0, 2048, true);
+      g_ctx.options.mla_cluster_merge = Choice::kOn;
+      bench_sparse_mla("small_heads cluster_merge fp8_ds_mla sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps,
+                       0, 2048, true);
+      g_ctx.options.mla_cluster_merge = Choice::kAuto;
+    }
+    g_ctx.options.mla_kernel = MlaKernel::kAuto;
+  }
   if (want("gather")) {  // the decodes' byte ceiling: the same rows gathered with no math (KV bytes only)
     for (int c : {4, 8, 16})
       bench_sparse_mla("gather_ceiling b=64 ctx32K ctas/token=" + std::to_string(c), 64, 16, 32768, 64, reps, c);

@@ -217,8 +217,10 @@ std::unique_ptr<Backend> make_cpu_backend(int num_threads = 0);
 // path, so tests and benchmarks compare paths on the same inputs. The CLI maps its flags onto these fields.
 struct CudaBackendOptions {
   // Sparse MLA's kernel for whole 64-head groups: auto = the warp-specialized wgmma kernels (32-key tiles for
-  // decode, 64-key tiles for prefill); kMmaSync = the mma.sync kernel the 16 / 32-head groups always run.
-  enum class MlaKernel : uint8_t { kAuto, kWgmmaWs, kWgmmaWs32, kMmaSync };
+  // decode, 64-key tiles for prefill); kMmaSync = the mma.sync kernel the 32-head groups always run (and 16-head
+  // groups where the rule does not pick the streaming kernel). kSmallHeads = the memory-streaming kernel for
+  // 16-head groups (head blocks of <= 16 heads, bf16 pools or fp8_ds_mla records); other head groups keep the rule.
+  enum class MlaKernel : uint8_t { kAuto, kWgmmaWs, kWgmmaWs32, kMmaSync, kSmallHeads };
   MlaKernel mla_kernel = MlaKernel::kAuto;
   int32_t mla_splits = 0;  // sparse MLA's split-K count (0 = the rule: enough CTAs to fill the GPU)
   // Split-K partials merged inside the kernel by a cluster of a token's splits (auto: for 64-head groups).

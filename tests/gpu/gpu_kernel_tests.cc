@@ -32,6 +32,9 @@ void test_topk_rows(CheckLog& log, uint64_t seed, bool small);
 // gpu_fp8_mla_tests.cc: the fp8_ds_mla cache write and sparse MLA over records (small: the sanitizer subset).
 void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, CheckLog& log,
                         const std::function<bool(const std::string&)>& selected);
+// gpu_small_heads_tests.cc: the streaming kernel for 16-head groups, forced (small: the sanitizer subset).
+void gpu_small_heads_checks(Backend& cpu, uint64_t seed, bool small, CheckLog& log,
+                            const std::function<bool(const std::string&)>& selected);
 }  // namespace dsacp::testing
 
 namespace {
@@ -1826,6 +1829,13 @@ int main(int argc, char** argv) {
     const bool fp8_small = only == "fp8_ds_mla_small";
     dsacp::testing::gpu_fp8_mla_checks(*gpu, *cpu, topk_seed, fp8_small, g_log, [&](const std::string& name) {
       return fp8_small ? name.find("fp8_ds_mla") != std::string::npos : selected(name);
+    });
+  }
+  // the streaming 16-head-group kernel: everything, or with --only small_heads_small the sanitizer subset
+  {
+    const bool sh_small = only == "small_heads_small";
+    dsacp::testing::gpu_small_heads_checks(*cpu, topk_seed, sh_small, g_log, [&](const std::string& name) {
+      return sh_small ? name.find("small_heads") != std::string::npos : selected(name);
     });
   }
   // the top-k on given scores: everything, or with --only topk_small the subset a sanitizer run takes

@@ -247,8 +247,25 @@ void gpu_external_stream_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
   (void)cudaStreamDestroy(mine);
 }
 
+// One backend's checks of the combined buffer (combined_kv_checks_on); for H = 16 again with the streaming
+// 16-head kernel forced (its bulk copies read the row stride too).
+static void combined_kv_checks_on(Backend& gpu, int32_t H, const std::string& kernel, uint64_t seed, CheckLog& log);
+
 void gpu_combined_kv_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
-  for (const int32_t H : {64, 16}) {
+  combined_kv_checks_on(gpu, 64, "", seed, log);
+  combined_kv_checks_on(gpu, 16, "", seed, log);
+  CudaBackendOptions o;
+  o.mla_kernel = CudaBackendOptions::MlaKernel::kSmallHeads;
+  auto small = make_cuda_backend(0, o);
+  if (!small.ok()) {
+    log.report(false, "combined kv rows, small-heads kernel: backend", small.status().to_string());
+    return;
+  }
+  combined_kv_checks_on(**small, 16, " small-heads kernel", seed, log);
+}
+
+static void combined_kv_checks_on(Backend& gpu, int32_t H, const std::string& kernel, uint64_t seed, CheckLog& log) {
+  {
     CaseFile c = make_serving_case(seed + H);
     if (H != 64) {
       CaseGenSpec spec;
@@ -275,7 +292,8 @@ void gpu_combined_kv_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
     Result<StepResult> want = st.ok() ? step_run_host(gpu, config, c.requests, table, *created, in)
                                       : Result<StepResult>(st);
     for (const int32_t kv_row : {cc.Dl + cc.Dr, cc.Dl + cc.Dr + 8}) {
-      const std::string tag = "combined kv rows, H=" + std::to_string(H) + " kv_row " + std::to_string(kv_row) + ": ";
+      const std::string tag =
+          "combined kv rows, H=" + std::to_string(H) + kernel + " kv_row " + std::to_string(kv_row) + ": ";
       const size_t kv_bytes = PagedKvCache::kv_bytes(cc, kv_row), key_bytes = PagedKvCache::index_keys_bytes(cc);
       void* kv = nullptr;
       void* keys = nullptr;

@@ -82,11 +82,12 @@ Status launch_fp8_records_to_bf16(const SparseMlaParams& p, void* scratch, const
 // The kernel for 64-head groups (H = 64, 128), both warp-specialized wgmma kernels: 32-key tiles with two pairs in
 // flight for decode (num_tokens < 8 x num_requests), 64-key tiles refilled in parts for prefill; o.mla_kernel
 // forces one, or the mma.sync kernel (for comparison).
-enum class MlaKernel { kWgmmaWs, kWgmmaWs32, kMmaSync };
+enum class MlaKernel { kWgmmaWs, kWgmmaWs32, kMmaSync, kSmallHeads };
 MlaKernel sparse_mla_kernel_choice(int64_t num_tokens, int32_t num_requests, const CudaBackendOptions& o);
 // How a launch covers p's heads (p.H in p.head_blocks blocks), chosen by one rule (sparse_mla_mma.cu): the head
 // group (mla_head_group of a block's heads), the groups a block and a token take, and the kernel (the mma.sync
-// kernel for 16 / 32-head groups and for partial 64-head groups, sparse_mla_kernel_choice for whole ones).
+// kernel for 16 / 32-head groups and for partial 64-head groups, sparse_mla_kernel_choice for whole ones; 16-head
+// groups run the streaming kernel, sparse_mla_small_heads.cu, where sparse_mla_small_heads_choice says so).
 struct MlaShape {
   int head_group = 16;
   int block_groups = 1;

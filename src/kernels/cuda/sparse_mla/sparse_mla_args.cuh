@@ -77,6 +77,9 @@ __device__ __forceinline__ int64_t mla_head_row(const MlaArgs& a, int64_t t, int
 // same with 32-key tiles and two pairs in flight (decode). sparse_mla_kernel_choice picks.
 Status launch_sparse_mla_wgmma_ws(const MlaArgs& args, int groups, const LaunchContext& ctx);
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx);
+// The memory-streaming kernel for 16-head groups (sparse_mla_small_heads.cu): bulk copies into a ring of 32-key
+// tiles, four math warps each on a quarter of the latent; bf16 pools or fp8_ds_mla records.
+Status launch_sparse_mla_small_heads(const MlaArgs& args, int groups, const LaunchContext& ctx);
 
 // The grid is (T x head groups, 1, splits) with a token's head groups next to each other in launch order, so that
 // they run together and the second reads the token's rows from L2 (H = 128, and more CTAs than the GPU holds at
