@@ -14,8 +14,9 @@
 // (wgmma m64nNk16 f16 with A from registers, f32 accumulate, in passes of <= 128 columns: the e4m3 wgmma keeps too
 // few bits in its sums, wgmma_f16_sm90.cuh): each key is read once for every token of its group. The columns of a
 // k-step are a fixed permutation of the row's bytes; Q in shared memory is stored permuted the same way, so the
-// dot products are unchanged. The sum over heads is within the thread (its columns, ascending) then over its quad
-// (xor 1, 2): a fixed fp32 order, so reruns are bit-identical (and v6's scores are v5's).
+// dot products are unchanged. The sum over heads is within the thread then over its quad in a fixed fp32 order
+// (v5: the columns ascending, then xor 1, 2; v6: 4-deep partial sums and a reduce-scatter), so reruns are
+// bit-identical; v5 and v6 differ in rounding only (both within the contract's tolerance of the CPU oracle).
 // Two math loops: v5 (one accumulator set: wgmma, wait, epilogue, a serial chain a block;
 // docs/design/2026-12-02-persistent-score-kernel.md) and v6, the default (two sets: a unit's wgmma runs while the
 // previous unit's epilogue and the next stage's loads run; docs/design/2026-12-03-score-kernel-v6.md).
@@ -228,8 +229,9 @@ __device__ __forceinline__ void math_v6(const WgArgs& a, const Ring& ring, uint3
   }
 }
 
-// Registers a thread after setmaxnreg (v6): the producer warpgroup gives its registers to the math warpgroups
-// (two accumulator sets: N = 128 takes ~200). 512 threads: 56 + 3 x 152 = 4 x 128; 384: 40 + 2 x 232 = 3 x 168.
+// Registers a thread after setmaxnreg (v6): the producer warpgroup gives registers to the math warpgroups (two
+// accumulator sets: N = 128 takes ~200). 512 threads: 80 + 3 x 144 <= 4 x 128; 384: 72 + 2 x 216 = 3 x 168. The
+// producer spilled at 56 / 40 (ptxas -v); at 3 x 144 the math spills one 8-byte value (a store a block, no wait).
 template <int kMW>
 constexpr int kProducerRegs = kMW == 3 ? 80 : 72;
 template <int kMW>
@@ -300,7 +302,8 @@ __global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma6_kern
 // Math warpgroups a CTA for N = kN columns (heads x group tokens), by version.
 // v5 (docs/design/2026-12-02-persistent-score-kernel.md): 3 where N <= 64 (12-18% faster than 2 at next_n 1; a 4th
 // changed nothing), else 2 (N = 128 / 256 take 144-160 registers a thread: 512 threads allow 128).
-// v6: the same split (N <= 64: 3 x 152 registers; else 2 x 232); a variant can ask for 2 at N <= 64.
+// v6 (docs/design/2026-12-03-score-kernel-v6.md): the same split (N <= 64: 3 x 144 registers; else 2 x 216); 2 at
+// N <= 64 (the variant the bench times) was 1-3% slower at 32K..128K, Hi 64 and 32.
 template <int kN>
 constexpr int kMathWarpgroups = kN <= 64 ? 3 : 2;
 
@@ -342,9 +345,9 @@ bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_toke
          reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && max_group_tokens >= 1 && max_group_tokens <= kMaxGroupTokens;
 }
 
-// The measured rule (dsacp_bench_gpu, one H200, b = 64, 32K..128K; docs/design/2026-12-02-persistent-score-kernel.md):
-// this kernel wherever it applies: 1.9-2.2x faster than the mma.sync kernel at next_n 1, 2.0-2.6x at next_n 2..4,
-// 1.65x at prefill.
+// The measured rule (dsacp_bench_gpu, one H200, b = 64, 32K..128K; docs/design/2026-12-02-persistent-score-kernel.md,
+// 2026-12-03-score-kernel-v6.md): this kernel wherever it applies (v6: 1.9-2.3x faster than the mma.sync kernel at
+// next_n 1, 2.2-2.9x at next_n 2..4, 1.7x at prefill).
 bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens) {
   (void)p;
   return max_group_tokens >= 1;
