@@ -407,9 +407,24 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
         reps, g_ctx.stream);
   };
   const double ms_mma = time_scores(CudaBackendOptions::IndexerScoreKernel::kMmaSync);
-  double ms_wgmma = -1;
-  if (indexer_scores_wgmma_applies(p, plan->chunks.front().max_group_tokens)) {
-    ms_wgmma = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmma);
+  double ms_wgmma = -1, ms_v5 = -1, ms_v6_2wg = -1;
+  const int max_group = plan->chunks.front().max_group_tokens;
+  if (indexer_scores_wgmma_applies(p, max_group)) {
+    ms_wgmma = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmma);  // v6, the default
+    ms_v5 = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmmaV5);
+    // v6 with 2 math warpgroups where the rule says 3 (heads x group tokens <= 64)
+    const int nt = max_group <= 1 ? 1 : max_group <= 2 ? 2 : 4;
+    if (Hi * nt <= 64) {
+      const ScoreWgmmaVariant v{6, 2};
+      ms_v6_2wg = time_ms(
+          [&] {
+            for (const auto& ch : plan->chunks) {
+              CS(launch_indexer_scores_wgmma(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin,
+                                             ch.max_group_tokens, dev.score_offset, dev.scores, dev.inl, g_ctx, v));
+            }
+          },
+          reps, g_ctx.stream);
+    }
   }
   // the top-k alone on the scores of the last chunk (all of them for one chunk; the scores stay as computed)
   const auto& last = plan->chunks.back();
@@ -422,7 +437,7 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   const double key_row = fp8 ? Di + 4.0 : Di * 2.0;
   const double key_bytes = static_cast<double>(num_requests) * total * key_row;
   const double bytes = key_bytes + T * Hi * Di * (fp8 ? 1.0 : 2.0) + T * Hi * (fp8 ? 8.0 : 4.0) + T * K * 4.0;
-  char extra[320];
+  char extra[512];
   std::snprintf(extra, sizeof extra, "scores only %.4f ms, top-k alone %.4f ms (last chunk), chunks=%zu", ms_scores,
                 ms_topk, plan->chunks.size());
   if (fp8) {
@@ -431,7 +446,12 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   }
   if (ms_wgmma >= 0) {
     const size_t n = std::strlen(extra);
-    std::snprintf(extra + n, sizeof extra - n, ", wgmma scores kernel %.4f ms", ms_wgmma);
+    std::snprintf(extra + n, sizeof extra - n, ", wgmma scores kernel %.4f ms, v5 scores kernel %.4f ms", ms_wgmma,
+                  ms_v5);
+  }
+  if (ms_v6_2wg >= 0) {
+    const size_t n = std::strlen(extra);
+    std::snprintf(extra + n, sizeof extra - n, ", v6 2-warpgroup scores kernel %.4f ms", ms_v6_2wg);
   }
   record(name, ms, flops, bytes, extra);
   if (q_scale != nullptr) CK(cudaFree(q_scale));
@@ -745,6 +765,10 @@ int main(int argc, char** argv) {
   // One FP8 decode row alone (32K, next_n 1, Hi = 64), for a profiler run of the score kernel; only when asked for.
   if (!only.empty() && want("fp8_score_probe")) {
     bench_indexer("fp8_score_probe decode b=64 ctx32K next_n=1 Hi=64", 64, 32768 - 1, 1, reps, 64, true);
+  }
+  // The same for MTP (next_n 4: N = 256 columns a key block).
+  if (!only.empty() && want("fp8_mtp4_probe")) {
+    bench_indexer("fp8_mtp4_probe decode b=64 ctx32K next_n=4 Hi=64", 64, 32768 - 4, 4, reps, 64, true);
   }
   if (want("indexer_bf16_hi32")) {
     bench_indexer("indexer_bf16_hi32 decode b=64 ctx32K Hi=32", 64, 32768 - 1, 1, reps, 32);

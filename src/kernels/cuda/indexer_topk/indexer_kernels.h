@@ -65,9 +65,20 @@ inline void fill_score_kernel_args(ScoreKernelArgs& a, const IndexerTopkParams& 
 // rule, docs/design/2026-12-02-persistent-score-kernel.md) is false.
 bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_tokens);
 bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens);
+// Its math loop follows ctx.options.indexer_score_kernel: kWgmmaV5 = v5 (one accumulator set a warpgroup), else
+// v6 (two; docs/design/2026-12-03-score-kernel-v6.md).
 Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                                    int max_group_tokens, const int64_t* score_offset, float* scores,
                                    const InlinePlan& inl, const LaunchContext& ctx);
+// The same with the variant named (the benchmark's same-run comparisons): version 5 or 6; math warpgroups a CTA
+// (0: the rule; 2 is also built for v6 at heads x group tokens <= 64, where the rule says 3).
+struct ScoreWgmmaVariant {
+  int version = 6;
+  int math_warpgroups = 0;
+};
+Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
+                                   int max_group_tokens, const int64_t* score_offset, float* scores,
+                                   const InlinePlan& inl, const LaunchContext& ctx, const ScoreWgmmaVariant& v);
 
 // Exact canonical top-k of tokens [t0, t1): row of token t = scores + score_offset[t] (16-byte aligned),
 // key_len[t] <= max_len long.

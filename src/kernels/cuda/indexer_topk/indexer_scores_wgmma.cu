@@ -5,298 +5,244 @@
 //
 // Work: the chunk's score items (a token group of <= 4 tokens of one request x 256 keys) cut into blocks of 64 keys;
 // each CTA (one an SM) takes a contiguous run of whole items, and inside it math warpgroup c takes items c, c + kMW,
-// ... (a static split: no atomics, bit-identical reruns). A CTA = 1 + kMW warpgroups (kMW = kMathWarpgroups<N>:
-// 3 or 2); math warpgroup c (warpgroup 1 + c) has its own producer warp (warp c of warpgroup 0) and ring of stages:
-//  - the producer resolves its items 32 at a time, one a lane (the item record, the group's request and longest
-//    key_len, the block-table entry of each of the item's 4 blocks), one batch ahead of the copies, and hands them
-//    out by shuffle; page sizes that are multiples of 64 put a block inside one page, so a block is one bulk copy
-//    of its rows (n x 128 B) and one of its scales (n x 4 B) by the copy engine, with no address arithmetic a key
-//    row and no division in the per-block chain. Other page sizes (multiples of 4) resolve one item ahead, one lane
-//    a page segment, two copies a segment. A stage's full barrier completes when its block record (tokens, keys)
-//    is written and its bytes have landed (arrive.expect_tx).
-//  - the math warpgroup: each thread loads its two key rows' 32-byte slices from the stage, converts them to f16
-//    (exact) in registers: the wgmma's A operand (64 keys x 128), so no shared-memory copy of the keys and no proxy
-//    fence a block. D[64 keys, N] = K x Q^T, N = Hi x the group's tokens (wgmma m64nNk16 f16 with A from registers,
-//    f32 accumulate; in passes of <= 128 columns: the e4m3 wgmma keeps too few bits in its sums,
-//    wgmma_f16_sm90.cuh): each key is read once for every token of its group. The columns of a k-step are a fixed
-//    permutation of the row's bytes (thread quad tq holds bytes [32 tq, 32 tq + 32) of its rows, so a row slice is
-//    two 16-byte loads); Q in shared memory is stored permuted the same way, so the dot products are unchanged. The
-//    sum over heads is within the thread (its columns, ascending) then over its quad (xor 1, 2): a fixed fp32
-//    order, so reruns are bit-identical. Each warpgroup keeps its own f16 copy of the group's Q and of
-//    w * q_scale, reloaded (with the one proxy fence) when its next block belongs to another group.
-// The math path has no fence: MEMBAR.ALL.CTA, which a proxy fence compiles to, waits for the warp's outstanding
-// global score stores (docs/design/2026-12-02-persistent-score-kernel.md). The stage is released (mbarrier arrive,
-// release at CTA scope: no membar in the SASS) once the thread's loads of it are consumed.
+// ... (a static split: no atomics, bit-identical reruns). A CTA = 1 + kMW warpgroups (kMW = 3 or 2); math warpgroup
+// c (warpgroup 1 + c) has its own producer warp (warp c of warpgroup 0) and ring of stages
+// (indexer_scores_wgmma.cuh: the producers resolve their items a batch of 32 ahead and fill a stage by bulk
+// copies of a block's rows and scales; a stage's full barrier completes when its record and bytes are in).
+// The math warpgroup: each thread loads its two key rows' 32-byte slices from the stage and converts them to f16
+// (exact) in registers: the wgmma's A operand (64 keys x 128). D[64 keys, N] = K x Q^T, N = Hi x the group's tokens
+// (wgmma m64nNk16 f16 with A from registers, f32 accumulate, in passes of <= 128 columns: the e4m3 wgmma keeps too
+// few bits in its sums, wgmma_f16_sm90.cuh): each key is read once for every token of its group. The columns of a
+// k-step are a fixed permutation of the row's bytes; Q in shared memory is stored permuted the same way, so the
+// dot products are unchanged. The sum over heads is within the thread then over its quad in a fixed fp32 order
+// (v5: the columns ascending, then xor 1, 2; v6: 4-deep partial sums and a reduce-scatter), so reruns are
+// bit-identical; v5 and v6 differ in rounding only (both within the contract's tolerance of the CPU oracle).
+// Two math loops: v5 (one accumulator set: wgmma, wait, epilogue, a serial chain a block;
+// docs/design/2026-12-02-persistent-score-kernel.md) and v6, the default (two sets: a unit's wgmma runs while the
+// previous unit's epilogue and the next stage's loads run; docs/design/2026-12-03-score-kernel-v6.md).
 // Only visible keys (j < key_len[t]) are written, into token t's row at score_offset[t]: the same output as the
 // mma.sync kernel (indexer_scores_mma.cu), which serves the layouts this one does not (bf16, page sizes that are
 // not multiples of 4: key rows then are not 16-byte aligned).
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include "dsacp/fp8.h"
 #include "kernels/cuda/common/cuda_check.h"
-#include "kernels/cuda/common/device_error.cuh"
-#include "kernels/cuda/common/mbarrier_sm90.cuh"
-#include "kernels/cuda/common/mma_sm80.cuh"
 #include "kernels/cuda/common/smem_attribute.h"
-#include "kernels/cuda/common/wgmma_sm90.cuh"
 #include "kernels/cuda/indexer_topk/indexer_kernels.h"
-#include "kernels/cuda/indexer_topk/wgmma_f16_sm90.cuh"
+#include "kernels/cuda/indexer_topk/indexer_scores_wgmma.cuh"
 
 namespace dsacp::cuda {
 namespace {
+using namespace score_wg;
 
-constexpr int kDi = 128;           // bytes of an e4m3 row
-constexpr int kBK = 64;            // keys a block (one wgmma M tile)
-constexpr int kSub = kScoreKeys / kBK;  // blocks of a score item
-// kMW (a template parameter): math warpgroups, each with its own producer warp and ring; a CTA is 128 (1 + kMW)
-// threads (the producer warpgroup + the math warpgroups).
-constexpr int kStageBytes = kBK * kDi;
-constexpr int kMaxStages = 24;     // all rings together (as many as fit in shared memory)
-constexpr int kPassN = 128;        // wgmma columns a pass (accumulators: kPassN / 2 registers a thread)
+// ReLU as max.NaN(x, 0): one instruction; NaN stays NaN (contract section 7). It gives +0 where relu() gives -0
+// for x = -0, which no score can see: every sum starts at +0, and +0 + (-0) = +0.
+__device__ __forceinline__ float relu_nan(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
-struct WgArgs : ScoreKernelArgs {
-  int32_t stages;  // a ring's (kMW rings)
+// ---- v6's math loop: two accumulator sets, a unit's wgmma in flight during the previous unit's epilogue ----
+// A unit = (block, pass of <= 128 columns). A step issues the next unit into one set and then finishes the
+// pending unit from the other set (wait until one group is left, epilogue), so the tensor pipe works on unit u + 1
+// while the warpgroup reduces unit u, loads block u + 2's stage and converts it. The A fragments are one set: a new
+// block's stage is loaded first (raw e4m3 words), converted once the pending unit's wgmma (the last reader of the
+// fragments) is done.
+struct Unit {
+  int32_t kb = 0;
+  float sk0 = 0.f, sk1 = 0.f;
+  int pass = 0;
 };
-static_assert(sizeof(WgArgs) <= 4096, "the wgmma score kernel's parameters past 4 KB");
-
-// Shared memory, S = all rings' stages (ring c: stages [c S / kMW, (c + 1) S / kMW)): stages [S][64 x 128 B e4m3]
-// | f16 Q [kMW][2 slabs][N x 128 B] | key scales [S][64] f32 | w*q_scale [kMW][N] f32 | block records [S] int4
-// | barriers full [S], empty [S]; the base rounded up to 1024 B (swizzle atoms).
-template <int kN, int kMW>
-struct Layout {
-  int stages;
-  __host__ __device__ int q_off() const { return stages * kStageBytes; }
-  __host__ __device__ int scale_off() const { return q_off() + kMW * 2 * kN * 128; }
-  __host__ __device__ int wq_off() const { return scale_off() + stages * kBK * 4; }
-  __host__ __device__ int info_off() const { return wq_off() + kMW * kN * 4; }
-  __host__ __device__ int bar_off() const { return info_off() + stages * 16; }
-  __host__ __device__ int bytes() const { return bar_off() + 2 * stages * 8 + 1024; }
+template <int kPN, bool kHoist, int kNP>
+struct V6State {
+  RingPos pos;
+  GroupView gv;
+  int np = 1;          // the group's passes with tokens
+  Unit cur, pend;      // the block whose fragments are live (its last issued pass), the unit in flight
+  bool has_pend = false, more = false;  // more: cur has a pass still to issue
+  uint32_t af[8][4];
+  float wr[kHoist ? kPN / 4 : 1];  // w * q_scale of the thread's columns (kHoist: kept in registers)
+  int32_t my_len[kNP];             // per pass: key_len of the lane's token (lane_token; 0 if absent)
+  float* my_row[kNP];              // and its score row
 };
 
-// Two e4m3 (the low or high 16 bits of x) -> f16x2, exact.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x, bool high) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(high ? x >> 16 : x & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+// The quad's sums of a unit are reduced and split at once (a reduce-scatter over lanes tq = 0..3, two xor
+// rounds): each round sends the half of the values the partner keeps. Lane tq ends with: one token and both rows
+// (4 tokens a pass: token tq), one token and one row (2 tokens: token tq / 2, row tq % 2), or one row of the
+// pass's token (1 token: row tq / 2, lanes with even tq store it).
+template <int kPT>
+__device__ __forceinline__ int lane_token(int tq) {
+  return kPT == 1 ? 0 : kPT == 2 ? tq >> 1 : tq;
 }
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-// ReLU as the CPU oracle's: a NaN stays NaN (contract section 7).
-__device__ __forceinline__ float relu(float x) { return x < 0.f ? 0.f : x; }
-
-// The k-step permutation: in k-step ks, quad lane tq's A columns 2 tq + {0, 1} and 2 tq + 8 + {0, 1} are the row's
-// bytes 32 tq + 4 ks + {0, 1} and {2, 3}. So logical column 16 ks + 8 h + 2 tq + e holds byte 32 tq + 4 ks + 2 h + e,
-// and 16-byte chunk 2 ks + h of a permuted Q row is the f16 of the low (h = 0) or high (h = 1) halves of the row's
-// words 8 tq + ks, tq = 0..3.
-
-// mbarrier arrive that also expects `tx` bytes of bulk copies (the phase completes when both are in).
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t tx) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(tx)
-               : "memory");
-}
-// Bulk copy global -> shared (the copy engine; 16-byte aligned addresses, a multiple of 16 bytes), counted on bar.
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
+template <int kN>
+__device__ __forceinline__ void quad_split(float (&v)[kN], float (&out)[kN / 2], int mask, bool high) {
+#pragma unroll
+  for (int j = 0; j < kN / 2; ++j) {
+    const float keep = high ? v[kN / 2 + j] : v[j], send = high ? v[j] : v[kN / 2 + j];
+    out[j] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+  }
 }
 
-// A ring position: the stage within the ring and the parity of its current use; `wrapped` once every stage has
-// been used (the producer then waits for the stage's release before refilling it).
-struct RingPos {
-  int slot = 0;
-  uint32_t phase = 0;
-  bool wrapped = false;
-  __device__ __forceinline__ void next(int S) {
-    if (++slot == S) {
-      slot = 0;
-      phase ^= 1u;
-      wrapped = true;
+// Unit u's epilogue: for each token of its pass and each of the thread's two rows, s = sk * sum_h (w * q_scale) *
+// relu(dot): the thread's columns in ascending order dealt round-robin to kP partial sums (chains of 4), added as a
+// tree, then the quad's reduce-scatter; a fixed fp32 order, so reruns are bit-identical. Tokens the group lacks are
+// computed and not stored (their key_len is 0).
+template <int kHi, int kPN, bool kHoist, int kNP>
+__device__ __forceinline__ void epilogue_v6(float (&acc)[kPN / 2], const Unit& u, const V6State<kPN, kHoist, kNP>& s,
+                                            const float* sWq, int tq, int row0) {
+  constexpr int kPT = kPN / kHi, kT = kHi / 4, kP = kT / 4;  // kT terms a (token, row), kP partial sums
+#pragma unroll
+  for (int i = 0; i < kPN / 2; ++i) reg_fence(acc[i]);
+  float v[2 * kPT];  // [token][row]
+#pragma unroll
+  for (int pt = 0; pt < kPT; ++pt) {
+    float part[2][kP];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int j = 0; j < kP; ++j) part[r][j] = 0.f;
+    }
+#pragma unroll
+    for (int ii = 0; ii < kHi / 8; ++ii) {
+      const int i = pt * (kHi / 8) + ii;  // the pass's column group
+      float2 wv;
+      if constexpr (kHoist) {
+        wv = make_float2(s.wr[2 * i], s.wr[2 * i + 1]);
+      } else {
+        wv = *reinterpret_cast<const float2*>(sWq + u.pass * kPN + 8 * i + 2 * tq);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float& p0 = part[r][(2 * ii) % kP];
+        p0 = fmaf(wv.x, relu_nan(acc[4 * i + 2 * r]), p0);
+        float& p1 = part[r][(2 * ii + 1) % kP];
+        p1 = fmaf(wv.y, relu_nan(acc[4 * i + 2 * r + 1]), p1);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      v[2 * pt + r] = kP == 4 ? (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]) : part[r][0] + part[r][1];
     }
   }
-};
-
-// A producer's ring in shared memory.
-struct Ring {
-  uint32_t stage;   // first stage's rows
-  float* scale;     // [S][kBK]
-  int4* info;       // [S] block records
-  uint32_t full, empty;  // barriers [S] each
-  int S;
-};
-
-// Waits for the ring's next stage to be free and writes its block record, arriving with the bytes the copies will
-// bring (tx); lane 0 does the shared-memory work. Returns the stage's full barrier.
-__device__ __forceinline__ uint32_t begin_stage(const Ring& r, const RingPos& pos, int lane, int4 rec, uint32_t tx) {
-  if (pos.wrapped) mbar_wait(r.empty + 8 * pos.slot, pos.phase ^ 1u);
-  const uint32_t fb = r.full + 8 * pos.slot;
-  if (lane == 0) {
-    r.info[pos.slot] = rec;
-    mbar_arrive_expect_tx(fb, tx);
+  const int32_t len = kNP > 1 && u.pass ? s.my_len[kNP - 1] : s.my_len[0];
+  float* row = kNP > 1 && u.pass ? s.my_row[kNP - 1] : s.my_row[0];
+  const int32_t k0 = u.kb + row0, k1 = k0 + 8;
+  if constexpr (kPT == 1) {
+    float h[1];
+    quad_split<2>(v, h, 2, tq & 2);
+    const float t = h[0] + __shfl_xor_sync(0xffffffffu, h[0], 1);
+    const int32_t k = tq & 2 ? k1 : k0;
+    if ((tq & 1) == 0 && k < len) row[k] = (tq & 2 ? u.sk1 : u.sk0) * t;
+  } else if constexpr (kPT == 2) {
+    float h[2], q[1];
+    quad_split<4>(v, h, 2, tq & 2);
+    quad_split<2>(h, q, 1, tq & 1);
+    const int32_t k = tq & 1 ? k1 : k0;
+    if (k < len) row[k] = (tq & 1 ? u.sk1 : u.sk0) * q[0];
+  } else {
+    static_assert(kPT == 4, "1, 2 or 4 tokens a pass");
+    float h[4], q[2];
+    quad_split<8>(v, h, 2, tq & 2);
+    quad_split<4>(h, q, 1, tq & 1);
+    if (k0 < len) row[k0] = u.sk0 * q[0];
+    if (k1 < len) row[k1] = u.sk1 * q[1];
   }
-  return fb;
 }
 
-// ---- page sizes that are multiples of 64: a block is inside one page ----
-// 32 items of a producer, one a lane: the item's tokens and keys, the group's longest key_len (keys past it are not
-// scored), and each block's page (its block-table entry; kNoSeg: no keys) and first row in that page.
-constexpr int32_t kNoSeg = -2;
-struct Batch {
-  int32_t t0, nt, k0, len;
-  int32_t pg[kSub];
-  int32_t row[kSub];
-};
-__device__ __forceinline__ Batch resolve_batch(const WgArgs& a, int64_t it, bool valid, int32_t blocks_per_page) {
-  Batch r;
-  r.t0 = r.nt = r.k0 = r.len = 0;
+// One step: issue the next unit into `an`, finish the pending one (in `ao`). False at the ring's end marker (the
+// pending unit finished).
+template <int kHi, int kNT, int kPN, bool kHoist>
+__device__ __forceinline__ bool step_v6(float (&an)[kPN / 2], float (&ao)[kPN / 2],
+                                        V6State<kPN, kHoist, kHi * kNT / kPN>& s, const WgArgs& a, const Ring& ring,
+                                        uint32_t sQ, float* sWq, int bar, int wt) {
+  constexpr int kN = kHi * kNT, kPT = kPN / kHi, kNP = kN / kPN;
+  const int lane = wt & 31, g = lane >> 2, tq = lane & 3, row0 = (wt >> 5) * 16 + g;
+  int pass = 0;
+  if (kNP > 1 && s.more) {
+    pass = s.cur.pass + 1;  // the live block's next pass (same fragments)
+  } else {
+    const int slot = s.pos.slot;
+    mbar_wait(ring.full + 8 * slot, s.pos.phase);
+    const int4 info = ring.info[slot];
+    if (info.z < 0 || info.x != s.gv.t0) {
+      // the end, or another group: finish the pending unit (it reads the old Q, w and rows)
+      wgmma_wait<0>();
+      if (s.has_pend) epilogue_v6<kHi, kPN, kHoist, kNP>(ao, s.pend, s, sWq, tq, row0);
+      s.has_pend = false;
+      if (info.z < 0) return false;
+      load_group_q<kHi, kN>(a, info.x, info.y, sQ, sWq, bar, wt, s.gv);
+      s.np = min(kNP, (info.y + kPT - 1) / kPT);
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    r.pg[j] = kNoSeg;
-    r.row[j] = 0;
-  }
-  if (!valid) return r;
-  const ScoreItem x = plan_item(a.inl, a.items, it);
-  const int32_t b = __ldg(a.request + x.t0);
-  int32_t len = 0;
+      for (int p = 0; p < kNP; ++p) {
+        const int tok = p * kPT + lane_token<kPT>(tq);
+        s.my_len[p] = tok < info.y ? a.key_len[info.x + tok] : 0;
+        s.my_row[p] = a.scores + (tok < info.y ? plan_score_offset(a.inl, a.score_offset, info.x + tok) : 0);
+      }
+      if constexpr (kHoist) {
 #pragma unroll
-  for (int i = 0; i < kMaxGroupTokens; ++i) {
-    if (i < x.nt) len = max(len, __ldg(a.key_len + x.t0 + i));
-  }
-  r.t0 = x.t0;
-  r.nt = x.nt;
-  r.k0 = x.k0;
-  r.len = len;
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    if (x.k0 + j * kBK < len) {
-      const int32_t blk = x.k0 / kBK + j, p = blk / blocks_per_page;
-      r.pg[j] = p < a.max_pages ? __ldg(a.block_table + static_cast<int64_t>(b) * a.max_pages + p) : -1;
-      r.row[j] = (blk - p * blocks_per_page) * kBK;
-    }
-  }
-  return r;
-}
-
-// Producer c's items: first + stride n, n < nc. Batches of 32 resolved one batch ahead; per block, the record
-// comes from lane q of the batch by shuffle and lane 0 issues the two copies (rows, scales; n rounded up to 4 rows:
-// 16-byte scale groups, still inside the page).
-__device__ __forceinline__ void produce_paged64(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
-                                                int64_t first, int64_t stride, int64_t nc) {
-  const int32_t P = a.page_size, bpp = P / kBK;
-  const int64_t page_bytes = static_cast<int64_t>(P) * (kDi + 4);
-  Batch cur = resolve_batch(a, first + stride * lane, lane < nc, bpp);
-  for (int64_t nb = 0; nb < nc; nb += 32) {
-    const Batch nxt = resolve_batch(a, first + stride * (nb + 32 + lane), nb + 32 + lane < nc, bpp);
-    const int nq = static_cast<int>(min(int64_t{32}, nc - nb));
-    for (int q = 0; q < nq; ++q) {
-      const int32_t t0 = __shfl_sync(0xffffffffu, cur.t0, q), nt = __shfl_sync(0xffffffffu, cur.nt, q);
-      const int32_t k0 = __shfl_sync(0xffffffffu, cur.k0, q), len = __shfl_sync(0xffffffffu, cur.len, q);
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const int32_t pg = __shfl_sync(0xffffffffu, cur.pg[j], q), row = __shfl_sync(0xffffffffu, cur.row[j], q);
-        const int32_t kb = k0 + j * kBK;
-        if (kb >= len) break;  // (uniform)
-        const int32_t kend = min(kb + kBK, len);
-        const bool ok = pg >= 0 && pg < a.num_pages;
-        if (!ok && lane == 0) report_device_error(a.err, kDevBadPage, t0);
-        const int32_t n = ok ? (kend - kb + 3) & ~3 : 0;
-        const uint32_t fb = begin_stage(ring, pos, lane, make_int4(t0, nt, kb, kend), n * (kDi + 4));
-        if (lane == 0 && n > 0) {
-          const unsigned char* page = a.keys + pg * page_bytes;
-          bulk_g2s(ring.stage + pos.slot * kStageBytes, page + static_cast<int64_t>(row) * kDi, n * kDi, fb);
-          bulk_g2s(smem_u32(ring.scale + pos.slot * kBK), page + static_cast<int64_t>(P) * kDi + row * 4, n * 4, fb);
+        for (int i = 0; i < kPN / 8; ++i) {
+          s.wr[2 * i] = sWq[8 * i + 2 * tq];
+          s.wr[2 * i + 1] = sWq[8 * i + 2 * tq + 1];
         }
-        __syncwarp();
-        pos.next(ring.S);
       }
     }
-    cur = nxt;
+    const RawRows rr = load_rows(ring.stage + slot * kStageBytes, row0, g, tq);
+    s.cur.sk0 = ring.scale[slot * kBK + row0];
+    s.cur.sk1 = ring.scale[slot * kBK + row0 + 8];
+    s.cur.kb = info.z;
+    wgmma_wait<0>();  // the pending unit's wgmma, the fragments' last reader, is done
+    rows_to_f16(rr, g, s.af);
+    // the stage is read (its words in af, its scales in cur): release it to the producer
+    mbar_arrive(ring.empty + 8 * slot);
+    s.pos.next(ring.S);
   }
-}
-
-// ---- other page sizes (multiples of 4): a block spans <= 64 / page_size + 1 pages ----
-// One item as the producer resolved it: for each of its kSub blocks the page of the lane's segment (lane j: the
-// block's j-th page; kNoSeg where the block has fewer pages or no keys).
-struct ItemRes {
-  int32_t t0, nt, k0, len;
-  int32_t pg[kSub];
-};
-
-// Item it's record and block-table entries (the loads are issued here and used one item later). The group's
-// request and key lengths are cached while consecutive items share the group.
-__device__ __forceinline__ ItemRes resolve_item(const WgArgs& a, int64_t it, int lane, int32_t& seg_t0,
-                                                int32_t& seg_b, int32_t& seg_len) {
-  const ScoreItem x = plan_item(a.inl, a.items, it);
-  if (x.t0 != seg_t0) {
-    seg_t0 = x.t0;
-    seg_b = a.request[x.t0];
-    int32_t m = 0;
-    for (int i = 0; i < x.nt; ++i) m = max(m, a.key_len[x.t0 + i]);
-    seg_len = m;
-  }
-  ItemRes r{x.t0, x.nt, x.k0, seg_len, {}};
-  const int32_t P = a.page_size;
+  s.cur.pass = pass;
+  s.more = pass + 1 < s.np;
+  // D = K [64 keys, 128] x Q^T [128, kPN] of this pass: 8 k-steps of 16 columns (slab ks / 4, 32 bytes each within it)
+  wgmma_fence();
+  const uint64_t db = wgmma_desc_sw128(sQ + pass * kPN * 128, 16, 1024);
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    const int32_t kb = x.k0 + j * kBK, kend = min(kb + kBK, seg_len);
-    r.pg[j] = kNoSeg;
-    if (kb < kend) {
-      const int32_t p = kb / P + lane;
-      if (p <= (kend - 1) / P) {
-        r.pg[j] = p < a.max_pages ? __ldg(a.block_table + static_cast<int64_t>(seg_b) * a.max_pages + p) : -1;
-      }
-    }
+  for (int ks = 0; ks < 8; ++ks) {
+    const uint32_t kq = (ks >> 2) * kN * 128 + (ks & 3) * 32;
+    wgmma_m64k16_f16_rs<kPN>(an, s.af[ks], db + (kq >> 4), ks > 0 ? 1 : 0);
   }
-  return r;
-}
-
-// Producer c's items (first + stride n, n < nc) one item ahead; per block, lane j copies the block's j-th page segment (rows [s0, s1) of its
-// page, rounded up to 4 rows: still inside the page, page sizes being multiples of 4).
-__device__ __forceinline__ void produce_segments(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
-                                                 int64_t first, int64_t stride, int64_t nc) {
-  const int32_t P = a.page_size;
-  const int64_t page_bytes = static_cast<int64_t>(P) * (kDi + 4);
-  int32_t seg_t0 = -1, seg_b = 0, seg_len = 0;
-  ItemRes cur{};
-  if (nc > 0) cur = resolve_item(a, first, lane, seg_t0, seg_b, seg_len);
-  for (int64_t n = 0; n < nc; ++n) {
-    ItemRes nxt{};
-    if (n + 1 < nc) nxt = resolve_item(a, first + stride * (n + 1), lane, seg_t0, seg_b, seg_len);
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      const int32_t kb = cur.k0 + j * kBK, kend = min(kb + kBK, cur.len);
-      if (kb >= kend) break;  // (uniform)
-      const int32_t p = kb / P + lane, s0 = max(kb, p * P), s1 = min(kend, (p + 1) * P);
-      const int32_t pg = cur.pg[j];
-      const bool ok = pg >= 0 && pg < a.num_pages;
-      if (pg != kNoSeg && !ok) report_device_error(a.err, kDevBadPage, cur.t0);
-      const int32_t n_rows = ok ? (s1 - s0 + 3) & ~3 : 0;
-      const uint32_t tx = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(n_rows) * (kDi + 4));
-      const uint32_t fb = begin_stage(ring, pos, lane, make_int4(cur.t0, cur.nt, kb, kend), tx);
-      __syncwarp();
-      if (n_rows > 0) {
-        const unsigned char* page = a.keys + pg * page_bytes;
-        const int32_t in_page = s0 - p * P, row = s0 - kb;
-        bulk_g2s(ring.stage + pos.slot * kStageBytes + row * kDi, page + static_cast<int64_t>(in_page) * kDi,
-                 n_rows * kDi, fb);
-        bulk_g2s(smem_u32(ring.scale + pos.slot * kBK + row), page + static_cast<int64_t>(P) * kDi + in_page * 4,
-                 n_rows * 4, fb);
-      }
-      pos.next(ring.S);
-    }
-    cur = nxt;
-  }
+  wgmma_commit();
+  wgmma_wait<1>();  // the pending unit (the group before this one) is done
+  if (s.has_pend) epilogue_v6<kHi, kPN, kHoist, kNP>(ao, s.pend, s, sWq, tq, row0);
+  s.pend = s.cur;
+  s.has_pend = true;
+  return true;
 }
 
 template <int kHi, int kNT, int kMW>
-__global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma_kernel(const __grid_constant__ WgArgs a) {
+__device__ __forceinline__ void math_v6(const WgArgs& a, const Ring& ring, uint32_t sQ, float* sWq, int bar,
+                                        int wt) {
+  constexpr int kN = kHi * kNT, kPN = kN < kPassN ? kN : kPassN;
+  // w * q_scale in registers where they fit: N <= 32, or N = 64 with 2 math warpgroups (3 x 144 registers do not
+  // hold them next to two accumulator sets and the fragments)
+  constexpr bool kHoist = kPN <= 32 || (kPN <= 64 && kMW == 2);
+  V6State<kPN, kHoist, kN / kPN> s;
+  float acc0[kPN / 2], acc1[kPN / 2];
+  for (;;) {
+    if (!step_v6<kHi, kNT, kPN, kHoist>(acc0, acc1, s, a, ring, sQ, sWq, bar, wt)) break;
+    if (!step_v6<kHi, kNT, kPN, kHoist>(acc1, acc0, s, a, ring, sQ, sWq, bar, wt)) break;
+  }
+}
+
+// Registers a thread after setmaxnreg (v6): the producer warpgroup gives registers to the math warpgroups (two
+// accumulator sets: N = 128 takes ~200). 512 threads: 80 + 3 x 144 <= 4 x 128; 384: 72 + 2 x 216 = 3 x 168. The
+// producer spilled at 56 / 40 (ptxas -v); at 3 x 144 the math spills one 8-byte value (a store a block, no wait).
+template <int kMW>
+constexpr int kProducerRegs = kMW == 3 ? 80 : 72;
+template <int kMW>
+constexpr int kMathRegs = kMW == 3 ? 144 : 216;
+
+// The kernel body: kVer 5 (math_v5) or 6 (math_v6); the producers and the layout are the same. Two kernel names,
+// so a profiler can pick either.
+template <int kHi, int kNT, int kMW, int kVer>
+__device__ __forceinline__ void wgmma_scores_body(const WgArgs& a) {
+  static_assert(kMW == 2 || kMW == 3, "2 or 3 math warpgroups");
   constexpr int kN = kHi * kNT;
-  constexpr int kPN = kN < kPassN ? kN : kPassN;  // columns a pass
-  constexpr int kPT = kPN / kHi;                  // tokens a pass
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -319,6 +265,7 @@ __global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma_kerne
 
   if (wg == 0) {
     // ==== producers: warp c feeds math warpgroup c (the other warps of the warpgroup have nothing to do) ====
+    if constexpr (kVer == 6) setmaxnreg_dec<kProducerRegs<kMW>>();
     if (c >= kMW) return;
     const int lane = tid & 31;
     RingPos pos;
@@ -333,130 +280,36 @@ __global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma_kerne
   }
 
   // ==== math warpgroups ====
-  const int wt = tid & 127, wl = wt >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
   const uint32_t sQ = base + L.q_off() + c * 2 * kN * 128;  // f16 Q, permuted [2 slabs][N x 128 B]
   float* sWq = reinterpret_cast<float*>(smem + L.wq_off()) + c * kN;
-  const int bar = 1 + c;  // the warpgroup's named barrier
-  const int row0 = wl * 16 + g;  // the thread's key rows: row0, row0 + 8
-  int32_t cur_t0 = -1, cur_nt = 0;
-  int32_t my_len = 0;       // key_len of token t0 + tq (tq < nt), else 0
-  float* my_row = nullptr;  // its score row
-  float acc[kPN / 2];
-  for (RingPos pos;; pos.next(S)) {
-    const int slot = pos.slot;
-    mbar_wait(ring.full + 8 * slot, pos.phase);
-    const int4 info = ring.info[slot];
-    if (info.z < 0) break;
-    const int32_t t0 = info.x, nt = info.y, kb = info.z;
-    if (t0 != cur_t0) {
-      // Every warp's last wgmma (which read Q) has been waited for and its epilogue has read sWq.
-      named_bar_sync(bar, 128);
-      // the group's Q (rows tok * Hi + h) as f16, permuted, and w * q_scale
-      for (int idx = wt; idx < nt * kHi * 8; idx += 128) {
-        const int r = idx >> 3, ks = idx & 7;
-        const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + (static_cast<int64_t>(t0) * kHi + r) * kDi);
-        uint32_t wv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) wv[j] = __ldg(qrow + 8 * j + ks);
-        const uint32_t q0 = sQ + sw128_chunk_off(r, 2 * ks, kN * 128), q1 = sQ + sw128_chunk_off(r, 2 * ks + 1, kN * 128);
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q0), "r"(e4m3x2_to_f16x2(wv[0], false)),
-                     "r"(e4m3x2_to_f16x2(wv[1], false)), "r"(e4m3x2_to_f16x2(wv[2], false)),
-                     "r"(e4m3x2_to_f16x2(wv[3], false)));
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q1), "r"(e4m3x2_to_f16x2(wv[0], true)),
-                     "r"(e4m3x2_to_f16x2(wv[1], true)), "r"(e4m3x2_to_f16x2(wv[2], true)),
-                     "r"(e4m3x2_to_f16x2(wv[3], true)));
-      }
-      for (int col = wt; col < kN; col += 128) {
-        const int64_t at = static_cast<int64_t>(t0) * kHi + col;
-        sWq[col] = col < nt * kHi ? a.w[at] * a.q_scale[at] : 0.f;
-      }
-      my_len = tq < nt ? a.key_len[t0 + tq] : 0;
-      my_row = a.scores + (tq < nt ? plan_score_offset(a.inl, a.score_offset, t0 + tq) : 0);
-      cur_t0 = t0;
-      cur_nt = nt;
-      fence_proxy_async_smem();  // Q's generic writes -> the async proxy (wgmma)
-      named_bar_sync(bar, 128);
-    }
-    // the A operand: rows row0 and row0 + 8, bytes [32 tq, 32 tq + 32) (chunks 2 tq, 2 tq + 1), f16 in registers
-    // (rows are 128 B apart, unswizzled: lanes of odd g load their second chunk first, so the 8 lanes of a
-    // quarter warp read 8 distinct 16-byte bank groups)
-    const uint32_t st = ring.stage + slot * kStageBytes + 32 * tq, odd = (g & 1) * 16;
-    const uint4 xa = lds128(st + row0 * kDi + odd), xb = lds128(st + row0 * kDi + (odd ^ 16));
-    const uint4 ya = lds128(st + (row0 + 8) * kDi + odd), yb = lds128(st + (row0 + 8) * kDi + (odd ^ 16));
-    const float sk0 = ring.scale[slot * kBK + row0], sk1 = ring.scale[slot * kBK + row0 + 8];
-    const uint4 x0 = odd ? xb : xa, x1 = odd ? xa : xb, y0 = odd ? yb : ya, y1 = odd ? ya : yb;
-    const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-    const uint32_t yw[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};
-    uint32_t af[8][4];
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      af[ks][0] = e4m3x2_to_f16x2(xw[ks], false);
-      af[ks][1] = e4m3x2_to_f16x2(yw[ks], false);
-      af[ks][2] = e4m3x2_to_f16x2(xw[ks], true);
-      af[ks][3] = e4m3x2_to_f16x2(yw[ks], true);
-    }
-    // The stage is read: its words are in af, its scales in sk0 / sk1 (the release orders those loads before the
-    // producer's next copies into the slot).
-    mbar_arrive(ring.empty + 8 * slot);
-
-    float mine0 = 0.f, mine1 = 0.f;  // token tq's scores of rows row0, row0 + 8
-#pragma unroll
-    for (int pass = 0; pass < kN / kPN; ++pass) {
-      if (pass * kPT >= cur_nt) break;  // (uniform) no token of this pass in the group
-      // D = K [64 keys, 128] x Q^T [128, kPN]: 8 k-steps of 16 columns (slab ks / 4, 32 bytes each within it)
-      wgmma_fence();
-      const uint64_t db = wgmma_desc_sw128(sQ + pass * kPN * 128, 16, 1024);
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        const uint32_t kq = (ks >> 2) * kN * 128 + (ks & 3) * 32;
-        wgmma_m64k16_f16_rs<kPN>(acc, af[ks], db + (kq >> 4), ks > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kPN / 2; ++i) reg_fence(acc[i]);
-#pragma unroll
-      for (int pt = 0; pt < kPT; ++pt) {
-        const int tok = pass * kPT + pt;
-        if (tok < cur_nt) {
-          float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-          for (int ii = 0; ii < kHi / 8; ++ii) {
-            const int i = pt * (kHi / 8) + ii;  // the pass's column group
-            const float2 wv = *reinterpret_cast<const float2*>(sWq + pass * kPN + 8 * i + 2 * tq);
-            s0 = fmaf(wv.x, relu(acc[4 * i]), s0);
-            s0 = fmaf(wv.y, relu(acc[4 * i + 1]), s0);
-            s1 = fmaf(wv.x, relu(acc[4 * i + 2]), s1);
-            s1 = fmaf(wv.y, relu(acc[4 * i + 3]), s1);
-          }
-          s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-          s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-          s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-          s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-          if (tok == tq) {
-            mine0 = sk0 * s0;
-            mine1 = sk1 * s1;
-          }
-        }
-      }
-    }
-    if (tq < cur_nt) {
-      const int32_t k0 = kb + row0, k1 = k0 + 8;
-      if (k0 < my_len) my_row[k0] = mine0;
-      if (k1 < my_len) my_row[k1] = mine1;
-    }
+  if constexpr (kVer == 6) {
+    setmaxnreg_inc<kMathRegs<kMW>>();
+    math_v6<kHi, kNT, kMW>(a, ring, sQ, sWq, 1 + c, tid & 127);
+  } else {
+    math_v5<kHi, kNT>(a, ring, sQ, sWq, 1 + c, tid & 127);
   }
 }
 
-// Math warpgroups a CTA for N = kN columns (heads x group tokens).
-// Measured (docs/design/2026-12-02-persistent-score-kernel.md): 3 where N <= 64 (12-18% faster than 2 at next_n 1;
-// a 4th changed nothing), else 2 (N = 128 / 256 take 144-160 registers a thread: 512 threads allow 128).
+template <int kHi, int kNT, int kMW>
+__global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma_kernel(const __grid_constant__ WgArgs a) {
+  wgmma_scores_body<kHi, kNT, kMW, 5>(a);
+}
+template <int kHi, int kNT, int kMW>
+__global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma6_kernel(const __grid_constant__ WgArgs a) {
+  wgmma_scores_body<kHi, kNT, kMW, 6>(a);
+}
+
+// Math warpgroups a CTA for N = kN columns (heads x group tokens), by version.
+// v5 (docs/design/2026-12-02-persistent-score-kernel.md): 3 where N <= 64 (12-18% faster than 2 at next_n 1; a 4th
+// changed nothing), else 2 (N = 128 / 256 take 144-160 registers a thread: 512 threads allow 128).
+// v6 (docs/design/2026-12-03-score-kernel-v6.md): the same split (N <= 64: 3 x 144 registers; else 2 x 216); 2 at
+// N <= 64 (the variant the bench times) was 1-3% slower at 32K..128K, Hi 64 and 32.
 template <int kN>
 constexpr int kMathWarpgroups = kN <= 64 ? 3 : 2;
 
-template <int kHi, int kNT>
+template <int kHi, int kNT, int kMW, int kVer>
 Status launch_wg(WgArgs& a, const LaunchContext& ctx) {
-  constexpr int kN = kHi * kNT, kMW = kMathWarpgroups<kN>;
+  constexpr int kN = kHi * kNT;
   static_assert(kMaxStages % kMW == 0, "whole rings");
   int device = 0, optin = 0;
   DSACP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -465,11 +318,23 @@ Status launch_wg(WgArgs& a, const LaunchContext& ctx) {
   while (L.stages > 2 * kMW && L.bytes() > optin) L.stages -= kMW;
   a.stages = L.stages / kMW;
   const int bytes = L.bytes();
-  DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(indexer_scores_wgmma_kernel<kHi, kNT, kMW>, bytes));
+  auto* kernel = kVer == 6 ? indexer_scores_wgmma6_kernel<kHi, kNT, kMW> : indexer_scores_wgmma_kernel<kHi, kNT, kMW>;
+  DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), bytes));
   const int grid = static_cast<int>(std::min<int64_t>(std::max(ctx.num_sms, 1), a.num_items));
-  indexer_scores_wgmma_kernel<kHi, kNT, kMW><<<grid, 128 * (1 + kMW), bytes, ctx.stream>>>(a);
+  kernel<<<grid, 128 * (1 + kMW), bytes, ctx.stream>>>(a);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("indexer_scores_wgmma_kernel");
   return Status::ok_status();
+}
+
+// The (Hi, group tokens) instance of a version and math-warpgroup count (0: the rule).
+template <int kHi, int kNT>
+Status launch_wg_variant(WgArgs& a, const LaunchContext& ctx, const ScoreWgmmaVariant& v) {
+  constexpr int kN = kHi * kNT;
+  if (v.version == 5) return launch_wg<kHi, kNT, kMathWarpgroups<kN>, 5>(a, ctx);
+  if constexpr (kN <= 64) {
+    if (v.math_warpgroups == 2) return launch_wg<kHi, kNT, 2, 6>(a, ctx);
+  }
+  return launch_wg<kHi, kNT, kMathWarpgroups<kN>, 6>(a, ctx);
 }
 
 }  // namespace
@@ -480,9 +345,9 @@ bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_toke
          reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && max_group_tokens >= 1 && max_group_tokens <= kMaxGroupTokens;
 }
 
-// The measured rule (dsacp_bench_gpu, one H200, b = 64, 32K..128K; docs/design/2026-12-02-persistent-score-kernel.md):
-// this kernel wherever it applies: 1.9-2.2x faster than the mma.sync kernel at next_n 1, 2.0-2.6x at next_n 2..4,
-// 1.65x at prefill.
+// The measured rule (dsacp_bench_gpu, one H200, b = 64, 32K..128K; docs/design/2026-12-02-persistent-score-kernel.md,
+// 2026-12-03-score-kernel-v6.md): this kernel wherever it applies (v6: 1.9-2.3x faster than the mma.sync kernel at
+// next_n 1, 2.2-2.9x at next_n 2..4, 1.7x at prefill).
 bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens) {
   (void)p;
   return max_group_tokens >= 1;
@@ -490,15 +355,27 @@ bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_to
 
 Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                                    int max_group_tokens, const int64_t* score_offset, float* scores,
-                                   const InlinePlan& inl, const LaunchContext& ctx) {
+                                   const InlinePlan& inl, const LaunchContext& ctx, const ScoreWgmmaVariant& v) {
   if (num_items == 0) return Status::ok_status();
   WgArgs a{};
   fill_score_kernel_args(a, p, items, num_items, score_offset, scores, inl, ctx);
   const int nt = max_group_tokens <= 1 ? 1 : max_group_tokens <= 2 ? 2 : 4;
   if (p.Hi == 32) {
-    return nt == 1 ? launch_wg<32, 1>(a, ctx) : nt == 2 ? launch_wg<32, 2>(a, ctx) : launch_wg<32, 4>(a, ctx);
+    return nt == 1   ? launch_wg_variant<32, 1>(a, ctx, v)
+           : nt == 2 ? launch_wg_variant<32, 2>(a, ctx, v)
+                     : launch_wg_variant<32, 4>(a, ctx, v);
   }
-  return nt == 1 ? launch_wg<64, 1>(a, ctx) : nt == 2 ? launch_wg<64, 2>(a, ctx) : launch_wg<64, 4>(a, ctx);
+  return nt == 1 ? launch_wg_variant<64, 1>(a, ctx, v)
+         : nt == 2 ? launch_wg_variant<64, 2>(a, ctx, v)
+                   : launch_wg_variant<64, 4>(a, ctx, v);
+}
+
+Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
+                                   int max_group_tokens, const int64_t* score_offset, float* scores,
+                                   const InlinePlan& inl, const LaunchContext& ctx) {
+  ScoreWgmmaVariant v;
+  if (ctx.options.indexer_score_kernel == CudaBackendOptions::IndexerScoreKernel::kWgmmaV5) v.version = 5;
+  return launch_indexer_scores_wgmma(p, items, num_items, max_group_tokens, score_offset, scores, inl, ctx, v);
 }
 
 }  // namespace dsacp::cuda
