@@ -92,7 +92,12 @@ Backend& cuda_backend(int device, uintptr_t stream) {
 // The backend of a call: by where its tensors are (CPU: `threads`; CUDA: the device and `stream`, which CPU calls
 // ignore).
 Backend& op_backend(const Placement& pl, int threads, std::optional<uintptr_t> stream) {
-  if (pl.cuda()) return cuda_backend(pl.device_id, stream.value_or(0));
+  if (pl.cuda()) {
+    // No stream given: torch's current stream for torch tensors (what the package's wrappers passed before), else
+    // the legacy default stream.
+    if (!stream && pl.torch) stream = torch_current_stream(pl.device_id);
+    return cuda_backend(pl.device_id, stream.value_or(0));
+  }
   return cpu_backend(threads);
 }
 
@@ -125,10 +130,10 @@ void run_kernel(F&& f) {
   raise_if_error(s);
 }
 
-nb::object indexer_topk(const Arr& q, const Arr& w, const nb::object& keys, const Arr& block_table, const Arr& request,
-                        const Arr& key_len, int32_t K, std::optional<Arr> q_scale, std::optional<nb::object> out,
-                        bool return_scores, std::optional<nb::object> scores_out, std::optional<Arr> host_request,
-                        std::optional<Arr> host_key_len, std::optional<uintptr_t> stream, int threads,
+nb::object indexer_topk(nb::handle q, nb::handle w, const nb::object& keys, nb::handle block_table, nb::handle request,
+                        nb::handle key_len, int32_t K, std::optional<nb::handle> q_scale, std::optional<nb::object> out,
+                        bool return_scores, std::optional<nb::object> scores_out, std::optional<nb::handle> host_request,
+                        std::optional<nb::handle> host_key_len, std::optional<uintptr_t> stream, int threads,
                         int32_t keys_page_size) {
   Placement pl("indexer_topk");
   const char* op = pl.op;
@@ -173,8 +178,8 @@ nb::object indexer_topk(const Arr& q, const Arr& w, const nb::object& keys, cons
   return topk.object();
 }
 
-nb::tuple sparse_mla(const Arr& q_nope, const Arr& q_rope, const nb::object& latent, const nb::object& rope,
-                     const Arr& block_table, const Arr& request, const Arr& key_len, const Arr& topk, float scale,
+nb::tuple sparse_mla(nb::handle q_nope, nb::handle q_rope, const nb::object& latent, const nb::object& rope,
+                     nb::handle block_table, nb::handle request, nb::handle key_len, nb::handle topk, float scale,
                      std::optional<nb::object> out, std::optional<nb::object> lse, std::optional<uintptr_t> stream,
                      int threads) {
   Placement pl("sparse_mla");
@@ -242,7 +247,7 @@ nb::tuple sparse_mla(const Arr& q_nope, const Arr& q_rope, const nb::object& lat
 }
 
 // lse_merge's parameters (and its outputs) from the Python arguments.
-LseMergeParams lse_merge_params(Placement& pl, const Arr& part_out, const Arr& part_lse, const std::optional<nb::object>& out,
+LseMergeParams lse_merge_params(Placement& pl, nb::handle part_out, nb::handle part_lse, const std::optional<nb::object>& out,
                                 const std::optional<nb::object>& lse, OutArray& o, OutArray& l) {
   TensorArg po = tensor_arg(pl, "part_out", part_out, {Elem::kF32, Elem::kBF16}, 3);
   const int64_t S = po.shape[0], R = po.shape[1], Dl = po.shape[2];
@@ -262,7 +267,7 @@ LseMergeParams lse_merge_params(Placement& pl, const Arr& part_out, const Arr& p
   return p;
 }
 
-nb::tuple lse_merge(const Arr& part_out, const Arr& part_lse, std::optional<nb::object> out,
+nb::tuple lse_merge(nb::handle part_out, nb::handle part_lse, std::optional<nb::object> out,
                     std::optional<nb::object> lse, std::optional<uintptr_t> stream, int threads) {
   Placement pl("lse_merge");
   OutArray o, l;
@@ -275,7 +280,7 @@ nb::tuple lse_merge(const Arr& part_out, const Arr& part_lse, std::optional<nb::
 // Host seconds per call of `n` lse_merge calls made in C++ with the arguments converted once (each call still
 // validates and launches): the C++ side of the measure "Python overhead of one op call over the C++ call".
 // Ends with the backend's work done.
-double bench_lse_merge(const Arr& part_out, const Arr& part_lse, nb::object out, nb::object lse,
+double bench_lse_merge(nb::handle part_out, nb::handle part_lse, nb::object out, nb::object lse,
                        std::optional<uintptr_t> stream, int n) {
   Placement pl("lse_merge");
   OutArray o, l;
@@ -300,8 +305,8 @@ Fp8ScaleMode scale_mode_arg(const char* op, const std::string& scale_mode) {
   throw nb::value_error((std::string(op) + ": scale_mode=\"" + scale_mode + "\", expected \"fp32\" or \"ue8m0\"").c_str());
 }
 
-void cache_write(const Arr& rows, const Arr& slots, const nb::object& pool, std::optional<Arr> rope_rows,
-                 std::optional<Arr> row_scales, const std::string& scale_mode, std::optional<uintptr_t> stream,
+void cache_write(nb::handle rows, nb::handle slots, const nb::object& pool, std::optional<nb::handle> rope_rows,
+                 std::optional<nb::handle> row_scales, const std::string& scale_mode, std::optional<uintptr_t> stream,
                  int threads) {
   Placement pl("cache_write");
   const char* op = pl.op;
