@@ -13,12 +13,16 @@ never wait for the GPU, and keep the data errors the device finds (a bad page id
 ``check_errors()``. Without ``out=`` a call on torch CUDA tensors allocates its outputs with torch on the inputs'
 device (numpy arrays for CPU inputs). ``dsacp.torch_ops`` (imported when torch is) registers the ops as torch
 custom ops (``torch.ops.dsacp.*``) for ``torch.compile`` and CUDA graphs.
+
+The planned step: ``plan = dsacp.plan(...)`` once per forward pass (the batch's host work, uploaded once), then
+``dsacp.run_layer(plan, caches, ...)`` for each layer (kernels only, into the caller's caches and outputs).
 """
 import importlib.util
 import sys
 
 from . import _dsacp
 from ._dsacp import check_errors, make_case, replay
+from .step import StepPlan, plan, run_layer
 
 
 def _torch_cuda(x):
@@ -92,7 +96,8 @@ def cache_write(rows, slots, pool, *, rope_rows=None, row_scales=None, scale_mod
 for _f in (indexer_topk, sparse_mla, lse_merge, cache_write):
     _f.__doc__ = getattr(_dsacp, _f.__name__).__doc__
 
-__all__ = ["cache_write", "check_errors", "indexer_topk", "lse_merge", "make_case", "replay", "sparse_mla"]
+__all__ = ["StepPlan", "cache_write", "check_errors", "indexer_topk", "lse_merge", "make_case", "plan", "replay",
+           "run_layer", "sparse_mla"]
 __version__ = "0.1.0"
 
 if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:

@@ -339,6 +339,10 @@ OutArray out_array(Placement& pl, const char* name, const std::optional<nb::obje
     o.obj = *given;
     return o;
   }
+  if (default_elem == Elem::kBF16) {
+    value_error(std::string(op) + ": output '" + name + "' not given, and numpy has no bfloat16: pass " + name +
+                "= (a bfloat16 tensor of shape " + shape_str(shape) + ")");
+  }
   if (pl.cuda()) {
     value_error(std::string(op) + ": output '" + name + "' not given; a call on CUDA tensors writes into the " +
                 "caller's outputs: pass " + name + "= (a " + pl.where() + " tensor of shape " + shape_str(shape) + ")");
