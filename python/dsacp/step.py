@@ -172,8 +172,11 @@ def run_layer(plan, caches, q_nope, q_rope, kv_latent, k_rope, idx_q=None, idx_w
     a wrong dtype or shape) raise ValueError naming the tensor."""
     impl = _plan_impl(plan)
     latent, rope, index_keys = _caches(caches)
+    torch = sys.modules.get("torch")
+    if torch is not None and idx_q is not None and idx_q.dtype == torch.float8_e4m3fn:
+        # e4m3 as its bytes (torch versions whose DLPack export has no float8 code still pass; no copy)
+        idx_q, idx_k = idx_q.view(torch.uint8), (idx_k.view(torch.uint8) if idx_k is not None else None)
     if out is None or lse is None or topk is None:
-        torch = sys.modules.get("torch")
         if torch is not None and isinstance(q_nope, torch.Tensor):
             T, H = q_nope.shape[0], q_nope.shape[1]
             dev = q_nope.device

@@ -344,8 +344,8 @@ NB_MODULE(_dsacp, m) {
   const char* cuda_note = R"(
 
 Tensors: all on the CPU (numpy, torch, ...) or all on one CUDA device (torch, cupy, jax: used in place). CUDA
-calls run on the stream `stream` (a cudaStream_t as an int; None or 0: the legacy default stream; the dsacp
-package's wrappers pass torch's current stream), write into the caller's outputs (out=, lse=, scores=: the package
+calls run on the stream `stream` (a cudaStream_t as an int; None: torch's current stream for torch tensors, else
+the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
 wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
 the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
 dtype, device, contiguity) raise ValueError at the call.)";
