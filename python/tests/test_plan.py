@@ -255,3 +255,14 @@ def test_argument_errors_name_what_does_not_match(case):
     bad[1, 0] = n + 5
     with pytest.raises(ValueError, match=r"block table"):
         make_plan(bad, n)
+
+
+def test_readme_planned_step_example_runs():
+    import os
+    import re
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    code = next(b for b in re.findall(r"```python\n(.*?)```", open(readme).read(), re.S) if "dsacp.plan(" in b)
+    env = {}
+    exec(code, env)
+    assert env["out"].shape == (2, 4, 64) and env["topk"].shape == (2, 8) and np.isfinite(env["lse"]).all()
+    assert (env["topk"][0] >= 0).all()
