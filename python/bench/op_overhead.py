@@ -3,8 +3,9 @@ from Python against the same 1000 calls made from C++ with the arguments convert
 (_dsacp._bench_lse_merge), host time per call, median (and min) of 9 rounds. Rows: the raw module call (stream
 given on CUDA), the package wrapper (stream looked up by the module: torch's current one), the torch operator
 (allocates its outputs), the C++ loop; and the planned step's per-layer call (dsacp.run_layer of a small decode
-batch, outputs given, and the torch operator), which has no C++ twin in the module: its row is the host time of
-the whole call (on CUDA: its kernel launches included).
+batch, outputs given, and the torch operator) against the same step_run calls made from C++
+(_dsacp._bench_run_layer; on CUDA the rows are the host time of the call, its kernel launches included, on the
+CPU the kernels themselves run inside: a few ms, so only the CUDA rows show the binding's share).
 
 Usage: python op_overhead.py [--device cuda|cpu] [--json PATH]. Prints the JSON (and a table) to stdout.
 On the CPU the kernel itself runs inside every call (a few hundred ns for this size): the C++ row includes it."""
@@ -90,12 +91,17 @@ def main():
         p, caches, inputs, outs = decode_plan(dev)
         dsacp.run_layer(p, caches, *inputs, **outs)
         dsacp.check_errors()
+        n = 200 if cuda else 20
         layer = {
             "dsacp.run_layer (b=8 decode, outputs given)": per_call(
-                lambda: dsacp.run_layer(p, caches, *inputs, **outs), sync, n=200),
+                lambda: dsacp.run_layer(p, caches, *inputs, **outs), sync, n=n),
             "torch_ops.run_layer (torch operator, allocates)": per_call(
-                lambda: torch_ops.run_layer(p, caches, *inputs), sync, n=200),
+                lambda: torch_ops.run_layer(p, caches, *inputs), sync, n=n),
         }
+        cx = [_dsacp._bench_run_layer(p._impl, *caches, *inputs, None, None, None, outs["out"], outs["lse"],
+                                      outs["topk"], None, p.stream if cuda else None, 0, n) * 1e6
+              for _ in range(9)]
+        layer["C++ loop (_bench_run_layer)"] = (statistics.median(cx), min(cx))
         dsacp.check_errors()
     res = {"unit": "us per call (host)", "device_kind": "cuda" if cuda else "cpu", "calls": 1000, "rounds": 9,
            "rows_median": {k: v[0] for k, v in rows.items()}, "rows_min": {k: v[1] for k, v in rows.items()},
@@ -103,6 +109,10 @@ def main():
            "python_overhead_us_min": {k: v[1] - cxx_min for k, v in rows.items() if not k.startswith("C++")},
            "run_layer_us_median": {k: v[0] for k, v in layer.items()},
            "run_layer_us_min": {k: v[1] for k, v in layer.items()},
+           "run_layer_python_overhead_us": {k: v[0] - layer["C++ loop (_bench_run_layer)"][0]
+                                            for k, v in layer.items() if layer and not k.startswith("C++")},
+           "run_layer_python_overhead_us_min": {k: v[1] - layer["C++ loop (_bench_run_layer)"][1]
+                                                for k, v in layer.items() if layer and not k.startswith("C++")},
            "target_us": 5.0, "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if cuda else "cpu"}
     print(json.dumps(res, indent=1))

@@ -10,6 +10,8 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -211,13 +213,27 @@ int64_t check_pool(const PyStepPlan& p, Placement& pl, const char* name, nb::han
   return view->num_pages;
 }
 
-nb::tuple run_layer(const PyStepPlan& p, nb::handle latent, std::optional<nb::handle> rope, nb::handle index_keys,
-                    nb::handle q_nope, nb::handle q_rope, nb::handle kv_latent, nb::handle k_rope,
-                    std::optional<nb::handle> idx_q, std::optional<nb::handle> idx_w, std::optional<nb::handle> idx_k,
-                    std::optional<nb::handle> idx_q_scale, std::optional<nb::handle> idx_k_scale,
-                    std::optional<nb::handle> precomputed_topk, std::optional<nb::object> out,
-                    std::optional<nb::object> lse, std::optional<nb::object> topk,
-                    std::optional<nb::handle> workspace, std::optional<uintptr_t> stream, uint64_t fingerprint) {
+// One run_layer call's arguments as the C++ step takes them (checked against the plan).
+struct LayerCall {
+  StepInputs si;
+  StepOutputs so;
+  StepWorkspace ws;
+  std::unique_ptr<PagedKvCache> cache;
+  OutArray o, l, k;
+};
+
+#define DSACP_LAYER_PARAMS                                                                                       \
+  const PyStepPlan &p, nb::handle latent, std::optional<nb::handle> rope, nb::handle index_keys, nb::handle q_nope, \
+      nb::handle q_rope, nb::handle kv_latent, nb::handle k_rope, std::optional<nb::handle> idx_q,                 \
+      std::optional<nb::handle> idx_w, std::optional<nb::handle> idx_k, std::optional<nb::handle> idx_q_scale,     \
+      std::optional<nb::handle> idx_k_scale, std::optional<nb::handle> precomputed_topk,                          \
+      std::optional<nb::object> out, std::optional<nb::object> lse, std::optional<nb::object> topk,               \
+      std::optional<nb::handle> workspace, std::optional<uintptr_t> stream, uint64_t fingerprint
+#define DSACP_LAYER_ARGS                                                                                      \
+  p, latent, rope, index_keys, q_nope, q_rope, kv_latent, k_rope, idx_q, idx_w, idx_k, idx_q_scale, idx_k_scale, \
+      precomputed_topk, out, lse, topk, workspace, stream, fingerprint
+
+LayerCall layer_call(DSACP_LAYER_PARAMS) {
   Placement pl("run_layer");
   const StepConfig& c = p.plan.config();
   const PagedCacheConfig& cc = p.cache;
@@ -328,10 +344,41 @@ nb::tuple run_layer(const PyStepPlan& p, nb::handle latent, std::optional<nb::ha
                   "layers (for CUDA-graph capture: under torch.cuda.stream(capture_stream))");
     }
   }
+  LayerCall call;
+  call.si = si;
+  call.so = so;
+  call.ws = ws;
+  call.cache = std::make_unique<PagedKvCache>(std::move(cache).value());
+  call.o = std::move(o);
+  call.l = std::move(l);
+  call.k = std::move(k);
+  return call;
+}
+
+nb::tuple run_layer(DSACP_LAYER_PARAMS) {
+  LayerCall c = layer_call(DSACP_LAYER_ARGS);
   Backend& be = *p.backend;
-  PagedKvCache& layer_cache = cache.value();
-  run_kernel([&] { return step_run(be, p.plan, layer_cache, si, so, ws); });
-  return nb::make_tuple(o.object(), l.object(), k.object());
+  run_kernel([&] { return step_run(be, p.plan, *c.cache, c.si, c.so, c.ws); });
+  return nb::make_tuple(c.o.object(), c.l.object(), c.k.object());
+}
+
+// Host seconds per run_layer made n times from C++ with the arguments converted once (each still a whole planned
+// step_run: its checks and its kernels' launches; on the CPU the kernels themselves): the C++ side of the
+// planned layer's Python overhead. Ends with the backend's work done.
+double bench_run_layer(DSACP_LAYER_PARAMS, int n) {
+  LayerCall c = layer_call(DSACP_LAYER_ARGS);
+  Backend& be = *p.backend;
+  Status s;
+  double secs = 0;
+  {
+    nb::gil_scoped_release release;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n && s.ok(); ++i) s = step_run(be, p.plan, *c.cache, c.si, c.so, c.ws);
+    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s.ok()) s = be.synchronize();
+  }
+  raise_if_error(s);
+  return n > 0 ? secs / n : 0.0;
 }
 
 }  // namespace
@@ -391,6 +438,13 @@ or CUDA graphs that captured them, use it.)")
         nb::arg("precomputed_topk").none() = nb::none(), nb::arg("out") = nb::none(), nb::arg("lse") = nb::none(),
         nb::arg("topk") = nb::none(), nb::arg("workspace").none() = nb::none(), nb::arg("stream") = nb::none(),
         nb::arg("fingerprint") = 0, "One layer's step under a plan (see dsacp.run_layer).");
+  m.def("_bench_run_layer", &bench_run_layer, nb::arg("plan"), nb::arg("latent"), nb::arg("rope").none(),
+        nb::arg("index_keys"), nb::arg("q_nope"), nb::arg("q_rope"), nb::arg("kv_latent"), nb::arg("k_rope"),
+        nb::arg("idx_q").none(), nb::arg("idx_w").none(), nb::arg("idx_k").none(), nb::arg("idx_q_scale").none(),
+        nb::arg("idx_k_scale").none(), nb::arg("precomputed_topk").none(), nb::arg("out").none(),
+        nb::arg("lse").none(), nb::arg("topk").none(), nb::arg("workspace").none(), nb::arg("stream").none(),
+        nb::arg("fingerprint"), nb::arg("n"),
+        "Host seconds per run_layer call made n times from C++ with the arguments converted once (benchmarks).");
 }
 
 }  // namespace dsacp::py
