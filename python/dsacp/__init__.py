@@ -20,6 +20,12 @@ The planned step: ``plan = dsacp.plan(...)`` once per forward pass (the batch's 
 import importlib.util
 import sys
 
+_HAVE_TORCH = "torch" in sys.modules or importlib.util.find_spec("torch") is not None
+if _HAVE_TORCH:
+    # torch before the module: a CUDA build of the module links the system's NCCL, and a libnccl.so.2 loaded first
+    # would be the one torch's CUDA library binds to (same soname), which may lack the symbols torch needs.
+    import torch  # noqa: F401
+
 from . import _dsacp
 from ._dsacp import check_errors, make_case, replay
 from .step import StepPlan, plan, run_layer
@@ -98,5 +104,5 @@ __all__ = ["StepPlan", "cache_write", "check_errors", "indexer_topk", "lse_merge
            "run_layer", "sparse_mla"]
 __version__ = "0.1.0"
 
-if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
+if _HAVE_TORCH:
     from . import torch_ops  # noqa: E402,F401  (registers torch.ops.dsacp.*)
