@@ -69,8 +69,6 @@ Backend& cuda_backend(int device, uintptr_t stream) {
   return *b;
 }
 
-// The backend of a call: by where its tensors are (CPU: `threads`; CUDA: the device and `stream`, which CPU calls
-// ignore).
 uintptr_t call_stream(const Placement& pl, std::optional<uintptr_t> stream) {
   if (!stream && pl.torch) stream = torch_current_stream(pl.device_id);
   return stream.value_or(0);
