@@ -361,6 +361,15 @@ def test_run_layer_stream_and_errors_on_cuda():
     torch.cuda.synchronize()
     for u, v in zip(a, b):
         torch.testing.assert_close(u, v, rtol=0, atol=0)
+    if p.workspace_bytes > 0:  # a lent workspace: too small refused, large enough the same results
+        with pytest.raises(ValueError, match=r"workspace has 16 bytes, the plan needs"):
+            dsacp.run_layer(p, [c.clone() for c in gc], *gx, **gi,
+                            workspace=torch.empty(16, dtype=torch.uint8, device=DEV))
+        lent = dsacp.run_layer(p, [c.clone() for c in gc], *gx, **gi,
+                               workspace=torch.empty(p.workspace_bytes, dtype=torch.uint8, device=DEV))
+        torch.cuda.synchronize()
+        for u, v in zip(lent, b):
+            torch.testing.assert_close(u, v, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"'q_nope' is on cpu, the plan was made for cuda:0"):
         dsacp.run_layer(p, caches, *x, **idx)
     with pytest.raises(ValueError, match=r"tensor 'block_table' is on cuda:0, expected a CPU tensor"):
