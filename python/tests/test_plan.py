@@ -238,6 +238,10 @@ def test_argument_errors_name_what_does_not_match(case):
         dsacp.run_layer("plan", caches, *x)
     with pytest.raises(ValueError, match=r"output 'out' has shape \[10, 4, 16\], expected \[10, 4, 32\]"):
         dsacp.run_layer(p, caches, *x, out=np.empty((10, 4, 16), np.float32))
+    bad_topk = np.full((10, 16), -1, np.int32)
+    bad_topk[3, 0] = 500  # past the token's keys
+    with pytest.raises(ValueError, match=r"row 3"):
+        dsacp.run_layer(p, caches, *x[:4], precomputed_topk=bad_topk)
     # The plan's own refusals.
     with pytest.raises(ValueError, match=r"topk_form=\"slot\", expected \"canonical\" or \"slots\""):
         make_plan(bt, n, topk_form="slot")
