@@ -3,12 +3,9 @@ dsacp: DeepSeek Sparse Attention with context parallelism (the C++ library's ker
 """
 
 from collections.abc import Sequence
-from typing import Annotated
-
-from numpy.typing import NDArray
 
 
-def indexer_topk(q: Annotated[NDArray, dict(writable=False)], w: Annotated[NDArray, dict(writable=False)], keys: object, block_table: Annotated[NDArray, dict(writable=False)], request: Annotated[NDArray, dict(writable=False)], key_len: Annotated[NDArray, dict(writable=False)], K: int, *, q_scale: Annotated[NDArray, dict(writable=False)] | None = None, out: object | None = None, return_scores: bool = False, scores: object | None = None, host_request: Annotated[NDArray, dict(writable=False)] | None = None, host_key_len: Annotated[NDArray, dict(writable=False)] | None = None, stream: int | None = None, threads: int = 0, keys_page_size: int = 0) -> object:
+def indexer_topk(q: object, w: object, keys: object, block_table: object, request: object, key_len: object, K: int, *, q_scale: object | None = None, out: object | None = None, return_scores: bool = False, scores: object | None = None, host_request: object | None = None, host_key_len: object | None = None, stream: int | None = None, threads: int = 0, keys_page_size: int = 0) -> object:
     """
     Lightning indexer scores and the exact canonical top-k.
 
@@ -25,14 +22,14 @@ def indexer_topk(q: Annotated[NDArray, dict(writable=False)], w: Annotated[NDArr
     CUDA graph capture; a captured call replays the plan of the lengths it was captured with).
 
     Tensors: all on the CPU (numpy, torch, ...) or all on one CUDA device (torch, cupy, jax: used in place). CUDA
-    calls run on the stream `stream` (a cudaStream_t as an int; None or 0: the legacy default stream; the dsacp
-    package's wrappers pass torch's current stream), write into the caller's outputs (out=, lse=, scores=: the package
+    calls run on the stream `stream` (a cudaStream_t as an int; None: torch's current stream for torch tensors, else
+    the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
     dtype, device, contiguity) raise ValueError at the call.
     """
 
-def sparse_mla(q_nope: Annotated[NDArray, dict(writable=False)], q_rope: Annotated[NDArray, dict(writable=False)], latent: object, rope: object | None, block_table: Annotated[NDArray, dict(writable=False)], request: Annotated[NDArray, dict(writable=False)], key_len: Annotated[NDArray, dict(writable=False)], topk: Annotated[NDArray, dict(writable=False)], scale: float, *, out: object | None = None, lse: object | None = None, stream: int | None = None, threads: int = 0) -> tuple:
+def sparse_mla(q_nope: object, q_rope: object, latent: object, rope: object | None, block_table: object, request: object, key_len: object, topk: object, scale: float, *, out: object | None = None, lse: object | None = None, stream: int | None = None, threads: int = 0) -> tuple:
     """
     Sparse MLA attention over the chosen keys, with natural-log LSE.
 
@@ -45,14 +42,14 @@ def sparse_mla(q_nope: Annotated[NDArray, dict(writable=False)], q_rope: Annotat
     be f32 or bf16.
 
     Tensors: all on the CPU (numpy, torch, ...) or all on one CUDA device (torch, cupy, jax: used in place). CUDA
-    calls run on the stream `stream` (a cudaStream_t as an int; None or 0: the legacy default stream; the dsacp
-    package's wrappers pass torch's current stream), write into the caller's outputs (out=, lse=, scores=: the package
+    calls run on the stream `stream` (a cudaStream_t as an int; None: torch's current stream for torch tensors, else
+    the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
     dtype, device, contiguity) raise ValueError at the call.
     """
 
-def lse_merge(part_out: Annotated[NDArray, dict(writable=False)], part_lse: Annotated[NDArray, dict(writable=False)], *, out: object | None = None, lse: object | None = None, stream: int | None = None, threads: int = 0) -> tuple:
+def lse_merge(part_out: object, part_lse: object, *, out: object | None = None, lse: object | None = None, stream: int | None = None, threads: int = 0) -> tuple:
     """
     Exact merge of S partial attention results over disjoint key sets by their LSE.
 
@@ -60,14 +57,14 @@ def lse_merge(part_out: Annotated[NDArray, dict(writable=False)], part_lse: Anno
     not finite counts as empty; all empty -> out 0, lse -inf.
 
     Tensors: all on the CPU (numpy, torch, ...) or all on one CUDA device (torch, cupy, jax: used in place). CUDA
-    calls run on the stream `stream` (a cudaStream_t as an int; None or 0: the legacy default stream; the dsacp
-    package's wrappers pass torch's current stream), write into the caller's outputs (out=, lse=, scores=: the package
+    calls run on the stream `stream` (a cudaStream_t as an int; None: torch's current stream for torch tensors, else
+    the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
     dtype, device, contiguity) raise ValueError at the call.
     """
 
-def cache_write(rows: Annotated[NDArray, dict(writable=False)], slots: Annotated[NDArray, dict(writable=False)], pool: object, *, rope_rows: Annotated[NDArray, dict(writable=False)] | None = None, row_scales: Annotated[NDArray, dict(writable=False)] | None = None, scale_mode: str = 'fp32', stream: int | None = None, threads: int = 0) -> None:
+def cache_write(rows: object, slots: object, pool: object, *, rope_rows: object | None = None, row_scales: object | None = None, scale_mode: str = 'fp32', stream: int | None = None, threads: int = 0) -> None:
     """
     Scatters rows into flat slots of a paged pool, in place: pool[slot // page_size, slot % page_size] = rows[t].
 
@@ -78,12 +75,109 @@ def cache_write(rows: Annotated[NDArray, dict(writable=False)], slots: Annotated
     stored as bf16 in the same records).
 
     Tensors: all on the CPU (numpy, torch, ...) or all on one CUDA device (torch, cupy, jax: used in place). CUDA
-    calls run on the stream `stream` (a cudaStream_t as an int; None or 0: the legacy default stream; the dsacp
-    package's wrappers pass torch's current stream), write into the caller's outputs (out=, lse=, scores=: the package
+    calls run on the stream `stream` (a cudaStream_t as an int; None: torch's current stream for torch tensors, else
+    the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
     dtype, device, contiguity) raise ValueError at the call.
     """
+
+class StepPlan:
+    """
+    The plan of one batch step (dsacp.plan): build it once per forward pass and
+    pass it to run_layer for each layer. It holds the batch's device tables and workspace; keep it alive while runs,
+    or CUDA graphs that captured them, use it.
+    """
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the batch's new tokens"""
+
+    @property
+    def fingerprint(self) -> int:
+        """
+        A hash of the config, the requests, the block table and the cache layout (0: not computed)
+        """
+
+    @property
+    def pages_needed(self) -> int:
+        """
+        Pages each layer's cache must hold (one past the highest page id the plan checked)
+        """
+
+    @property
+    def workspace_bytes(self) -> int:
+        """
+        Device scratch bytes of a run (the plan owns a workspace of this size; workspace= lends another)
+        """
+
+    @property
+    def device(self) -> str:
+        """"cpu" or "cuda:N\""""
+
+    @property
+    def stream(self) -> int:
+        """The CUDA stream the plan runs on (0 on the CPU)"""
+
+    @property
+    def heads(self) -> int: ...
+
+    @property
+    def latent_dim(self) -> int: ...
+
+    @property
+    def rope_dim(self) -> int: ...
+
+    @property
+    def index_heads(self) -> int: ...
+
+    @property
+    def index_dim(self) -> int: ...
+
+    @property
+    def topk(self) -> int: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def out_dtype(self) -> str: ...
+
+    @property
+    def dtype(self) -> str:
+        """
+        The activations' dtype (q_nope, q_rope, kv_latent, k_rope; idx_q, idx_k unless index_dtype is fp8)
+        """
+
+    @property
+    def cache_dtype(self) -> str:
+        """The latent / rope rows' and (unless FP8) the indexer keys' storage"""
+
+    @property
+    def latent_cache(self) -> str:
+        """
+        "rows" (latent and rope pools of cache_dtype) or "fp8_ds_mla" (656-byte records)
+        """
+
+    @property
+    def index_dtype(self) -> str | None: ...
+
+    @property
+    def slots(self) -> list[int]:
+        """The new tokens' cache slots"""
+
+    @property
+    def key_len(self) -> list[int]:
+        """Each new token's key count (context_len + i + 1)"""
+
+    @property
+    def token_request(self) -> list[int]: ...
+
+def plan(query_lens: Sequence[int], context_lens: Sequence[int], block_table: object, *, num_pages: int, heads: int, scale: float, topk: int = 2048, page_size: int = 64, latent_dim: int = 512, rope_dim: int = 64, index_heads: int = 64, index_dim: int = 128, dtype: str = 'bf16', out_dtype: str = 'f32', cache_dtype: str | None = None, index_dtype: str | None = None, latent_cache: str = 'rows', index_scale_mode: str = 'fp32', latent_scale_mode: str = 'fp32', topk_form: str = 'canonical', lse_base: str = 'e', decode_threshold: int = 16, device: str = 'cpu', device_block_table: object | None = None, stream: int | None = None, threads: int = 0, fingerprint: bool = True) -> StepPlan:
+    """The step's plan for one batch (see dsacp.plan)."""
+
+def run_layer(plan: StepPlan, latent: object, rope: object | None, index_keys: object, q_nope: object, q_rope: object, kv_latent: object, k_rope: object, idx_q: object | None = None, idx_w: object | None = None, idx_k: object | None = None, *, idx_q_scale: object | None = None, idx_k_scale: object | None = None, precomputed_topk: object | None = None, out: object | None = None, lse: object | None = None, topk: object | None = None, workspace: object | None = None, stream: int | None = None, fingerprint: int = 0) -> tuple:
+    """One layer's step under a plan (see dsacp.run_layer)."""
 
 def check_errors() -> None:
     """

@@ -26,6 +26,7 @@
 #include "dsacp/backend.h"
 #include "dsacp/case_file.h"
 #include "dsacp/replay.h"
+#include "backends.h"
 #include "tensor_args.h"
 
 namespace nb = nanobind;
@@ -34,101 +35,10 @@ using namespace dsacp::py;
 
 namespace {
 
-// One CPU backend per thread count, made on first use and kept for the process (its threads are reused).
-Backend& cpu_backend(int threads) {
-  if (threads < 0 || threads > 1024) {
-    throw nb::value_error(("threads=" + std::to_string(threads) + ", expected 0 (all cores) .. 1024").c_str());
-  }
-  static std::mutex mu;
-  static std::vector<std::pair<int, std::unique_ptr<Backend>>> backends;
-  std::lock_guard<std::mutex> lock(mu);
-  for (auto& [n, b] : backends) {
-    if (n == threads) return *b;
-  }
-  backends.emplace_back(threads, make_cpu_backend(threads));
-  return *backends.back().second;
-}
-
-// The CUDA backends, one per (device, caller's stream), with deferred errors on for good. They are never
-// destroyed: the streams are the caller's (torch's pool streams live for the process) and a backend torn down
-// by static destruction at exit could run after the CUDA runtime is gone.
-struct CudaEntry {
-  int device;
-  uintptr_t stream;
-  Backend* backend;
-};
-std::mutex cuda_mu;
-std::vector<CudaEntry>& cuda_backends() {
-  static auto* v = new std::vector<CudaEntry>();
-  return *v;
-}
-
-Backend& cuda_backend(int device, uintptr_t stream) {
-  std::lock_guard<std::mutex> lock(cuda_mu);
-  for (const CudaEntry& e : cuda_backends()) {
-    if (e.device == device && e.stream == stream) return *e.backend;
-  }
-  CudaBackendOptions o;
-  // 0 (what torch reports for the default stream) is the legacy default stream, which the runtime names
-  // cudaStreamLegacy = (cudaStream_t)0x1; a null CudaBackendOptions::stream would mean a stream of the backend's own.
-  o.stream = reinterpret_cast<void*>(stream == 0 ? uintptr_t{1} : stream);
-  Result<std::unique_ptr<Backend>> made = [&] {
-    nb::gil_scoped_release release;
-    return make_cuda_backend(device, o);
-  }();
-  if (!made.ok()) {
-    // A stream of another device is the caller's argument error (ValueError); no usable device, or a build without
-    // CUDA, a RuntimeError.
-    const Status s = made.status().with_context("CUDA tensors on cuda:" + std::to_string(device));
-    if (s.code() == StatusCode::kInvalidArgument) raise_if_error(s);
-    throw std::runtime_error(s.to_string());
-  }
-  Backend* b = std::move(made).value().release();
-  b->defer_errors(true);
-  cuda_backends().push_back({device, stream, b});
-  return *b;
-}
-
-// The backend of a call: by where its tensors are (CPU: `threads`; CUDA: the device and `stream`, which CPU calls
-// ignore).
-Backend& op_backend(const Placement& pl, int threads, std::optional<uintptr_t> stream) {
-  if (pl.cuda()) return cuda_backend(pl.device_id, stream.value_or(0));
-  return cpu_backend(threads);
-}
-
-// Waits for every CUDA backend's work and raises the first data error a kernel found since the last check.
-void check_errors() {
-  std::vector<Backend*> all;
-  {
-    std::lock_guard<std::mutex> lock(cuda_mu);
-    for (const CudaEntry& e : cuda_backends()) all.push_back(e.backend);
-  }
-  Status first;
-  {
-    nb::gil_scoped_release release;
-    for (Backend* b : all) {
-      Status s = b->synchronize();
-      if (first.ok() && !s.ok()) first = std::move(s);
-    }
-  }
-  raise_if_error(first);
-}
-
-// Runs a kernel with the GIL released; a failed status becomes the matching Python exception.
-template <typename F>
-void run_kernel(F&& f) {
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = f();
-  }
-  raise_if_error(s);
-}
-
-nb::object indexer_topk(const Arr& q, const Arr& w, const nb::object& keys, const Arr& block_table, const Arr& request,
-                        const Arr& key_len, int32_t K, std::optional<Arr> q_scale, std::optional<nb::object> out,
-                        bool return_scores, std::optional<nb::object> scores_out, std::optional<Arr> host_request,
-                        std::optional<Arr> host_key_len, std::optional<uintptr_t> stream, int threads,
+nb::object indexer_topk(nb::handle q, nb::handle w, const nb::object& keys, nb::handle block_table, nb::handle request,
+                        nb::handle key_len, int32_t K, std::optional<nb::handle> q_scale, std::optional<nb::object> out,
+                        bool return_scores, std::optional<nb::object> scores_out, std::optional<nb::handle> host_request,
+                        std::optional<nb::handle> host_key_len, std::optional<uintptr_t> stream, int threads,
                         int32_t keys_page_size) {
   Placement pl("indexer_topk");
   const char* op = pl.op;
@@ -173,8 +83,8 @@ nb::object indexer_topk(const Arr& q, const Arr& w, const nb::object& keys, cons
   return topk.object();
 }
 
-nb::tuple sparse_mla(const Arr& q_nope, const Arr& q_rope, const nb::object& latent, const nb::object& rope,
-                     const Arr& block_table, const Arr& request, const Arr& key_len, const Arr& topk, float scale,
+nb::tuple sparse_mla(nb::handle q_nope, nb::handle q_rope, const nb::object& latent, const nb::object& rope,
+                     nb::handle block_table, nb::handle request, nb::handle key_len, nb::handle topk, float scale,
                      std::optional<nb::object> out, std::optional<nb::object> lse, std::optional<uintptr_t> stream,
                      int threads) {
   Placement pl("sparse_mla");
@@ -242,7 +152,7 @@ nb::tuple sparse_mla(const Arr& q_nope, const Arr& q_rope, const nb::object& lat
 }
 
 // lse_merge's parameters (and its outputs) from the Python arguments.
-LseMergeParams lse_merge_params(Placement& pl, const Arr& part_out, const Arr& part_lse, const std::optional<nb::object>& out,
+LseMergeParams lse_merge_params(Placement& pl, nb::handle part_out, nb::handle part_lse, const std::optional<nb::object>& out,
                                 const std::optional<nb::object>& lse, OutArray& o, OutArray& l) {
   TensorArg po = tensor_arg(pl, "part_out", part_out, {Elem::kF32, Elem::kBF16}, 3);
   const int64_t S = po.shape[0], R = po.shape[1], Dl = po.shape[2];
@@ -262,7 +172,7 @@ LseMergeParams lse_merge_params(Placement& pl, const Arr& part_out, const Arr& p
   return p;
 }
 
-nb::tuple lse_merge(const Arr& part_out, const Arr& part_lse, std::optional<nb::object> out,
+nb::tuple lse_merge(nb::handle part_out, nb::handle part_lse, std::optional<nb::object> out,
                     std::optional<nb::object> lse, std::optional<uintptr_t> stream, int threads) {
   Placement pl("lse_merge");
   OutArray o, l;
@@ -275,7 +185,7 @@ nb::tuple lse_merge(const Arr& part_out, const Arr& part_lse, std::optional<nb::
 // Host seconds per call of `n` lse_merge calls made in C++ with the arguments converted once (each call still
 // validates and launches): the C++ side of the measure "Python overhead of one op call over the C++ call".
 // Ends with the backend's work done.
-double bench_lse_merge(const Arr& part_out, const Arr& part_lse, nb::object out, nb::object lse,
+double bench_lse_merge(nb::handle part_out, nb::handle part_lse, nb::object out, nb::object lse,
                        std::optional<uintptr_t> stream, int n) {
   Placement pl("lse_merge");
   OutArray o, l;
@@ -300,8 +210,8 @@ Fp8ScaleMode scale_mode_arg(const char* op, const std::string& scale_mode) {
   throw nb::value_error((std::string(op) + ": scale_mode=\"" + scale_mode + "\", expected \"fp32\" or \"ue8m0\"").c_str());
 }
 
-void cache_write(const Arr& rows, const Arr& slots, const nb::object& pool, std::optional<Arr> rope_rows,
-                 std::optional<Arr> row_scales, const std::string& scale_mode, std::optional<uintptr_t> stream,
+void cache_write(nb::handle rows, nb::handle slots, const nb::object& pool, std::optional<nb::handle> rope_rows,
+                 std::optional<nb::handle> row_scales, const std::string& scale_mode, std::optional<uintptr_t> stream,
                  int threads) {
   Placement pl("cache_write");
   const char* op = pl.op;
@@ -434,8 +344,8 @@ NB_MODULE(_dsacp, m) {
   const char* cuda_note = R"(
 
 Tensors: all on the CPU (numpy, torch, ...) or all on one CUDA device (torch, cupy, jax: used in place). CUDA
-calls run on the stream `stream` (a cudaStream_t as an int; None or 0: the legacy default stream; the dsacp
-package's wrappers pass torch's current stream), write into the caller's outputs (out=, lse=, scores=: the package
+calls run on the stream `stream` (a cudaStream_t as an int; None: torch's current stream for torch tensors, else
+the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
 wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
 the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
 dtype, device, contiguity) raise ValueError at the call.)";
@@ -489,6 +399,7 @@ stored as bf16 in the same records).)") + cuda_note).c_str());
   m.def("_bench_lse_merge", &bench_lse_merge, nb::arg("part_out"), nb::arg("part_lse"), nb::arg("out"), nb::arg("lse"),
         nb::arg("stream").none(), nb::arg("n"),
         "Host seconds per lse_merge call made n times from C++ with the arguments converted once (benchmarks).");
+  register_plan(m);
   m.def("check_errors", &check_errors,
         R"(Waits for the CUDA work of every op so far and raises the first data error a kernel found since the last
 check (ValueError naming the kernel and the row). Does nothing when no op ran on CUDA tensors.)");

@@ -66,10 +66,41 @@ std::string device_str(int32_t type, int32_t id) {
   return "DLPack device type " + std::to_string(type);
 }
 
-// Checks a generic ndarray's contiguity and dtype, and its device against the call's placement (a host tensor:
-// pl null, the CPU); returns its data, element type and shape.
-template <typename A>
-TensorArg checked(const char* op, Placement* pl, const char* name, const A& a, std::initializer_list<Elem> elems) {
+// torch, looked up once it is imported: torch.Tensor, torch._C._to_dlpack and _cuda_getCurrentRawStream.
+struct Torch {
+  PyTypeObject* tensor = nullptr;
+  nb::object to_dlpack, current_stream;
+};
+Torch* torch_api() {
+  static Torch* api = nullptr;  // never freed (used until the interpreter ends)
+  if (api != nullptr) return api;
+  nb::object mod = nb::steal(PyImport_GetModule(nb::str("torch").ptr()));
+  if (!mod.is_valid()) {
+    PyErr_Clear();
+    return nullptr;  // torch not imported (yet): no torch tensor can be passed
+  }
+  auto* a = new Torch();
+  a->tensor = reinterpret_cast<PyTypeObject*>(mod.attr("Tensor").ptr());
+  Py_INCREF(a->tensor);
+  nb::object c = mod.attr("_C");
+  a->to_dlpack = c.attr("_to_dlpack");
+  if (nb::hasattr(c, "_cuda_getCurrentRawStream")) a->current_stream = c.attr("_cuda_getCurrentRawStream");
+  api = a;
+  return api;
+}
+
+// The caller's tensor with its checks: device (the call's placement; a host tensor: pl null, the CPU), contiguity
+// and dtype; returns its data, element type and shape.
+TensorArg checked(const char* op, Placement* pl, const char* name, nb::handle obj, std::initializer_list<Elem> elems,
+                  bool writable) {
+  auto keep = std::make_shared<DlArg>();
+  if (!keep->import(obj, writable)) {
+    // Not a tensor at all: a TypeError, as a call with the wrong kind of argument gets from the binding itself.
+    const std::string msg = std::string(op) + ": '" + name + "' is not a " + (writable ? "writable " : "") +
+                            "tensor (DLPack / buffer protocol), got " + nb::type_name(obj.type()).c_str();
+    throw nb::type_error(msg.c_str());
+  }
+  const DlArg& a = *keep;
   const std::string what = std::string(op) + ": tensor '" + name + "'";
   const int32_t type = a.device_type(), id = a.device_id();
   if (type != nb::device::cpu::value && type != nb::device::cuda::value) {
@@ -87,8 +118,10 @@ TensorArg checked(const char* op, Placement* pl, const char* name, const A& a, s
     value_error(what + " is on " + device_str(type, id) + " but '" + pl->first + "' is on " + pl->where() +
                 "; expected every tensor of the call on one device");
   }
+  if (pl != nullptr && a.from_torch()) pl->torch = true;
   TensorArg t;
-  for (size_t i = 0; i < a.ndim(); ++i) t.shape.push_back(static_cast<int64_t>(a.shape(i)));
+  t.shape.resize(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) t.shape[i] = a.shape(i);
   const std::optional<Elem> e = elem_of(a.dtype());
   bool ok = false;
   for (Elem x : elems) ok = ok || (e && *e == x);
@@ -98,22 +131,91 @@ TensorArg checked(const char* op, Placement* pl, const char* name, const A& a, s
     if (a.shape(k) != 1 && a.stride(k) != expect) {
       std::vector<int64_t> strides, want(a.ndim());
       int64_t w = 1;
-      for (size_t i = a.ndim(); i-- > 0;) want[i] = w, w *= static_cast<int64_t>(a.shape(i));
+      for (size_t i = a.ndim(); i-- > 0;) want[i] = w, w *= a.shape(i);
       for (size_t i = 0; i < a.ndim(); ++i) strides.push_back(a.stride(i));
       value_error(what + " is not contiguous (strides " + shape_str(strides) + " elements, expected " +
                   shape_str(want) + "): pass a contiguous tensor (.contiguous())");
     }
-    expect *= static_cast<int64_t>(a.shape(k));
+    expect *= a.shape(k);
   }
   t.data = a.data();
   t.elem = *e;
   t.dtype = to_dtype(*e);
+  t.keep = std::move(keep);
   return t;
 }
 
 }  // namespace
 
 std::string Placement::where() const { return device_str(device_type, device_id); }
+
+// The unversioned DLPack capsule's payload (DLManagedTensor).
+struct DlManaged {
+  nb::dlpack::dltensor t;
+  void* ctx;
+  void (*deleter)(DlManaged*);
+};
+
+bool DlArg::import(nb::handle obj, bool writable) {
+  if (Torch* api = torch_api(); api != nullptr && PyObject_TypeCheck(obj.ptr(), api->tensor)) {
+    // torch._C._to_dlpack(t): a "dltensor" capsule that owns a reference to the tensor; its destructor (when
+    // capsule_ goes) calls the deleter, as the capsule is never marked consumed.
+    PyObject* args[] = {obj.ptr()};
+    PyObject* cap = PyObject_Vectorcall(api->to_dlpack.ptr(), args, 1, nullptr);
+    if (cap == nullptr) {
+      PyErr_Clear();  // (e.g. a dtype DLPack has no code for): the general path says what it is not
+    } else {
+      capsule_ = nb::steal(cap);
+      auto* m = static_cast<DlManaged*>(PyCapsule_GetPointer(cap, "dltensor"));
+      if (m == nullptr) {
+        PyErr_Clear();
+        capsule_.reset();
+      } else {
+        t_ = &m->t;
+        torch_ = true;
+        return true;
+      }
+    }
+  }
+  if (writable ? !nb::try_cast(obj, rw_) : !nb::try_cast(obj, ro_)) return false;
+  // nanobind's ndarray holds its DLPack tensor; a view of it through the public accessors.
+  if (writable) view_of(rw_);
+  else view_of(ro_);
+  return true;
+}
+
+template <typename A>
+void DlArg::view_of(const A& array_) {
+  view_.data = const_cast<void*>(static_cast<const void*>(array_.data()));
+  view_.device = {array_.device_type(), array_.device_id()};
+  view_.ndim = static_cast<int32_t>(array_.ndim());
+  view_.dtype = array_.dtype();
+  shape_.resize(array_.ndim());
+  strides_.resize(array_.ndim());
+  for (size_t i = 0; i < array_.ndim(); ++i) shape_[i] = static_cast<int64_t>(array_.shape(i)), strides_[i] = array_.stride(i);
+  view_.shape = shape_.data();
+  view_.strides = strides_.data();
+  view_.byte_offset = 0;
+  t_ = &view_;
+}
+
+int64_t DlArg::stride(size_t i) const {
+  if (t_->strides != nullptr) return t_->strides[i];
+  int64_t s = 1;
+  for (size_t k = i + 1; k < ndim(); ++k) s *= t_->shape[k];
+  return s;
+}
+
+bool is_torch_tensor(nb::handle obj) {
+  Torch* api = torch_api();
+  return api != nullptr && PyObject_TypeCheck(obj.ptr(), api->tensor);
+}
+
+std::optional<uintptr_t> torch_current_stream(int device) {
+  Torch* api = torch_api();
+  if (api == nullptr || !api->current_stream.is_valid()) return std::nullopt;
+  return nb::cast<uintptr_t>(api->current_stream(device));
+}
 
 const char* elem_name(Elem e) {
   switch (e) {
@@ -140,8 +242,9 @@ void check_dims(const char* op, const char* name, const TensorArg& t, std::initi
   if (!ok) value_error(std::string(op) + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", expected " + want);
 }
 
-TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems, size_t ndim) {
-  TensorArg t = checked(pl.op, &pl, name, a, elems);
+TensorArg tensor_arg(Placement& pl, const char* name, nb::handle a, std::initializer_list<Elem> elems, size_t ndim,
+                     bool writable) {
+  TensorArg t = checked(pl.op, &pl, name, a, elems, writable);
   if (t.shape.size() != ndim) {
     value_error(std::string(pl.op) + ": tensor '" + name + "' has " + std::to_string(t.shape.size()) + " dims " +
                 shape_str(t.shape) + ", expected " + std::to_string(ndim));
@@ -149,16 +252,16 @@ TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initial
   return t;
 }
 
-TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems,
-                     std::initializer_list<Dim> dims) {
-  TensorArg t = checked(pl.op, &pl, name, a, elems);
+TensorArg tensor_arg(Placement& pl, const char* name, nb::handle a, std::initializer_list<Elem> elems,
+                     std::initializer_list<Dim> dims, bool writable) {
+  TensorArg t = checked(pl.op, &pl, name, a, elems, writable);
   check_dims(pl.op, name, t, dims);
   return t;
 }
 
-TensorArg host_tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems,
+TensorArg host_tensor_arg(const char* op, const char* name, nb::handle a, std::initializer_list<Elem> elems,
                           std::initializer_list<Dim> dims) {
-  TensorArg t = checked(op, nullptr, name, a, elems);
+  TensorArg t = checked(op, nullptr, name, a, elems, false);
   check_dims(op, name, t, dims);
   return t;
 }
@@ -166,18 +269,7 @@ TensorArg host_tensor_arg(const char* op, const char* name, const Arr& a, std::i
 PagedPoolView paged_pool_arg(Placement& pl, const char* name, const nb::handle& obj, int64_t dim, bool writable,
                              int64_t fp8_page_size, bool records_ok, int32_t* record_dr) {
   const char* op = pl.op;
-  TensorArg t;
-  if (writable) {
-    WArr a;
-    if (!nb::try_cast(obj, a)) {
-      value_error(std::string(op) + ": '" + name + "' is not a writable tensor (DLPack / buffer protocol)");
-    }
-    t = checked(op, &pl, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
-  } else {
-    Arr a;
-    if (!nb::try_cast(obj, a)) value_error(std::string(op) + ": '" + name + "' is not a tensor (DLPack / buffer protocol)");
-    t = checked(op, &pl, name, a, {Elem::kF32, Elem::kBF16, Elem::kU8});
-  }
+  TensorArg t = checked(op, &pl, name, obj, {Elem::kF32, Elem::kBF16, Elem::kU8}, writable);
   PagedPoolView v;
   v.data = const_cast<void*>(t.data);
   v.dim = static_cast<int32_t>(dim);
@@ -226,7 +318,7 @@ PagedPoolView record_rope_view(const PagedPoolView& latent, int32_t Dr) {
   return r;
 }
 
-BlockTableView block_table_arg(Placement& pl, const Arr& a) {
+BlockTableView block_table_arg(Placement& pl, nb::handle a) {
   TensorArg t = tensor_arg(pl, "block_table", a, {Elem::kI32}, 2);
   return {static_cast<const int32_t*>(t.data), static_cast<int32_t>(t.shape[0]), static_cast<int32_t>(t.shape[1])};
 }
@@ -236,12 +328,8 @@ OutArray out_array(Placement& pl, const char* name, const std::optional<nb::obje
   const char* op = pl.op;
   OutArray o;
   if (given && !given->is_none()) {
-    WArr a;
-    if (!nb::try_cast(*given, a)) {
-      value_error(std::string(op) + ": '" + name + "' is not a writable tensor (DLPack / buffer protocol)");
-    }
     std::initializer_list<Elem> one = {default_elem};
-    TensorArg t = checked(op, &pl, name, a, allowed.size() > 0 ? allowed : one);
+    TensorArg t = checked(op, &pl, name, *given, allowed.size() > 0 ? allowed : one, true);
     if (t.shape != shape) {
       value_error(std::string(op) + ": output '" + name + "' has shape " + shape_str(t.shape) + ", expected " +
                   shape_str(shape));
@@ -250,6 +338,10 @@ OutArray out_array(Placement& pl, const char* name, const std::optional<nb::obje
     o.dtype = t.dtype;
     o.obj = *given;
     return o;
+  }
+  if (default_elem == Elem::kBF16) {
+    value_error(std::string(op) + ": output '" + name + "' not given, and numpy has no bfloat16: pass " + name +
+                "= (a bfloat16 tensor of shape " + shape_str(shape) + ")");
   }
   if (pl.cuda()) {
     value_error(std::string(op) + ": output '" + name + "' not given; a call on CUDA tensors writes into the " +

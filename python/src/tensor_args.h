@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -29,11 +30,46 @@ const char* elem_name(Elem e);
 using Arr = nb::ndarray<nb::ro>;  // an input (read-only arrays accepted)
 using WArr = nb::ndarray<>;       // written in place
 
+// A tensor argument's DLPack view, held for the call. torch tensors are read through torch._C._to_dlpack (a C
+// function: ~0.5 us) instead of their Python-level __dlpack__ (~7 us a tensor, most of an op call's overhead);
+// every other object (numpy, cupy, jax, a DLPack capsule) through nanobind's ndarray import.
+class DlArg {
+ public:
+  // False when `obj` is neither a torch tensor nor something nanobind imports (DLPack / buffer protocol).
+  bool import(nb::handle obj, bool writable);
+  bool from_torch() const { return torch_; }
+  const nb::dlpack::dltensor& t() const { return *t_; }
+  int32_t device_type() const { return t_->device.device_type; }
+  int32_t device_id() const { return t_->device.device_id; }
+  size_t ndim() const { return static_cast<size_t>(t_->ndim); }
+  int64_t shape(size_t i) const { return t_->shape[i]; }
+  int64_t stride(size_t i) const;  // elements (a null strides array: row-major)
+  nb::dlpack::dtype dtype() const { return t_->dtype; }
+  void* data() const { return static_cast<char*>(t_->data) + t_->byte_offset; }
+
+ private:
+  template <typename A>
+  void view_of(const A& a);
+  const nb::dlpack::dltensor* t_ = nullptr;
+  nb::object capsule_;  // torch: the capsule, whose destructor releases torch's reference
+  Arr ro_;              // others: the ndarray (read-only or writable import), seen through view_
+  WArr rw_;
+  nb::dlpack::dltensor view_;
+  std::vector<int64_t> shape_, strides_;
+  bool torch_ = false;
+};
+
+// Whether torch is imported and `obj` a torch.Tensor (exact type or subclass).
+bool is_torch_tensor(nb::handle obj);
+// torch's current raw CUDA stream on `device` (torch._C._cuda_getCurrentRawStream), or nullopt without torch.
+std::optional<uintptr_t> torch_current_stream(int device);
+
 struct TensorArg {
   const void* data = nullptr;
   Elem elem = Elem::kF32;
   DType dtype = DType::kF32;  // for the float element types
   std::vector<int64_t> shape;
+  std::shared_ptr<DlArg> keep;  // the exporter's reference (the caller's tensor stays alive for the call)
 };
 
 // A named dim: ("T", 6). A dim of -1 takes any size.
@@ -45,6 +81,7 @@ struct Placement {
   const char* op = "";
   int32_t device_type = 0;  // 0: no tensor seen yet; else nb::device::cpu::value or nb::device::cuda::value
   int32_t device_id = 0;
+  bool torch = false;  // a torch tensor among the call's (a CUDA call without stream= then runs on torch's current one)
   std::string first;  // the tensor that set it
   explicit Placement(const char* op_name) : op(op_name) {}
   bool cuda() const { return device_type == nb::device::cuda::value; }
@@ -53,12 +90,13 @@ struct Placement {
 
 // Checks device (the call's placement), contiguity, dtype (one of `elems`) and rank; the sizes are the caller's to
 // check.
-TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems, size_t ndim);
+TensorArg tensor_arg(Placement& pl, const char* name, nb::handle a, std::initializer_list<Elem> elems, size_t ndim,
+                     bool writable = false);
 // The same, with every dim checked.
-TensorArg tensor_arg(Placement& pl, const char* name, const Arr& a, std::initializer_list<Elem> elems,
-                     std::initializer_list<Dim> dims);
+TensorArg tensor_arg(Placement& pl, const char* name, nb::handle a, std::initializer_list<Elem> elems,
+                     std::initializer_list<Dim> dims, bool writable = false);
 // A host tensor whatever the call's placement (the indexer's host copies of request / key_len), every dim checked.
-TensorArg host_tensor_arg(const char* op, const char* name, const Arr& a, std::initializer_list<Elem> elems,
+TensorArg host_tensor_arg(const char* op, const char* name, nb::handle a, std::initializer_list<Elem> elems,
                           std::initializer_list<Dim> dims);
 void check_dims(const char* op, const char* name, const TensorArg& t, std::initializer_list<Dim> dims);
 
@@ -73,7 +111,7 @@ PagedPoolView paged_pool_arg(Placement& pl, const char* name, const nb::handle& 
 // The rope view (bf16, dim Dr) of a record pool's latent view.
 PagedPoolView record_rope_view(const PagedPoolView& latent, int32_t Dr);
 // int32 [num_requests, max_pages].
-BlockTableView block_table_arg(Placement& pl, const Arr& a);
+BlockTableView block_table_arg(Placement& pl, nb::handle a);
 
 // An output: the caller's tensor (checked: dtype among `allowed`, exact shape, contiguous, on the call's device,
 // writable), or, for CPU calls, a new numpy array of `default_elem` (returned by object()). A CUDA call must give

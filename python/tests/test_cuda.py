@@ -263,3 +263,169 @@ def test_readme_cuda_example_runs():
     env = {}
     exec(code, env)
     assert env["topk"].shape == (2, 64) and env["out"].shape == (2, 16, 512) and torch.isfinite(env["lse"]).all()
+
+
+# The planned step on CUDA tensors: dsacp.plan once, dsacp.run_layer per layer, on the plan's stream.
+
+def plan_case(fp8=False, seed=4):
+    """A decode batch (6 requests, one with 2 MTP tokens) and one layer's inputs and caches, on the CPU.
+    fp8: fp8_ds_mla latent records and the FP8 indexer (e4m3 idx_q / idx_k with their scales, 132-byte pages)."""
+    g = torch.Generator().manual_seed(seed)
+    ps, Dl, Dr, Hi, Di, K = 64, 512, 64, 64, 128, 128
+    H = 16 if fp8 else 64
+    ql, cl = [1, 1, 2, 1, 1, 1], [300, 1000, 77, 513, 64, 900]
+    pages = [(q + c + ps - 1) // ps for q, c in zip(ql, cl)]
+    n = sum(pages) + 3
+    perm = torch.randperm(n, generator=g).to(torch.int32)
+    bt = torch.full((len(ql), max(pages)), -1, dtype=torch.int32)
+    at = 0
+    for r, m in enumerate(pages):
+        bt[r, :m] = perm[at:at + m]
+        at += m
+    kw = dict(num_pages=n, page_size=ps, heads=H, latent_dim=Dl, rope_dim=Dr, index_heads=Hi, index_dim=Di, topk=K,
+              scale=0.04, dtype="bf16", out_dtype="f32")
+    if fp8:
+        kw.update(latent_cache="fp8_ds_mla", index_dtype="fp8")
+    T = sum(ql)
+    bf = torch.bfloat16
+    x = [torch.randn(s, generator=g).to(bf) for s in ((T, H, Dl), (T, H, Dr), (T, Dl), (T, Dr))]
+    q = torch.randn(T, Hi, Di, generator=g)
+    k = torch.randn(T, Di, generator=g)
+    w = torch.rand(T, Hi, generator=g)
+    ctx_slots = torch.tensor([int(bt[r, p // ps]) * ps + p % ps for r in range(len(ql)) for p in range(cl[r])],
+                             dtype=torch.int64)
+    C = len(ctx_slots)
+    if fp8:
+        caches = [torch.zeros(n, ps, 656, dtype=torch.uint8), None, torch.zeros(n, ps * (Di + 4), dtype=torch.uint8)]
+        dsacp.cache_write(torch.randn(C, Dl, generator=g), ctx_slots, caches[0],
+                          rope_rows=torch.randn(C, Dr, generator=g))
+        dsacp.cache_write(torch.randn(C, Di, generator=g), ctx_slots, caches[2])
+        qs = (q.abs().amax(-1) / 448).clamp_min(1e-8)
+        ks = (k.abs().amax(-1) / 448).clamp_min(1e-8)
+        idx = dict(idx_q=(q / qs[..., None]).to(torch.float8_e4m3fn), idx_w=w,
+                   idx_k=(k / ks[:, None]).to(torch.float8_e4m3fn), idx_q_scale=qs, idx_k_scale=ks)
+    else:
+        caches = [torch.randn(n, ps, Dl, generator=g).to(bf), torch.randn(n, ps, Dr, generator=g).to(bf),
+                  torch.randn(n, ps, Di, generator=g).to(bf)]
+        idx = dict(idx_q=q.to(bf), idx_w=w, idx_k=k.to(bf))
+    return (ql, cl, bt), kw, caches, x, idx
+
+
+def on(dev, caches, x, idx):
+    return ([None if c is None else c.to(dev) for c in caches], [a.to(dev) for a in x],
+            {k: v.to(dev) for k, v in idx.items()})
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_run_layer_on_cuda_tensors_matches_the_cpu(fp8):
+    (ql, cl, bt), kw, caches, x, idx = plan_case(fp8)
+    gc, gx, gi = on(DEV, caches, x, idx)
+    cpu = dsacp.plan(ql, cl, bt, **kw)
+    p = dsacp.plan(ql, cl, bt, device=DEV, device_block_table=bt.to(DEV), **kw)
+    assert p.device == DEV and p.stream == torch.cuda.current_stream().cuda_stream
+    T, H = p.num_tokens, p.heads
+    out = torch.empty(T, H, 512, device=DEV)
+    o, lse, topk = dsacp.run_layer(p, gc, *gx, **gi, out=out)
+    assert o is out and o.data_ptr() == out.data_ptr() and topk.is_cuda
+    ro, rl, rk = dsacp.run_layer(cpu, caches, *x, **{k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn
+                                                         else v) for k, v in idx.items()})
+    dsacp.check_errors()
+    for a, b in zip(gc, caches):  # the cache writes: the same bytes
+        if a is not None:
+            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
+    # The top-k may differ only among keys whose scores tie the K-th (the GPU's and CPU's sums round apart);
+    # attention over the CPU's top-k then gives the CPU's out within bf16.
+    same = (topk.cpu() == torch.from_numpy(np.asarray(rk))).float().mean()
+    assert same > 0.98
+    o2, l2, _ = dsacp.run_layer(p, gc, *gx, precomputed_topk=torch.as_tensor(np.asarray(rk)).to(DEV))
+    ref = torch.as_tensor(np.asarray(ro))
+    rel = (o2.cpu() - ref).norm() / ref.norm()
+    assert rel < (3e-2 if fp8 else 1e-2)
+    torch.testing.assert_close(l2.cpu(), torch.as_tensor(np.asarray(rl)), rtol=2e-3, atol=2e-3)
+    dsacp.check_errors()
+
+
+def test_run_layer_stream_and_errors_on_cuda():
+    (ql, cl, bt), kw, caches, x, idx = plan_case()
+    gc, gx, gi = on(DEV, caches, x, idx)
+    p = dsacp.plan(ql, cl, bt, device=DEV, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with pytest.raises(ValueError, match=r"the plan was made on stream"):
+            dsacp.run_layer(p, gc, *gx, **gi)
+        ps = dsacp.plan(ql, cl, bt, device=DEV, **kw)  # made on s: runs on s
+        a = dsacp.run_layer(ps, [c.clone() for c in gc], *gx, **gi)
+    s.synchronize()
+    b = dsacp.run_layer(p, [c.clone() for c in gc], *gx, **gi)
+    torch.cuda.synchronize()
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=0, atol=0)
+    if p.workspace_bytes > 0:  # a lent workspace: too small refused, large enough the same results
+        with pytest.raises(ValueError, match=r"workspace has 16 bytes, the plan needs"):
+            dsacp.run_layer(p, [c.clone() for c in gc], *gx, **gi,
+                            workspace=torch.empty(16, dtype=torch.uint8, device=DEV))
+        lent = dsacp.run_layer(p, [c.clone() for c in gc], *gx, **gi,
+                               workspace=torch.empty(p.workspace_bytes, dtype=torch.uint8, device=DEV))
+        torch.cuda.synchronize()
+        for u, v in zip(lent, b):
+            torch.testing.assert_close(u, v, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"'q_nope' is on cpu, the plan was made for cuda:0"):
+        dsacp.run_layer(p, caches, *x, **idx)
+    with pytest.raises(ValueError, match=r"tensor 'block_table' is on cuda:0, expected a CPU tensor"):
+        dsacp.plan(ql, cl, bt.to(DEV), device=DEV, **kw)
+    dsacp.check_errors()
+
+
+def test_cuda_graph_capture_and_replay_of_planned_layers():
+    (ql, cl, bt), kw, caches, x, idx = plan_case()
+    gc, gx, gi = on(DEV, caches, x, idx)
+    layers = [[c.clone() for c in gc] for _ in range(2)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # the plan on the capture stream; a warm-up run makes the stream's backend
+        p = dsacp.plan(ql, cl, bt, device=DEV, device_block_table=bt.to(DEV), **kw)
+        for layer in layers:
+            dsacp.run_layer(p, layer, *gx, **gi)
+    s.synchronize()
+    dsacp.check_errors()
+    T, H = p.num_tokens, p.heads
+    static = [(torch.empty(T, H, 512, device=DEV), torch.empty(T, H, device=DEV),
+               torch.empty(T, p.topk, dtype=torch.int32, device=DEV)) for _ in layers]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        for layer, (o, l, k) in zip(layers, static):
+            dsacp.run_layer(p, layer, *gx, **gi, out=o, lse=l, topk=k)
+    for i in range(3):
+        gx[0].copy_(torch.randn_like(gx[0].float()).to(torch.bfloat16))
+        gi["idx_q"].copy_(torch.randn_like(gi["idx_q"].float()).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s):
+            eager = [dsacp.run_layer(p, layer, *gx, **gi) for layer in layers]
+        s.synchronize()
+        for got, want in zip(static, eager):
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    dsacp.check_errors()
+
+
+def test_torch_compile_fullgraph_of_planned_layers_on_cuda():
+    from dsacp import torch_ops
+    (ql, cl, bt), kw, caches, x, idx = plan_case()
+    gc, gx, gi = on(DEV, caches, x, idx)
+    p = dsacp.plan(ql, cl, bt, device=DEV, **kw)
+
+    def two(plan, c0, c1, x, idx):
+        o0, l0, k0 = torch_ops.run_layer(plan, c0, *x, **idx)
+        o1, l1, k1 = torch_ops.run_layer(plan, c1, x[0] * 2, *x[1:], precomputed_topk=k0)
+        return o0 + o1, l0, l1, k0, k1
+
+    eager = two(p, [c.clone() for c in gc], [c.clone() for c in gc], gx, gi)
+    torch._dynamo.reset()
+    compiled = torch.compile(two, fullgraph=True)
+    got = compiled(p, [c.clone() for c in gc], [c.clone() for c in gc], gx, gi)
+    torch.cuda.synchronize()
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    dsacp.check_errors()
