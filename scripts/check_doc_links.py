@@ -8,6 +8,7 @@ import sys
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 SKIP_DIRS = {".git", "build", "gpu-out", ".whl", ".gl", "node_modules"}
+# (and the .devrun-* staging folders of device runs: copies of the tree, ignored by git)
 
 
 def slug(heading):
@@ -38,7 +39,7 @@ def anchors(path):
 def main(root):
     bad = 0
     for dirpath, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".devrun")]
         for name in files:
             if not name.endswith(".md"):
                 continue

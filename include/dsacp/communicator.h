@@ -40,6 +40,10 @@ class CollectiveHandle {
     (void)stream;
     return false;
   }
+  // Gives the handle up without a wait, after order_before() ordered every consumer of the collective on the
+  // device (an enqueue-only run: a CUDA graph capture). The collective's errors are then not reported here.
+  // Host transports (order_before false) ignore it: their destructor still waits.
+  virtual void release_ordered() {}
 };
 
 // What a communicator has done since it was made (or since reset_stats): collectives, bytes this rank sent,

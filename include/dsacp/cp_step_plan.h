@@ -31,6 +31,13 @@ struct CpStepPlanOptions {
   // the plan reads it instead of uploading its own, and checks on the host only the pages this rank writes (its
   // new tokens'); the kernels check every page they read.
   const int32_t* device_block_table = nullptr;
+  // Runs that only enqueue, as a CUDA graph capture of a run needs (Backend::begin_capture around cp_step_run,
+  // on every rank): no host wait for a collective, no synchronize at the step's end; the kernels' errors come
+  // back from the backend's next synchronize(). The run then needs a device backend and communicators that order
+  // their collectives on the device (Communicator::orders_on_device: NCCL), and exchanges its rows by the
+  // collectives only (the exchange windows keep their sequence on the host). A collective's failure is not
+  // reported by the run (NCCL's own error handling and the caller's synchronize see it).
+  bool enqueue_only = false;
 };
 
 // The plan of one batch on one CP rank. Movable; it must outlive the runs that use it.

@@ -29,12 +29,16 @@ void check_rows_at_end(RankStep& s, Communicator* comm) {
 }
 
 // Orders the backend's later work after the collective: on the device when the transport can (the host then
-// waits for it at the step's end, bounded), else by waiting now.
+// waits for it at the step's end, bounded; an enqueue-only run does not), else by waiting now (refused in an
+// enqueue-only run: cp_step_run checked its communicators first, so this is a transport that changed its mind).
 Status after(RankStep& s, std::unique_ptr<CollectiveHandle> h) {
   void* stream = s.backend.native_stream();
   if (stream != nullptr && h->order_before(stream)) {
     s.in_flight.push_back(std::move(h));
     return Status();
+  }
+  if (s.p.enqueue_only) {
+    return internal_error("CP step run (enqueue only): a collective could not be ordered on the device stream");
   }
   return h->wait();
 }
@@ -47,8 +51,10 @@ Communicator& producing(RankStep& s, Communicator& c) {
 }
 
 // A window exchange of `bytes` on `comm` (Communicator::window_next), or nothing where the communicator has no
-// window for it (the caller then uses the collectives). Other errors (a failed communicator) are returned.
-Result<std::optional<Communicator::Window>> try_window(Communicator& comm, size_t bytes) {
+// window for it or the plan's runs only enqueue (the caller then uses the collectives). Other errors (a failed
+// communicator) are returned.
+Result<std::optional<Communicator::Window>> try_window(const RankStep& s, Communicator& comm, size_t bytes) {
+  if (s.p.enqueue_only) return std::optional<Communicator::Window>();
   Result<Communicator::Window> w = comm.window_next(bytes);
   if (w.ok()) return std::optional<Communicator::Window>(std::move(w).value());
   if (w.status().code() == StatusCode::kUnsupported) return std::optional<Communicator::Window>();
@@ -89,6 +95,21 @@ Status check_comms(const CpComms& comms, const CpRankPlan& plan) {
   return check(comms.dcp, "DCP", plan.D, plan.d);
 }
 
+// An enqueue-only run's communicators (CpStepPlanOptions::enqueue_only; its plan checked the backend): those of
+// more than one rank must order their collectives on the device.
+Status check_enqueue_only(const CpComms& comms) {
+  const std::pair<const Communicator*, const char*> named[] = {{comms.world, "world"}, {comms.pcp, "PCP"},
+                                                               {comms.dcp, "DCP"}};
+  for (const auto& [c, name] : named) {
+    if (c->size() > 1 && !c->orders_on_device()) {
+      return unsupported(std::string("CP step run: an enqueue-only plan needs communicators that order their "
+                                     "collectives on the device (NCCL); the ") +
+                         name + " communicator waits on the host");
+    }
+  }
+  return Status();
+}
+
 }  // namespace
 
 Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& step_plan, PagedKvCache& cache,
@@ -111,6 +132,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
                         " pages, the plan's block table uses page " + std::to_string(p.pages_needed - 1));
   }
   DSACP_RETURN_IF_ERROR(check_comms(comms, plan));
+  if (p.enqueue_only) DSACP_RETURN_IF_ERROR(check_enqueue_only(comms));
   DSACP_RETURN_IF_ERROR(check_indexer_inputs(c, in));
   RunScratchClaim claim(p.scratch);
   DSACP_RETURN_IF_ERROR(claim.claim("CP step run"));
@@ -127,8 +149,16 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
   const bool replicated = p.replicated;
   const bool fp8 = p.fp8;
   // Kernels, uploads and device copies only enqueue; collectives order themselves after them (NCCL's
-  // producer stream) and errors come back from the synchronize() at the end.
-  DeferredErrors defer(backend);
+  // producer stream) and errors come back from the synchronize() at the end (an enqueue-only run's: from the
+  // caller's next synchronize()).
+  std::optional<DeferredErrors> defer;
+  std::optional<PendingErrors> pending;
+  if (p.enqueue_only) {
+    pending.emplace(backend);
+    for (Communicator* comm : {comms.world, comms.pcp, comms.dcp}) producing(s, *comm);
+  } else {
+    defer.emplace(backend);
+  }
   const int32_t B = cc.page_size;
   const int64_t rows = plan.num_rows;
   const int64_t Hr = plan.num_heads;
@@ -247,7 +277,9 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
   auto gather_all_topk = [&]() -> Status {  // DSA-CP decode-only: every token's rows on every rank
     if (!(layout.dsa_cp && decode_only)) return Status();
     DSACP_ASSIGN_OR_RETURN(all_topk, s.take(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
-    return comms.dcp->all_gather(out.topk, all_topk.get(), rows * c.K * sizeof(int32_t));
+    DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *comms.dcp).all_gather_async(out.topk, all_topk.get(),
+                                                                             rows * c.K * sizeof(int32_t)));
+    return after(s, std::move(h));
   };
   if (precomputed) {
     // The caller's rows (this rank's rows, global positions), checked; no indexer, no candidates' exchange.
@@ -293,7 +325,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
       q_parts.push_back({in.idx_q_scale, all_qs.get(), rows * w_row});
     }
     DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_gather_group_async(q_parts));
-    DSACP_RETURN_IF_ERROR(h->wait());
+    DSACP_RETURN_IF_ERROR(after(s, std::move(h)));
     DSACP_ASSIGN_OR_RETURN(all_topk, s.take(std::max<size_t>(T_all * c.K * sizeof(int32_t), 1)));
     const MergedTopkRows all_rows{T_all, p.d_all_request, p.all_request.data(), p.d_all_local_len,
                                   p.all_local_len.data()};
@@ -363,7 +395,7 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
   // ... and decode rows over each rank's own keys, merged by LSE.
   if (layout.dsa_cp && decode_only) {
     // Every token's query, local attention over own keys, all-to-all along tokens, merge.
-    DSACP_RETURN_IF_ERROR(h_q->wait());
+    DSACP_RETURN_IF_ERROR(after(s, std::move(h_q)));
     const int64_t H = c.H;
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_out, s.take(T_all * H * c.Dl * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer part_lse, s.take(T_all * H * sizeof(float)));
@@ -373,9 +405,10 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
                                                      local_topk.as<int32_t>(), part_out.get(), part_lse.as<float>()));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_out, s.take(T_all * H * c.Dl * sizeof(float)));
     DSACP_ASSIGN_OR_RETURN(DeviceBuffer recv_lse, s.take(T_all * H * sizeof(float)));
-    DSACP_ASSIGN_OR_RETURN(auto h, comms.dcp->all_to_all_group_async({{part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)},
-                                                                       {part_lse.get(), recv_lse.get(), rows * H * sizeof(float)}}));
-    DSACP_RETURN_IF_ERROR(h->wait());
+    DSACP_ASSIGN_OR_RETURN(auto h, producing(s, *comms.dcp).all_to_all_group_async(
+                                       {{part_out.get(), recv_out.get(), rows * H * c.Dl * sizeof(float)},
+                                        {part_lse.get(), recv_lse.get(), rows * H * sizeof(float)}}));
+    DSACP_RETURN_IF_ERROR(after(s, std::move(h)));
     DSACP_RETURN_IF_ERROR(merge_into(s, D, rows * H, recv_out.as<const float>(), recv_lse.as<const float>(), out.out,
                                      out.lse));
   } else if (!layout.dsa_cp && local_decodes && T_dec > 0) {
@@ -413,6 +446,13 @@ Status cp_step_run(Backend& backend, const CpComms& comms, const CpStepPlan& ste
   // The kernels' error read-back is enqueued before the collectives' waits (which come first: they are bounded),
   // so the synchronize after them does not add its own device round trip once the GPU is done (the DCP decode's
   // timeline on 2 x H200: 7-9 us from the last wait to the step's end, 12-14 before).
+  if (p.enqueue_only) {
+    // Every consumer is ordered after its collective on the device: nothing to wait for (no window exchange
+    // was taken, so no row check either).
+    for (auto& h : s.in_flight) h->release_ordered();
+    clock.finish();
+    return Status();
+  }
   DSACP_RETURN_IF_ERROR(backend.begin_synchronize());
   for (auto& h : s.in_flight) DSACP_RETURN_IF_ERROR(h->wait());
   Status end = backend.synchronize();

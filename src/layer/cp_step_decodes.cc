@@ -98,7 +98,6 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
                                            DeviceBuffer local_topk) {
   const StepConfig& c = s.c();
   const int64_t H = c.H, Hr = s.plan().num_heads, Pt = s.comms.world->size(), D = s.comms.dcp->size();
-  Backend& be = s.backend;
   LocalDecodes d;
   d.n = n;
   d.qn = s.in.q_nope;
@@ -120,7 +119,7 @@ Result<LocalDecodes> prepare_local_decodes(RankStep& s, int64_t n, std::optional
     // Attention writes its partials straight into the world's exchange window where it has one.
     d.window_lse_at = (static_cast<size_t>(Pt * block * c.Dl) * part + 255) / 256 * 256;
     DSACP_ASSIGN_OR_RETURN(d.window,
-                           try_window(*s.comms.world, d.window_lse_at + static_cast<size_t>(Pt * block) * sizeof(float)));
+                           try_window(s, *s.comms.world, d.window_lse_at + static_cast<size_t>(Pt * block) * sizeof(float)));
   }
   if (d.window) {
     d.send_out_at = d.window->mine;

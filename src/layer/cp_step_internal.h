@@ -37,6 +37,7 @@ struct CpStepPlan::Impl {
   std::vector<int64_t> seq_lens;
   CpGatheredRows gathered_rows;
   bool replicated = false, fp8 = false;
+  bool enqueue_only = false;  // CpStepPlanOptions::enqueue_only
   std::vector<int32_t> row_local_len;  // the rows' key lengths over this rank's own keys
 
   // Device tables: the block table (the caller's or uploaded), and one upload of the rows' requests, key
@@ -139,7 +140,7 @@ Communicator& producing(RankStep& s, Communicator& c);
 void check_rows_at_end(RankStep& s, Communicator* comm);
 // A window exchange of `bytes` on `comm` (Communicator::window_next), or nothing where the communicator has no
 // window for it (the caller then uses the collectives). Other errors (a failed communicator) are returned.
-Result<std::optional<Communicator::Window>> try_window(Communicator& comm, size_t bytes);
+Result<std::optional<Communicator::Window>> try_window(const RankStep& s, Communicator& comm, size_t bytes);
 // The window exchange's synchronization by the kernels themselves, row by row (Communicator::window_rows).
 Result<WindowRowSync> try_window_rows(const CpLayout& layout, Communicator& comm, int64_t rows, bool topk_exchange);
 

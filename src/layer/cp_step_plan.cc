@@ -118,6 +118,10 @@ Result<CpStepPlan> cp_step_plan(Backend& backend, const StepConfig& c, const std
                                 const CpRankPlan& plan, const CpLayout& layout, const KvSharding& sharding,
                                 const BlockTable& table, const PagedCacheConfig& cc, const CpStepPlanOptions& options) {
   DSACP_RETURN_IF_ERROR(check_plan_inputs(c, requests, plan, layout, sharding, table, cc));
+  if (options.enqueue_only && backend.native_stream() == nullptr) {
+    return unsupported("CP step plan: enqueue_only needs a device backend (" + backend.name() +
+                       " has no stream to enqueue on)");
+  }
   CpStepPlan out;
   CpStepPlan::Impl& p = *out.impl_;
   p.backend = &backend;
@@ -131,6 +135,7 @@ Result<CpStepPlan> cp_step_plan(Backend& backend, const StepConfig& c, const std
   p.cache = cc;
   p.replicated = layout.indexer == IndexerMode::kReplicated;
   p.fp8 = c.index_input_dtype() == DType::kF8E4M3;
+  p.enqueue_only = options.enqueue_only;
   const int32_t R = static_cast<int32_t>(requests.size());
   const int32_t Pt = layout.num_ranks();
   const int32_t B = cc.page_size;

@@ -60,7 +60,7 @@ Result<PendingTopk> start_merged_topk(RankStep& s, const MergedTopkRows& rows, c
   // over the world, passed every run); they keep NCCL, as do larger merges (whose host fallback would copy from
   // the peers' memory).
   if (s.p.layout.P == 1 && Pt * K <= 4096) {
-    DSACP_ASSIGN_OR_RETURN(pt.window, try_window(world, 2 * topk_bytes));
+    DSACP_ASSIGN_OR_RETURN(pt.window, try_window(s, world, 2 * topk_bytes));
   }
   int32_t* part_topk = nullptr;
   float* part_scores = nullptr;

@@ -76,7 +76,7 @@ Result<PendingView> start_view(RankStep& s, Communicator& comm, const PagedPoolV
 // (A view whose gather was grouped with another's has no handle of its own: the other's wait covers it.)
 Result<View> finish_view(RankStep& s, PendingView& pv) {
   Backend& backend = s.backend;
-  if (pv.handle) DSACP_RETURN_IF_ERROR(pv.handle->wait());
+  if (pv.handle) DSACP_RETURN_IF_ERROR(after(s, std::move(pv.handle)));
   const GatheredViewPlan& v = pv.plan->host;
   const RowUnits u = row_units(pv.own);
   View out;
@@ -112,7 +112,7 @@ Result<PendingKvView> start_kv_view(RankStep& s) {
 }
 
 Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& kv) {
-  if (kv.handle) DSACP_RETURN_IF_ERROR(kv.handle->wait());
+  if (kv.handle) DSACP_RETURN_IF_ERROR(after(s, std::move(kv.handle)));
   DSACP_ASSIGN_OR_RETURN(View lat, finish_view(s, kv.latent));
   View rope;
   if (s.p.cache.fp8_latent()) {

@@ -3,6 +3,7 @@
 // pairings a run refuses.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -186,6 +187,192 @@ TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
     expect_same_bytes(assembled->out, one_shot[k].out, what + " out");
     expect_same_bytes(assembled->lse, one_shot[k].lse, what + " lse");
   }
+}
+
+// What an enqueue-only run did (CpStepPlanOptions::enqueue_only), counted over every rank.
+struct EnqueueCounts {
+  std::atomic<int64_t> synchronizes{0}, host_waits{0}, ordered{0}, released{0};
+};
+
+// A CPU backend that claims a stream (as a device backend has): the enqueue-only plan's backend here.
+class StreamedCpu final : public Backend {
+ public:
+  StreamedCpu(Backend& inner, EnqueueCounts& n) : inner_(inner), n_(n) {}
+  std::string name() const override { return "streamed " + inner_.name(); }
+  void* native_stream() const override { return const_cast<char*>(&stream_); }
+  Result<DeviceBuffer> allocate(size_t bytes) override { return inner_.allocate(bytes); }
+  Status copy_to_device(void* d, const void* s, size_t n) override { return inner_.copy_to_device(d, s, n); }
+  Status copy_to_host(void* d, const void* s, size_t n) override { return inner_.copy_to_host(d, s, n); }
+  Status copy_on_device(void* d, const void* s, size_t n) override { return inner_.copy_on_device(d, s, n); }
+  Status fill(void* d, DType t, int64_t n, float v) override { return inner_.fill(d, t, n, v); }
+  Status synchronize() override {
+    ++n_.synchronizes;
+    return inner_.synchronize();
+  }
+  Status cache_write(const CacheWriteParams& p) override { return inner_.cache_write(p); }
+  Status indexer_topk(const IndexerTopkParams& p) override { return inner_.indexer_topk(p); }
+  Status sparse_mla(const SparseMlaParams& p) override { return inner_.sparse_mla(p); }
+  Status lse_merge(const LseMergeParams& p) override { return inner_.lse_merge(p); }
+  Status gather_rows(const GatherRowsParams& p) override { return inner_.gather_rows(p); }
+  Status topk_remap(const TopkRemapParams& p) override { return inner_.topk_remap(p); }
+  Status topk_merge(const TopkMergeParams& p) override { return inner_.topk_merge(p); }
+  Status topk_input(const TopkInputParams& p) override { return inner_.topk_input(p); }
+  Status output_form(const OutputFormParams& p) override { return inner_.output_form(p); }
+
+ private:
+  Backend& inner_;
+  EnqueueCounts& n_;
+  char stream_ = 0;
+};
+
+// A thread group's communicator that says it orders its collectives on the device: order_before completes the
+// collective (the CPU's "device order"); wait() and release_ordered() are counted.
+class DeviceOrderedComm final : public Communicator {
+  class Handle final : public CollectiveHandle {
+   public:
+    Handle(std::unique_ptr<CollectiveHandle> inner, EnqueueCounts& n) : inner_(std::move(inner)), n_(n) {}
+    Status wait() override {
+      ++n_.host_waits;
+      return inner_->wait();
+    }
+    bool order_before(void*) override {
+      ++n_.ordered;
+      return inner_->wait().ok();
+    }
+    void release_ordered() override { ++n_.released; }
+
+   private:
+    std::unique_ptr<CollectiveHandle> inner_;
+    EnqueueCounts& n_;
+  };
+  using HandleResult = Result<std::unique_ptr<CollectiveHandle>>;
+  HandleResult wrap(HandleResult h) {
+    if (!h.ok()) return h;
+    return std::unique_ptr<CollectiveHandle>(new Handle(std::move(h).value(), n_));
+  }
+
+ public:
+  DeviceOrderedComm(std::unique_ptr<Communicator> inner, EnqueueCounts& n) : inner_(std::move(inner)), n_(n) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  bool orders_on_device() const override { return true; }
+  HandleResult all_gather_async(const void* s, void* r, size_t b) override { return wrap(inner_->all_gather_async(s, r, b)); }
+  HandleResult all_to_all_async(const void* s, void* r, size_t b) override { return wrap(inner_->all_to_all_async(s, r, b)); }
+  HandleResult broadcast_async(void* buf, size_t b, int root) override { return wrap(inner_->broadcast_async(buf, b, root)); }
+  HandleResult all_gather_group_async(const std::vector<Part>& p) override { return wrap(inner_->all_gather_group_async(p)); }
+  HandleResult all_to_all_group_async(const std::vector<Part>& p) override { return wrap(inner_->all_to_all_group_async(p)); }
+  Status barrier() override { return inner_->barrier(); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  EnqueueCounts& n_;
+};
+
+// An enqueue-only plan's run (what a CUDA graph capture records) gives the eager run's results bit for bit, and
+// neither synchronizes nor waits on the host for a collective: each one is ordered before its consumers and let go.
+TEST_P(CpStepPlanTest, EnqueueOnlyRunsWaitForNothingAndEqualEagerRuns) {
+  const PlannedLayout& pl = GetParam();
+  const CpLayout& l = pl.layout;
+  const uint64_t seed = testing::test_seed(977);
+  const int32_t page = 4, Pt = l.P * l.D;
+  CaseGenSpec spec;
+  spec.topk = 12;
+  spec.requests = testing::random_cp_batch(seed, l.P, spec.topk, pl.decode_only);
+  spec.dims = CaseDims{8, 16, 8, 2, 16};
+  spec.scale = 0.3f;
+  spec.seed = seed;
+  auto c = case_generate(spec);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const std::vector<Request>& requests = spec.requests;
+  const StepConfig config = testing::f32_step_config(*c);
+  const KvSharding sharding = cp_kv_sharding(l, page);
+  int32_t pages = 1;
+  for (const Request& r : requests) pages = std::max<int32_t>(pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), page)));
+  const int32_t R = static_cast<int32_t>(requests.size());
+  const BlockTable table = ordered_table(R, pages);
+  const PagedCacheConfig per_rank{int64_t{R} * pages, page, spec.dims.Dl, spec.dims.Dr, spec.dims.Di, DType::kF32};
+  std::unique_ptr<Backend> cpu = make_cpu_backend(2);
+  auto cluster = LocalCpCluster::create(*cpu, l, per_rank);
+  ASSERT_TRUE(cluster.ok()) << cluster.status().to_string();
+  ASSERT_TRUE((*cluster)->load_context(requests, table, c->ctx_kv_latent, c->ctx_k_rope, c->ctx_idx_k).ok());
+  auto eager = (*cluster)->step(config, requests, table, testing::case_inputs(*c));
+  ASSERT_TRUE(eager.ok()) << eager.status().to_string();
+
+  auto plans = cp_all_rank_plans(config, requests, l, table, page);
+  ASSERT_TRUE(plans.ok()) << plans.status().to_string();
+  const PagedCacheConfig rank_cc = cp_rank_cache_config(l, per_rank);
+  CpStepPlanOptions options;
+  options.enqueue_only = true;
+  // A backend without a stream cannot take the plan.
+  auto no_stream = cp_step_plan(*cpu, config, requests, (*plans)[0], l, sharding, table, rank_cc, options);
+  ASSERT_FALSE(no_stream.ok());
+  EXPECT_NE(no_stream.status().message().find("enqueue_only needs a device backend"), std::string::npos)
+      << no_stream.status().to_string();
+
+  EnqueueCounts n;
+  StreamedCpu streamed(*cpu, n);
+  ThreadRanks ranks = thread_ranks(l);
+  std::vector<OwnedCpComms> ordered(static_cast<size_t>(Pt));
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    OwnedCpComms& from = ranks.comms[static_cast<size_t>(cr)];
+    OwnedCpComms& to = ordered[static_cast<size_t>(cr)];
+    to.world = std::make_unique<DeviceOrderedComm>(std::move(from.world), n);
+    to.pcp = std::make_unique<DeviceOrderedComm>(std::move(from.pcp), n);
+    to.dcp = std::make_unique<DeviceOrderedComm>(std::move(from.dcp), n);
+  }
+  ThreadRanks host_ranks = thread_ranks(l);  // communicators that wait on the host: refused
+  std::vector<StepResult> results(static_cast<size_t>(Pt));
+  std::vector<Status> status(static_cast<size_t>(Pt));
+  std::vector<Status> refused(static_cast<size_t>(Pt));
+  std::atomic<int32_t> planned{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int32_t cr = 0; cr < Pt; ++cr) {
+    threads.emplace_back([&, cr] {
+      Status& st = status[static_cast<size_t>(cr)];
+      auto plan = cp_step_plan(streamed, config, requests, (*plans)[cr], l, sharding, table, rank_cc, options);
+      auto cache = PagedKvCache::create(streamed, rank_cc);
+      st = !plan.ok() ? plan.status() : !cache.ok() ? cache.status() : Status();
+      if (st.ok()) {
+        st = cp_load_context_rank(streamed, l, sharding, cr, requests, table, c->ctx_kv_latent, c->ctx_k_rope,
+                                  c->ctx_idx_k, *cache);
+      }
+      // Every rank's planning (and its synchronizes) done before any run: the last one zeroes the count.
+      if (planned.fetch_add(1) == Pt - 1) {
+        n.synchronizes = 0;
+        go = true;
+      }
+      while (!go.load()) std::this_thread::yield();
+      if (!st.ok()) return;
+      refused[static_cast<size_t>(cr)] = cp_step_run(streamed, host_ranks.comms[static_cast<size_t>(cr)].view(), *plan,
+                                                     *cache, StepInputs{}, StepOutputs{});
+      auto r = cp_rank_step_host(streamed, ordered[static_cast<size_t>(cr)].view(), *plan, *cache,
+                                 testing::case_inputs(*c));
+      if (!r.ok()) {
+        st = r.status();
+        return;
+      }
+      results[static_cast<size_t>(cr)] = std::move(*r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const Status& st : status) ASSERT_TRUE(st.ok()) << st.to_string();
+  for (const Status& st : refused) {
+    EXPECT_NE(st.message().find("needs communicators that order their collectives on the device"), std::string::npos)
+        << pl.name << ": " << st.to_string();
+  }
+  // The runs: no synchronize (the planning's came before the runs began), no host wait; every collective
+  // ordered before its consumers and let go.
+  EXPECT_EQ(n.synchronizes.load(), 0) << pl.name;
+  EXPECT_EQ(n.host_waits.load(), 0) << pl.name;
+  EXPECT_GT(n.ordered.load(), 0) << pl.name;
+  EXPECT_EQ(n.released.load(), n.ordered.load()) << pl.name;
+  auto assembled = cp_assemble_result(config, l, c->num_tokens(), *plans, results);
+  ASSERT_TRUE(assembled.ok()) << assembled.status().to_string();
+  expect_same_bytes(assembled->topk_indices, eager->topk_indices, pl.name + " top-k");
+  expect_same_bytes(assembled->out, eager->out, pl.name + " out");
+  expect_same_bytes(assembled->lse, eager->lse, pl.name + " lse");
 }
 
 CpLayout layout_of(int32_t P, int32_t D, IndexerMode mode, bool dsa_cp) {

@@ -104,6 +104,7 @@ class NcclHandle final : public CollectiveHandle {
   ~NcclHandle() override;
   Status wait() override;
   bool order_before(void* stream) override;
+  void release_ordered() override { waited_ = true; }  // no event query: it may be a captured one
 
  private:
   NcclComm* comm_;
