@@ -2,7 +2,8 @@
 // 4K context, DeepSeek-V3.2 dims) planned once, run eagerly, captured as one graph and replayed 100 times: the
 // replay's outputs equal the eager ones bit for bit; a bad block-table page planted after capture is reported by
 // the next synchronize(), naming the kernel and the token; a call that is not a launch refuses to be captured.
-// Also: planned runs equal step_run (the CPU-checked path) on the GPU. Own binary, label gpu; exit 77 without a GPU.
+// Also: planned runs equal step_run (the CPU-checked path) on the GPU; with 2 GPUs, a CP rank's layers captured
+// over NCCL (gpu_cp_graph_checks.cc). Own binary, label gpu; exit 77 without a GPU.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include "dsacp/step.h"
 #include "dsacp/step_plan.h"
 #include "gpu/check_log.h"
+#include "gpu/gpu_cp_graph_checks.h"
 
 namespace dsacp::testing {
 namespace {
@@ -243,6 +245,7 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<Backend> gpu = std::move(gr).value();
   testing::test_graph(*gpu);
+  testing::gpu_cp_graph_checks(testing::g_log);
   std::printf("%d checks, %d failures\n", testing::g_log.checks(), testing::g_log.failures());
   testing::g_log.write_json(json != nullptr ? json : "");
   return testing::g_log.failures() == 0 ? 0 : 1;
