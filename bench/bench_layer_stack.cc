@@ -6,6 +6,7 @@
 // l % distinct_caches when 61 full caches do not fit (each layer's reads come from HBM either way: a layer reads
 // hundreds of MB, the L2 holds 50).
 #include "bench_layer_stack.h"
+#include "launch_floor.h"
 
 #include <cuda_runtime.h>
 
@@ -171,6 +172,7 @@ LayerStackTiming bench_layer_stack(int32_t b, int32_t ctx, int layers, int disti
   t.eager_ms = median(eager_ms);
   t.graph_ms = median(graph_ms);
   t.host_us_per_layer = median(host_us);
+  t.empty_launch_us = empty_launch_host_us(stream);
   return t;
 }
 

@@ -10,6 +10,7 @@ struct LayerStackTiming {
   double graph_ms = 0;           // the pass as one graph replay (median)
   double host_us_per_layer = 0;  // host time of one eager planned run (its launches)
   double plan_us = 0;            // step_plan, once per pass
+  double empty_launch_us = 0;    // one empty kernel launch's host time on the same stream (the floor a launch)
   bool identical = false;        // the replay's outputs equal the eager ones bit for bit
 };
 
