@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,8 +19,11 @@ class CheckLog {
     std::string line = std::string(ok ? "[  OK  ] " : "[ FAIL ] ") + name + (detail.empty() ? "" : "  " + detail);
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);
+    if (!ok && on_failure) on_failure(line);
     lines_.push_back(std::move(line));
   }
+  // Called with a failed check's line (the GoogleTest binaries fail the running test there).
+  std::function<void(const std::string&)> on_failure;
   int checks() const { return checks_; }
   int failures() const { return failures_; }
 

@@ -16,23 +16,15 @@
 #include "dsacp/backend.h"
 #include "dsacp/dtype.h"
 #include "dsacp/fp8.h"
-#include "gpu/check_log.h"
+#include "gpu/gpu_test.h"
+#include "support/compare.h"
+#include "support/random_values.h"
 
 namespace dsacp::testing {
 namespace {
 
 constexpr int kDl = 512, kDr = 64;
 const int kRec = fp8_ds_mla_record_bytes(kDl, kDr);
-
-uint64_t mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-float uni(uint64_t seed, uint64_t i) {  // [-1, 1)
-  return static_cast<float>((mix64(seed * 0x100000001b3ull + i) >> 40) * (2.0 / 16777216.0) - 1.0);
-}
 
 struct DevBuf {
   DeviceBuffer buf;
@@ -64,7 +56,7 @@ PagedPoolView rope_view(void* data, int64_t num_pages, int32_t ps) {
 // scaling), tiny values at the e4m3 subnormal edges of the tile's scale, plain random.
 float hostile_latent(uint64_t seed, int64_t t, int d) {
   const int tile = d / kFp8DsMlaTile, i = d % kFp8DsMlaTile;
-  const float r = uni(seed + t, static_cast<uint64_t>(d));
+  const float r = uniform_at(seed + t, static_cast<uint64_t>(d));
   switch ((t + tile) % 6) {
     case 0: return 0.f;                                            // amax 0: the 2^-126 scale
     case 1: return i == 3 ? NAN : i == 7 ? -INFINITY : i == 9 ? INFINITY : r;  // non-finite values
@@ -88,15 +80,15 @@ void check_cache_write(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log)
       std::vector<float> lat32(T * kDl), rope32(T * kDr);
       for (int64_t t = 0; t < T; ++t) {
         for (int d = 0; d < kDl; ++d) lat32[t * kDl + d] = hostile_latent(seed, t, d);
-        for (int d = 0; d < kDr; ++d) rope32[t * kDr + d] = uni(seed + 77, t * kDr + d) * 3.f;
+        for (int d = 0; d < kDr; ++d) rope32[t * kDr + d] = uniform_at(seed + 77, t * kDr + d) * 3.f;
       }
       std::vector<uint8_t> lat_rows;
       std::vector<float> scales;
       if (rows_dtype == DType::kF8E4M3) {  // already-quantized rows: arbitrary bytes (NaN codes too) and scales
         lat_rows.resize(T * kDl);
         scales.resize(T * 4);
-        for (size_t i = 0; i < lat_rows.size(); ++i) lat_rows[i] = static_cast<uint8_t>(mix64(seed + i) & 0xff);
-        for (size_t i = 0; i < scales.size(); ++i) scales[i] = std::ldexp(1.f + uni(seed, i) * 0.5f, int(i % 40) - 20);
+        for (size_t i = 0; i < lat_rows.size(); ++i) lat_rows[i] = static_cast<uint8_t>(splitmix64(seed + i) & 0xff);
+        for (size_t i = 0; i < scales.size(); ++i) scales[i] = std::ldexp(1.f + uniform_at(seed, i) * 0.5f, int(i % 40) - 20);
       } else if (rows_dtype == DType::kBF16) {
         lat_rows.resize(T * kDl * 2);
         for (int64_t i = 0; i < T * kDl; ++i) {
@@ -109,7 +101,7 @@ void check_cache_write(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log)
       }
       std::vector<int64_t> slots(T);
       std::iota(slots.begin(), slots.end(), int64_t{0});
-      for (int64_t i = T - 1; i > 0; --i) std::swap(slots[i], slots[mix64(seed + 9 * i) % (i + 1)]);
+      for (int64_t i = T - 1; i > 0; --i) std::swap(slots[i], slots[splitmix64(seed + 9 * i) % (i + 1)]);
       for (int64_t t = 0; t < T; ++t) slots[t] = slots[t] * 2 % slots_n;  // spread over the pages (distinct)
       slots[5] = -1;
       std::vector<uint8_t> pool(slots_n * kRec, 0xab);
@@ -171,17 +163,6 @@ struct Fp8MlaCase {
   int64_t low_pages = 0;  // unused pages below the requests' (their records past 2^31 bytes from 52000 x 64 keys)
 };
 
-double rel_err(const std::vector<float>& a, const std::vector<float>& ref, bool* mismatch) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::isfinite(a[i]) != std::isfinite(ref[i])) *mismatch = true;
-    if (!std::isfinite(ref[i]) || !std::isfinite(a[i])) continue;
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, CheckLog& log) {
   const std::string name = "fp8_ds_mla sparse_mla " + c.name;
   std::vector<int64_t> lens;
@@ -204,7 +185,7 @@ void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, Ch
   const int64_t num_pages = need + 3 + c.low_pages;
   std::vector<int32_t> ids(static_cast<size_t>(need + 3));
   std::iota(ids.begin(), ids.end(), static_cast<int32_t>(c.low_pages));
-  for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[mix64(seed + i) % i]);
+  for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[splitmix64(seed + i) % i]);
   std::vector<int32_t> bt(lens.size() * maxp, -1);
   size_t next = 0;
   std::vector<int64_t> slots;
@@ -216,9 +197,9 @@ void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, Ch
   const int64_t nkeys = static_cast<int64_t>(slots.size());
   std::vector<float> lat(nkeys * kDl), rope(nkeys * kDr);
   for (int64_t i = 0; i < nkeys; ++i) {
-    const float amp = 0.25f + 2.f * (mix64(seed + 3 * i) % 8) / 8.f;  // tiles of different scales
-    for (int d = 0; d < kDl; ++d) lat[i * kDl + d] = amp * uni(seed + 100, i * kDl + d) * (1.f + (d / 128));
-    for (int d = 0; d < kDr; ++d) rope[i * kDr + d] = uni(seed + 200, i * kDr + d);
+    const float amp = 0.25f + 2.f * (splitmix64(seed + 3 * i) % 8) / 8.f;  // tiles of different scales
+    for (int d = 0; d < kDl; ++d) lat[i * kDl + d] = amp * uniform_at(seed + 100, i * kDl + d) * (1.f + (d / 128));
+    for (int d = 0; d < kDr; ++d) rope[i * kDr + d] = uniform_at(seed + 200, i * kDr + d);
   }
   std::vector<uint8_t> pool(num_pages * ps * kRec, 0xff);
   CacheWriteParams w;
@@ -236,17 +217,17 @@ void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, Ch
     return;
   }
   std::vector<uint16_t> qn(T * c.H * kDl), qr(T * c.H * kDr);
-  for (size_t i = 0; i < qn.size(); ++i) qn[i] = f32_to_bf16(uni(seed + 300, i)).bits;
-  for (size_t i = 0; i < qr.size(); ++i) qr[i] = f32_to_bf16(uni(seed + 301, i)).bits;
+  for (size_t i = 0; i < qn.size(); ++i) qn[i] = f32_to_bf16(uniform_at(seed + 300, i)).bits;
+  for (size_t i = 0; i < qr.size(); ++i) qr[i] = f32_to_bf16(uniform_at(seed + 301, i)).bits;
   std::vector<int32_t> topk(T * c.K, -1);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t len = key_len[t];
     int64_t n = std::min<int64_t>(c.K, len);
     if (t % 5 == 2) n = n / 3;            // a short row: -1, then garbage
     if (t == T - 1 && T > 1) n = 0;       // no key at all
-    int64_t stride = 1 + static_cast<int64_t>(mix64(seed + 400 + t) % 97);
+    int64_t stride = 1 + static_cast<int64_t>(splitmix64(seed + 400 + t) % 97);
     while (std::gcd(stride, len) != 1) ++stride;
-    int64_t pos = static_cast<int64_t>(mix64(seed + 500 + t) % len);
+    int64_t pos = static_cast<int64_t>(splitmix64(seed + 500 + t) % len);
     for (int64_t i = 0; i < n; ++i) {
       topk[t * c.K + i] = static_cast<int32_t>(pos);
       pos = (pos + stride) % len;
@@ -321,7 +302,7 @@ void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, Ch
     std::memcpy(out_g.data(), raw.data(), out_bytes);
   }
   bool mismatch = false;
-  const double e_out = rel_err(out_g, out_c, &mismatch), e_lse = rel_err(lse_g, lse_c, &mismatch);
+  const double e_out = rel_error_finite(out_g, out_c, &mismatch), e_lse = rel_error_finite(lse_g, lse_c, &mismatch);
   const Status sg2 = sparse_mla_run(gpu, pg);
   const bool same = sg2.ok() && download<uint8_t>(gpu, d_out, out_bytes) == raw &&
                     download<float>(gpu, d_lse, T * c.H) == lse_g;
@@ -334,11 +315,8 @@ void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, Ch
   log.report(!mismatch && e_out < tol && e_lse < 2e-3 && same, name, buf);
 }
 
-}  // namespace
-
-void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, CheckLog& log,
-                        const std::function<bool(const std::string&)>& selected) {
-  if (selected("fp8_ds_mla cache_write")) check_cache_write(gpu, cpu, seed, log);
+// The sparse MLA cases over records on the default kernels, or (forced_tag) those of one forced kernel.
+void fp8_mla_cases(Backend& gpu, Backend& cpu, uint64_t seed, bool small, CheckLog& log, const std::string& forced_tag) {
   std::vector<Fp8MlaCase> cases;
   cases.push_back({"decode H=1 page64 K=2048", 1, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});
   cases.push_back({"decode H=16 page64 K=2048", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}, DType::kBF16});
@@ -353,9 +331,9 @@ void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, C
   cases.push_back({"prefill H=128 page64 K=2048", 128, 2048, 64, {0}, {small ? 100 : 500}});
   cases.push_back({"prefill H=64 page1 K=512 ue8m0", 64, 512, 1, {300}, {small ? 30 : 120}, DType::kBF16,
                    Fp8ScaleMode::kUe8m0});
-  for (size_t i = 0; i < cases.size(); ++i) {
+  for (size_t i = 0; i < cases.size() && forced_tag.empty(); ++i) {
     if (small && i % 2 == 1) continue;
-    if (selected("fp8_ds_mla sparse_mla " + cases[i].name)) run_case(gpu, cpu, cases[i], seed + 1000 * i, log);
+    run_case(gpu, cpu, cases[i], seed + 1000 * i, log);
   }
   // Each decode kernel over records forced by CudaBackendOptions::mla_kernel: the warp-specialized one whose
   // producer dequantizes (kWgmmaWs32: partial 64-head groups H = 8, 16, 48, 96; MTP 1..4; page sizes 1 / 61 / 64;
@@ -400,9 +378,7 @@ void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, C
   for (size_t f = 0; f < forced.size(); ++f) {
     const Forced& fc = forced[f];
     const std::string prefix = std::string("fp8_ds_mla sparse_mla ") + fc.tag + " ";
-    bool want = false;
-    for (const Fp8MlaCase& c : fc.cases) want = want || selected(prefix + c.name);
-    if (!want) continue;
+    if (forced_tag != fc.tag) continue;
     CudaBackendOptions o;
     o.mla_kernel = fc.kernel;
     o.mla_splits = fc.splits;
@@ -415,9 +391,26 @@ void gpu_fp8_mla_checks(Backend& gpu, Backend& cpu, uint64_t seed, bool small, C
       if (small && i % 2 == 1) continue;
       Fp8MlaCase c = fc.cases[i];
       c.name = std::string(fc.tag) + " " + c.name;
-      if (selected(prefix + fc.cases[i].name)) run_case(**be, cpu, c, seed + 7000 * (f + 1) + 1000 * i, log);
+      run_case(**be, cpu, c, seed + 7000 * (f + 1) + 1000 * i, log);
     }
   }
 }
+
+}  // namespace
+
+// --sanitizer-subset: every other case, shorter prefills.
+class Fp8DsMla : public GpuTest {
+ protected:
+  void run(const std::string& forced_tag) {
+    const GpuTestOptions& o = gpu_test_options();
+    fp8_mla_cases(gpu(), cpu(), o.seed, o.sanitizer_subset, check_log(), forced_tag);
+  }
+};
+
+TEST_F(Fp8DsMla, CacheWrite) { check_cache_write(gpu(), cpu(), gpu_test_options().seed, check_log()); }
+TEST_F(Fp8DsMla, SparseMla) { run(""); }
+TEST_F(Fp8DsMla, SparseMlaWs32) { run("ws32"); }
+TEST_F(Fp8DsMla, SparseMlaWs32OneSplit) { run("ws32 splits=1"); }
+TEST_F(Fp8DsMla, SparseMlaMmaSync) { run("mma_sync"); }
 
 }  // namespace dsacp::testing

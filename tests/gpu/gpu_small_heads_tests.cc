@@ -18,23 +18,15 @@
 #include "dsacp/backend.h"
 #include "dsacp/dtype.h"
 #include "dsacp/fp8.h"
-#include "gpu/check_log.h"
+#include "gpu/gpu_test.h"
+#include "support/compare.h"
+#include "support/random_values.h"
 
 namespace dsacp::testing {
 namespace {
 
 constexpr int kDl = 512, kDr = 64;
 const int kRec = fp8_ds_mla_record_bytes(kDl, kDr);
-
-uint64_t mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-float uni(uint64_t seed, uint64_t i) {  // [-1, 1)
-  return static_cast<float>((mix64(seed * 0x100000001b3ull + i) >> 40) * (2.0 / 16777216.0) - 1.0);
-}
 
 template <typename T>
 bool upload(Backend& be, const std::vector<T>& v, DeviceBuffer* d) {
@@ -61,18 +53,6 @@ struct SmallCase {
   int merge = -1;  // split-K: -1 the rule (the merge kernel for 16-head groups), 1 in a cluster, 0 the merge
                    // kernel forced
 };
-
-double rel_err(const std::vector<float>& a, const std::vector<float>& ref, bool* mismatch) {
-  double num = 0, den = 0;
-  if (a.size() != ref.size()) *mismatch = true;
-  for (size_t i = 0; i < a.size() && i < ref.size(); ++i) {
-    if (std::isfinite(a[i]) != std::isfinite(ref[i])) *mismatch = true;
-    if (!std::isfinite(ref[i]) || !std::isfinite(a[i])) continue;
-    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 
 void run_case(Backend& cpu, const SmallCase& c, bool fp8, uint64_t seed, CheckLog& log) {
   const std::string name = std::string("small_heads ") + (fp8 ? "fp8_ds_mla " : "bf16 ") + c.name;
@@ -107,7 +87,7 @@ void run_case(Backend& cpu, const SmallCase& c, bool fp8, uint64_t seed, CheckLo
   const int64_t num_pages = need + 3;  // shuffled pages, 3 spare
   std::vector<int32_t> ids(static_cast<size_t>(num_pages));
   std::iota(ids.begin(), ids.end(), 0);
-  for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[mix64(seed + i) % i]);
+  for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[splitmix64(seed + i) % i]);
   std::vector<int32_t> bt(lens.size() * maxp, -1);
   size_t next = 0;
   std::vector<int64_t> slots;
@@ -118,9 +98,9 @@ void run_case(Backend& cpu, const SmallCase& c, bool fp8, uint64_t seed, CheckLo
   const int64_t nkeys = static_cast<int64_t>(slots.size());
   std::vector<float> lat(nkeys * kDl), rope(nkeys * kDr);
   for (int64_t i = 0; i < nkeys; ++i) {
-    const float amp = 0.25f + 2.f * (mix64(seed + 3 * i) % 8) / 8.f;  // keys (and tiles) of different scales
-    for (int d = 0; d < kDl; ++d) lat[i * kDl + d] = amp * uni(seed + 100, i * kDl + d) * (1.f + (d / 128));
-    for (int d = 0; d < kDr; ++d) rope[i * kDr + d] = uni(seed + 200, i * kDr + d);
+    const float amp = 0.25f + 2.f * (splitmix64(seed + 3 * i) % 8) / 8.f;  // keys (and tiles) of different scales
+    for (int d = 0; d < kDl; ++d) lat[i * kDl + d] = amp * uniform_at(seed + 100, i * kDl + d) * (1.f + (d / 128));
+    for (int d = 0; d < kDr; ++d) rope[i * kDr + d] = uniform_at(seed + 200, i * kDr + d);
   }
   // the pools: NaN in every unused slot; bf16 latent + rope, or records quantized by the CPU cache write
   std::vector<uint8_t> pool;                 // fp8 records
@@ -154,17 +134,17 @@ void run_case(Backend& cpu, const SmallCase& c, bool fp8, uint64_t seed, CheckLo
     rv = PagedPoolView{rope_pool.data(), DType::kBF16, num_pages, ps, kDr};
   }
   std::vector<uint16_t> qn(T * c.H * kDl), qr(T * c.H * kDr);
-  for (size_t i = 0; i < qn.size(); ++i) qn[i] = f32_to_bf16(uni(seed + 300, i)).bits;
-  for (size_t i = 0; i < qr.size(); ++i) qr[i] = f32_to_bf16(uni(seed + 301, i)).bits;
+  for (size_t i = 0; i < qn.size(); ++i) qn[i] = f32_to_bf16(uniform_at(seed + 300, i)).bits;
+  for (size_t i = 0; i < qr.size(); ++i) qr[i] = f32_to_bf16(uniform_at(seed + 301, i)).bits;
   std::vector<int32_t> topk(T * c.K, -1);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t len = key_len[t];
     int64_t n = std::min<int64_t>(c.K, len);
     if (t % 5 == 2) n = n / 3;       // a short row: -1, then garbage
     if (t == T - 1 && T > 1) n = 0;  // no key at all
-    int64_t stride = 1 + static_cast<int64_t>(mix64(seed + 400 + t) % 97);
+    int64_t stride = 1 + static_cast<int64_t>(splitmix64(seed + 400 + t) % 97);
     while (std::gcd(stride, len) != 1) ++stride;
-    int64_t pos = static_cast<int64_t>(mix64(seed + 500 + t) % len);
+    int64_t pos = static_cast<int64_t>(splitmix64(seed + 500 + t) % len);
     for (int64_t i = 0; i < n; ++i) {
       topk[t * c.K + i] = static_cast<int32_t>(pos);
       pos = (pos + stride) % len;
@@ -242,7 +222,7 @@ void run_case(Backend& cpu, const SmallCase& c, bool fp8, uint64_t seed, CheckLo
     std::memcpy(out_g.data(), raw.data(), out_bytes);
   }
   bool mismatch = raw.size() != out_bytes;
-  const double e_out = rel_err(out_g, out_c, &mismatch), e_lse = rel_err(lse_g, lse_c, &mismatch);
+  const double e_out = rel_error_finite(out_g, out_c, &mismatch), e_lse = rel_error_finite(lse_g, lse_c, &mismatch);
   const Status sg2 = sparse_mla_run(gpu, pg);
   const bool same = sg2.ok() && download<uint8_t>(gpu, d_out, out_bytes) == raw &&
                     download<float>(gpu, d_lse, T * c.H) == lse_g;
@@ -267,10 +247,8 @@ void run_case(Backend& cpu, const SmallCase& c, bool fp8, uint64_t seed, CheckLo
   }
 }
 
-}  // namespace
-
-void gpu_small_heads_checks(Backend& cpu, uint64_t seed, bool small, CheckLog& log,
-                            const std::function<bool(const std::string&)>& selected) {
+// The cases on bf16 pools (fp8 false) or fp8_ds_mla records; small: every other case, a shorter prefill.
+void small_heads_cases(Backend& cpu, uint64_t seed, bool small, CheckLog& log, bool fp8) {
   std::vector<SmallCase> cases;
   cases.push_back({"decode H=1 page64 K=2048", 1, 2048, 64, {3000, 2100, 900}, {1, 1, 1}});
   cases.push_back({"decode H=2 page61 K=2048", 2, 2048, 61, {2500, 4100}, {1, 1}});
@@ -293,13 +271,25 @@ void gpu_small_heads_checks(Backend& cpu, uint64_t seed, bool small, CheckLog& l
   cases.push_back({"decode H=4 page61 K=2048 splits=3 bf16 out", 4, 2048, 61, {3000, 2100}, {1, 1},
                    DType::kBF16, 1, 3, -1});
   cases.push_back({"prefill H=16 page61 K=300 chunked", 16, 300, 61, {900, 0}, {small ? 30 : 120, 90}});
-  for (int f = 0; f < 2; ++f) {
-    for (size_t i = 0; i < cases.size(); ++i) {
-      if (small && (i + f) % 2 == 1) continue;
-      const std::string n = std::string("small_heads ") + (f ? "fp8_ds_mla " : "bf16 ") + cases[i].name;
-      if (selected(n)) run_case(cpu, cases[i], f == 1, seed + 1000 * i + 17 * f, log);
-    }
+  const int f = fp8 ? 1 : 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    if (small && (i + f) % 2 == 1) continue;
+    run_case(cpu, cases[i], fp8, seed + 1000 * i + 17 * f, log);
   }
 }
+
+}  // namespace
+
+// The streaming kernel forced on every case (--sanitizer-subset: every other case).
+class SmallHeads : public GpuTest {
+ protected:
+  void run(bool fp8) {
+    const GpuTestOptions& o = gpu_test_options();
+    small_heads_cases(cpu(), o.seed, o.sanitizer_subset, check_log(), fp8);
+  }
+};
+
+TEST_F(SmallHeads, Bf16) { run(false); }
+TEST_F(SmallHeads, Fp8DsMla) { run(true); }
 
 }  // namespace dsacp::testing

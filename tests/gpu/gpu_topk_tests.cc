@@ -4,7 +4,7 @@
 // contract's canonical rows (K highest by the CPU oracle's rank key: NaN lowest, -0 == +0, ties to the lower
 // position; ascending; -1 padded). Row lengths 0 .. 1M around every boundary (K +- 1, the cache and slice sizes),
 // K 1 .. 4096, random rows from a fresh seed, heavy ties, NaN / +-inf / -0 rows, 1, 64 and 4096 rows a launch,
-// bit-identical reruns, and the optional topk_scores. Called from gpu_kernel_tests.cc's main.
+// bit-identical reruns, and the optional topk_scores.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "dsacp/random.h"
-#include "gpu/check_log.h"
+#include "gpu/gpu_test.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/indexer_topk/cluster_topk.h"
 
@@ -298,8 +298,6 @@ void run_case(CheckLog& log, const std::string& name, int32_t K, const std::vect
   free_batch(b);
 }
 
-}  // namespace
-
 void test_topk_rows(CheckLog& log, uint64_t seed, bool small) {
   const std::vector<Form> forms = all_forms();
   const std::vector<Form> main_forms = pick_forms(
@@ -363,6 +361,16 @@ void test_topk_rows(CheckLog& log, uint64_t seed, bool small) {
     for (size_t i = 0; i < lens.size(); ++i) lens[i] = static_cast<int32_t>(1 + counter_hash(seed, 8, i) % 8192);
     run_case(log, "b=4096 prefill", 2048, lens, {Kind::kRandom}, seed + 8, main_forms);
   }
+}
+
+}  // namespace
+
+class TopK : public GpuTest {};
+
+// --sanitizer-subset: K 7 and 2048 over the main forms, no long rows.
+TEST_F(TopK, Rows) {
+  const GpuTestOptions& o = gpu_test_options();
+  test_topk_rows(check_log(), o.seed, o.sanitizer_subset);
 }
 
 }  // namespace dsacp::testing

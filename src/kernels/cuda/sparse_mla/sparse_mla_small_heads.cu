@@ -30,6 +30,7 @@
 #include "kernels/cuda/common/mbarrier_sm90.cuh"
 #include "kernels/cuda/common/mma_sm80.cuh"
 #include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
+#include "kernels/cuda/sparse_mla/sparse_mla_merge.cuh"
 
 namespace dsacp::cuda {
 namespace {

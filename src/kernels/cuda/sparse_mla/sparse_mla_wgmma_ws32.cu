@@ -39,6 +39,7 @@
 #include "kernels/cuda/common/mma_sm80.cuh"
 #include "kernels/cuda/common/wgmma_sm90.cuh"
 #include "kernels/cuda/sparse_mla/sparse_mla_args.cuh"
+#include "kernels/cuda/sparse_mla/sparse_mla_merge.cuh"
 #include "kernels/cuda/sparse_mla/sparse_mla_seesaw.cuh"
 
 namespace dsacp::cuda {

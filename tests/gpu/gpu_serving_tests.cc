@@ -3,8 +3,6 @@
 // top-k equal to the indexer's gives its outputs bit for bit (with and without the indexer's inputs), a malformed
 // precomputed row refused at the step's end naming the row; a backend on the caller's stream gives the default
 // backend's results bit for bit and leaves the stream alive.
-#include "gpu/gpu_serving_checks.h"
-
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -17,6 +15,7 @@
 #include "dsacp/paged_cache.h"
 #include "dsacp/random.h"
 #include "dsacp/replay.h"
+#include "gpu/gpu_test.h"
 
 namespace dsacp::testing {
 namespace {
@@ -101,8 +100,8 @@ CpLayout layout_of(int32_t P, int32_t D, IndexerMode mode, bool dsa_cp, int32_t 
   return l;
 }
 
-}  // namespace
 
+// The serving options (slot top-k, base-2 LSE, a precomputed top-k) on one GPU and on CP layouts on it.
 void gpu_serving_checks(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log) {
   struct Named {
     const char* name;
@@ -210,6 +209,7 @@ void gpu_serving_checks(Backend& gpu, Backend& cpu, uint64_t seed, CheckLog& log
   }
 }
 
+// CudaBackendOptions::stream: a backend on the caller's stream against `gpu` (a default backend).
 void gpu_external_stream_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
   const std::string tag = "external stream: ";
   cudaStream_t mine = nullptr;
@@ -249,8 +249,10 @@ void gpu_external_stream_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
 
 // One backend's checks of the combined buffer (combined_kv_checks_on); for H = 16 again with the streaming
 // 16-head kernel forced (its bulk copies read the row stride too).
-static void combined_kv_checks_on(Backend& gpu, int32_t H, const std::string& kernel, uint64_t seed, CheckLog& log);
+void combined_kv_checks_on(Backend& gpu, int32_t H, const std::string& kernel, uint64_t seed, CheckLog& log);
 
+// PagedKvCache::wrap of one [num_pages, page_size, kv_row] bf16 buffer (latent then rope, with and without
+// padding), H = 64 and 16: the step's results equal the library pools' bit for bit.
 void gpu_combined_kv_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
   combined_kv_checks_on(gpu, 64, "", seed, log);
   combined_kv_checks_on(gpu, 16, "", seed, log);
@@ -264,7 +266,7 @@ void gpu_combined_kv_checks(Backend& gpu, uint64_t seed, CheckLog& log) {
   combined_kv_checks_on(**small, 16, " small-heads kernel", seed, log);
 }
 
-static void combined_kv_checks_on(Backend& gpu, int32_t H, const std::string& kernel, uint64_t seed, CheckLog& log) {
+void combined_kv_checks_on(Backend& gpu, int32_t H, const std::string& kernel, uint64_t seed, CheckLog& log) {
   {
     CaseFile c = make_serving_case(seed + H);
     if (H != 64) {
@@ -343,5 +345,13 @@ static void combined_kv_checks_on(Backend& gpu, int32_t H, const std::string& ke
     }
   }
 }
+
+}  // namespace
+
+class Serving : public GpuTest {};
+
+TEST_F(Serving, Options) { gpu_serving_checks(gpu(), cpu(), 271, check_log()); }
+TEST_F(Serving, ExternalStream) { gpu_external_stream_checks(gpu(), 272, check_log()); }
+TEST_F(Serving, CombinedKvRows) { gpu_combined_kv_checks(gpu(), 273, check_log()); }
 
 }  // namespace dsacp::testing
