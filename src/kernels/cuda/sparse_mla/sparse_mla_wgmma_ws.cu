@@ -43,7 +43,6 @@ namespace {
 
 constexpr int kThreads = 384;  // consumers: warpgroups 0, 1; producer: warpgroup 2
 constexpr int kBN = 64;        // keys per tile
-constexpr int kDl = 512, kDr = 64;
 constexpr int kSlabBytes = 64 * 128;             // one [64 rows, 64 bf16] swizzled slab
 constexpr int kTileBytes = 9 * kSlabBytes;       // [64 rows, 576] = 73728
 constexpr int kOffQ = 0;                         // Q [64, 576]

@@ -47,7 +47,6 @@ namespace {
 
 constexpr int kThreads = 384;  // consumers: warpgroups 0, 1; producer: warpgroup 2
 constexpr int kBN = 32;        // keys per tile
-constexpr int kDl = 512, kDr = 64;
 constexpr int kQSlabBytes = 64 * 128;            // Q: [64 rows, 64 bf16] swizzled slabs
 constexpr int kSlabBytes = kBN * 128;            // a tile: [32 rows, 64 bf16] swizzled slabs
 constexpr int kTileBytes = 9 * kSlabBytes;       // [32 rows, 576] = 36864
