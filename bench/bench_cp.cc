@@ -7,8 +7,9 @@
 // separate passes with a StepPhaseRecorder (it synchronizes at phase boundaries). Median of the timed reps
 // after one warm-up; the ranks start a step together (a spin barrier) and its time runs from the first rank's
 // start to the last rank's end; every step (the one-GPU one too) runs on a long-lived rank thread pinned to a
-// core of its own. H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
-// Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp] [--S TOKENS] [--mode sharded|replicated]
+// core of its own. --only graph: a pass of decode layers captured into one CUDA graph and replayed, one GPU against
+// D = n (bench_cp_graph.cc). H=128, Dl=512, Dr=64, Hi=64, Di=128, K=2048, page 64, bf16.
+// Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp|graph] [--S TOKENS] [--mode sharded|replicated]
 //        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N] [--no-pin] [--timeout-ms N] [--batch N]
 //        [--nccl-window-mb N (0: none)] [--nccl-peer-exchange-mb N (0: off)] [--exchange-stamps]
 #include <algorithm>
@@ -36,6 +37,8 @@
 #include "dsacp/random.h"
 #include "dsacp/step.h"
 #include "dsacp/step_timing.h"
+#include "bench_cp_graph.h"
+#include "cp_bench_support.h"
 #include "rank_threads.h"
 #include "step_shape.h"
 
@@ -43,99 +46,12 @@ using namespace dsacp;
 
 namespace {
 
+using namespace bench::cp;
 using bench::RankThreads;
 using bench::SpinBarrier;
 using bench::cpu_relax;
 using bench::one_cpu_per_core;
 using bench::pin_to;
-
-int g_stagger_us = 0;  // --stagger-us
-long g_timeout_ms = 300000;  // --timeout-ms: the communicators' bound on every wait
-size_t g_window_bytes = NcclOptions{}.window_bytes;  // --nccl-window-mb (0: no exchange window)
-size_t g_peer_exchange_bytes = 0;                    // --nccl-peer-exchange-mb (0: off)
-bool g_exchange_stamps = false;                      // --exchange-stamps: the peer exchange's phase times
-
-void die_if(const Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s failed: %s\n", what, s.to_string().c_str());
-    std::exit(2);
-  }
-}
-template <typename T>
-T take(Result<T> r, const char* what) {
-  die_if(r.status(), what);
-  return std::move(r).value();
-}
-
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-RankThreads* g_ranks = nullptr;  // made in main, one thread for every GPU, before any rank work
-
-// f(r) for ranks r < n (at most the GPUs' count), each on its rank's thread.
-template <typename F>
-void on_ranks(int n, F f) {
-  g_ranks->run([&](int r) {
-    if (r < n) f(r);
-  });
-}
-
-// 64 MiB of random bf16 in [-1, 1), tiled over a buffer (no two indexer keys of a 128K context repeat).
-const std::vector<uint16_t>& random_block() {
-  static std::vector<uint16_t> block = [] {
-    std::vector<uint16_t> b(32u << 20);
-    for (size_t i = 0; i < b.size(); ++i) {
-      b[i] = f32_to_bf16(static_cast<float>((counter_hash(7, 1, i) >> 40) * (2.0 / 16777216.0) - 1.0)).bits;
-    }
-    return b;
-  }();
-  return block;
-}
-
-void fill_random(Backend& be, void* p, size_t bytes) {
-  const auto& b = random_block();
-  const size_t chunk = std::min(bytes, b.size() * 2);
-  die_if(be.copy_to_device(p, b.data(), chunk), "upload random block");
-  for (size_t at = chunk; at < bytes; at += chunk) {
-    die_if(be.copy_on_device(static_cast<char*>(p) + at, p, std::min(chunk, bytes - at)), "tile random block");
-  }
-}
-
-using bench::StepBuffers;
-using bench::ordered_table;
-
-StepConfig config() { return bench::decode_step_config(); }
-
-// The steps read a block table kept on the device (StepInputs::block_table), as a serving engine keeps it;
-// --host-table uploads the host table every step instead.
-bool g_device_table = true;
-
-// A rank's (or the one GPU's) step buffers, filled: random bf16 rows, head weights in [0, 1).
-StepBuffers step_buffers(Backend& be, const StepConfig& c, int64_t rows, int64_t heads, int64_t out_rows) {
-  StepBuffers b = take(bench::allocate_step_buffers(be, c, rows, heads, out_rows), "allocate");
-  const size_t bf = 2;
-  fill_random(be, b.q_nope.get(), rows * heads * c.Dl * bf);
-  fill_random(be, b.q_rope.get(), rows * heads * c.Dr * bf);
-  fill_random(be, b.kv.get(), rows * c.Dl * bf);
-  fill_random(be, b.kr.get(), rows * c.Dr * bf);
-  fill_random(be, b.iq.get(), rows * c.Hi * c.Di * bf);
-  fill_random(be, b.ik.get(), rows * c.Di * bf);
-  std::vector<float> w(static_cast<size_t>(std::max<int64_t>(rows * c.Hi, 1)));
-  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((counter_hash(9, 2, i) >> 40) / 16777216.0);
-  die_if(be.copy_to_device(b.iw.get(), w.data(), w.size() * sizeof(float)), "upload weights");
-  return b;
-}
-
-void fill_cache(Backend& be, const PagedKvCache& cache) {
-  for (const PagedPoolView& v : {cache.latent(), cache.rope(), cache.index_keys()}) {
-    fill_random(be, v.data, static_cast<size_t>(v.num_pages) * v.page_size * v.dim * 2);
-  }
-}
 
 struct Measure {
   double step_ms = 0;
@@ -220,24 +136,6 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
   scale_phases(m.phases, reps);
   m.step_ms = median(times);
   return m;
-}
-
-// The ranks' NCCL communicators for a P x D layout (world, PCP group, DCP group), one thread per GPU.
-std::vector<OwnedCpComms> make_comms(const std::vector<std::unique_ptr<Backend>>& gpus, const CpLayout& layout) {
-  const int Pt = layout.num_ranks();
-  std::vector<OwnedCpComms> comms(static_cast<size_t>(Pt));
-  const NcclId id = take(nccl_make_id(), "nccl id");
-  on_ranks(Pt, [&](int cr) {
-    NcclOptions o;
-    o.device = cr;
-    o.producer_stream = gpus[cr]->native_stream();
-    o.timeout = std::chrono::milliseconds(g_timeout_ms);
-    o.window_bytes = g_window_bytes;
-    o.peer_exchange_bytes = g_peer_exchange_bytes;
-    o.exchange_stamps = g_exchange_stamps;
-    comms[cr] = take(nccl_cp_comms(id, layout, cr, o), "nccl communicators");
-  });
-  return comms;
 }
 
 // P x D ranks, rank cr on GPU cr: cp_step_run over `requests`.
@@ -570,6 +468,25 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // A pass of decode layers captured into one CUDA graph and replayed: one GPU against D = n (sharded indexer).
+  std::vector<std::string> graph_rows;
+  if (only.empty() || only == "graph") {
+    constexpr int kLayers = 8;
+    for (int64_t S : {int64_t{32768}, int64_t{131072}}) {
+      if ((quick && S > 32768) || (only_S != 0 && S != only_S)) continue;
+      const std::vector<Request> req(static_cast<size_t>(batch), Request{1, static_cast<int32_t>(S - 1)});
+      const double one = one_gpu_graph_layer_ms(*gpus[0], c, req, kLayers, reps);
+      const double cp = cp_graph_layer_ms(gpus, c, req, layout_of(1, n, IndexerMode::kSharded), kLayers, reps);
+      const std::string name = "graph decode b" + std::to_string(batch) + " " + std::to_string(S / 1024) + "K D" +
+                               std::to_string(n) + " sharded";
+      std::printf("%s: %d layers a graph, one GPU %.4f ms a layer, D%d %.4f ms a layer (%.3f of one GPU)\n",
+                  name.c_str(), kLayers, one, n, cp, cp / one);
+      char row[256];
+      std::snprintf(row, sizeof row, "{\"case\":\"%s\",\"layers\":%d,\"one_gpu_layer_ms\":%.4f,\"cp_layer_ms\":%.4f,"
+                    "\"cp_of_one_gpu\":%.4f}", name.c_str(), kLayers, one, cp, cp / one);
+      graph_rows.push_back(row);
+    }
+  }
   if (!json.empty()) {
     FILE* f = std::fopen(json.c_str(), "w");
     if (f == nullptr) return 2;
@@ -578,6 +495,8 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < cases.size(); ++i) std::fprintf(f, "%s\n%s", i ? "," : "", cases[i].c_str());
     std::fprintf(f, "],\"busbw\":[");
     for (size_t i = 0; i < bus.size(); ++i) std::fprintf(f, "%s\n%s", i ? "," : "", bus[i].c_str());
+    std::fprintf(f, "],\"graph_layers\":[");
+    for (size_t i = 0; i < graph_rows.size(); ++i) std::fprintf(f, "%s\n%s", i ? "," : "", graph_rows[i].c_str());
     std::fprintf(f, "]}\n");
     std::fclose(f);
   }

@@ -90,6 +90,14 @@ def cp_section(r):
             label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB"
             out.append(f"| {b['op']} | {b['ranks']} | {label} | {fmt(b['us'], 1)} | {fmt(b['algbw'], 1)} | "
                        f"{fmt(b['busbw'], 1)} | {fmt(b.get('single_us'), 1)} |")
+    graphs = d.get("graph_layers", [])
+    if graphs:
+        out += ["", "Decode layers captured into one CUDA graph and replayed (`--only graph`: device time of a replay "
+                "/ its layers; the CP ranks' plans enqueue only, a replay's time is its slowest rank's):", "",
+                "| case | layers a graph | one GPU ms a layer | CP ms a layer | CP / one GPU |", "|---|---|---|---|---|"]
+        for g in graphs:
+            out.append(f"| {g['case']} | {g['layers']} | {fmt(g['one_gpu_layer_ms'])} | {fmt(g['cp_layer_ms'])} | "
+                       f"{fmt(g['cp_of_one_gpu'], 3)} |")
     return out
 
 

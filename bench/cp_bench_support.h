@@ -1,0 +1,130 @@
+// dsacp_bench_cp's shared pieces (bench_cp.cc, bench_cp_graph.cc): its options, exits on failure, the rank
+// threads, random inputs and the step buffers.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <utility>
+#include <vector>
+
+#include "dsacp/backend.h"
+#include "dsacp/cp_step.h"
+#include "dsacp/nccl_communicator.h"
+#include "dsacp/paged_cache.h"
+#include "dsacp/random.h"
+#include "dsacp/step.h"
+#include "rank_threads.h"
+#include "step_shape.h"
+
+namespace dsacp::bench::cp {
+
+inline int g_stagger_us = 0;  // --stagger-us
+inline long g_timeout_ms = 300000;  // --timeout-ms: the communicators' bound on every wait
+inline size_t g_window_bytes = NcclOptions{}.window_bytes;  // --nccl-window-mb (0: no exchange window)
+inline size_t g_peer_exchange_bytes = 0;                    // --nccl-peer-exchange-mb (0: off)
+inline bool g_exchange_stamps = false;                      // --exchange-stamps: the peer exchange's phase times
+
+inline void die_if(const Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s failed: %s\n", what, s.to_string().c_str());
+    std::exit(2);
+  }
+}
+template <typename T>
+T take(Result<T> r, const char* what) {
+  die_if(r.status(), what);
+  return std::move(r).value();
+}
+
+using Clock = std::chrono::steady_clock;
+inline double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+inline RankThreads* g_ranks = nullptr;  // made in main, one thread for every GPU, before any rank work
+
+// f(r) for ranks r < n (at most the GPUs' count), each on its rank's thread.
+template <typename F>
+void on_ranks(int n, F f) {
+  g_ranks->run([&](int r) {
+    if (r < n) f(r);
+  });
+}
+
+// 64 MiB of random bf16 in [-1, 1), tiled over a buffer (no two indexer keys of a 128K context repeat).
+inline const std::vector<uint16_t>& random_block() {
+  static std::vector<uint16_t> block = [] {
+    std::vector<uint16_t> b(32u << 20);
+    for (size_t i = 0; i < b.size(); ++i) {
+      b[i] = f32_to_bf16(static_cast<float>((counter_hash(7, 1, i) >> 40) * (2.0 / 16777216.0) - 1.0)).bits;
+    }
+    return b;
+  }();
+  return block;
+}
+
+inline void fill_random(Backend& be, void* p, size_t bytes) {
+  const auto& b = random_block();
+  const size_t chunk = std::min(bytes, b.size() * 2);
+  die_if(be.copy_to_device(p, b.data(), chunk), "upload random block");
+  for (size_t at = chunk; at < bytes; at += chunk) {
+    die_if(be.copy_on_device(static_cast<char*>(p) + at, p, std::min(chunk, bytes - at)), "tile random block");
+  }
+}
+
+using bench::StepBuffers;
+using bench::ordered_table;
+
+inline StepConfig config() { return bench::decode_step_config(); }
+
+// The steps read a block table kept on the device (StepInputs::block_table), as a serving engine keeps it;
+// --host-table uploads the host table every step instead.
+inline bool g_device_table = true;
+
+// A rank's (or the one GPU's) step buffers, filled: random bf16 rows, head weights in [0, 1).
+inline StepBuffers step_buffers(Backend& be, const StepConfig& c, int64_t rows, int64_t heads, int64_t out_rows) {
+  StepBuffers b = take(bench::allocate_step_buffers(be, c, rows, heads, out_rows), "allocate");
+  const size_t bf = 2;
+  fill_random(be, b.q_nope.get(), rows * heads * c.Dl * bf);
+  fill_random(be, b.q_rope.get(), rows * heads * c.Dr * bf);
+  fill_random(be, b.kv.get(), rows * c.Dl * bf);
+  fill_random(be, b.kr.get(), rows * c.Dr * bf);
+  fill_random(be, b.iq.get(), rows * c.Hi * c.Di * bf);
+  fill_random(be, b.ik.get(), rows * c.Di * bf);
+  std::vector<float> w(static_cast<size_t>(std::max<int64_t>(rows * c.Hi, 1)));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>((counter_hash(9, 2, i) >> 40) / 16777216.0);
+  die_if(be.copy_to_device(b.iw.get(), w.data(), w.size() * sizeof(float)), "upload weights");
+  return b;
+}
+
+inline void fill_cache(Backend& be, const PagedKvCache& cache) {
+  for (const PagedPoolView& v : {cache.latent(), cache.rope(), cache.index_keys()}) {
+    fill_random(be, v.data, static_cast<size_t>(v.num_pages) * v.page_size * v.dim * 2);
+  }
+}
+
+// The ranks' NCCL communicators for a P x D layout (world, PCP group, DCP group), one thread per GPU.
+inline std::vector<OwnedCpComms> make_comms(const std::vector<std::unique_ptr<Backend>>& gpus, const CpLayout& layout) {
+  const int Pt = layout.num_ranks();
+  std::vector<OwnedCpComms> comms(static_cast<size_t>(Pt));
+  const NcclId id = take(nccl_make_id(), "nccl id");
+  on_ranks(Pt, [&](int cr) {
+    NcclOptions o;
+    o.device = cr;
+    o.producer_stream = gpus[cr]->native_stream();
+    o.timeout = std::chrono::milliseconds(g_timeout_ms);
+    o.window_bytes = g_window_bytes;
+    o.peer_exchange_bytes = g_peer_exchange_bytes;
+    o.exchange_stamps = g_exchange_stamps;
+    comms[cr] = take(nccl_cp_comms(id, layout, cr, o), "nccl communicators");
+  });
+  return comms;
+}
+
+}  // namespace dsacp::bench::cp
