@@ -16,6 +16,8 @@ custom ops (``torch.ops.dsacp.*``) for ``torch.compile`` and CUDA graphs.
 
 The planned step: ``plan = dsacp.plan(...)`` once per forward pass (the batch's host work, uploaded once), then
 ``dsacp.run_layer(plan, caches, ...)`` for each layer (kernels only, into the caller's caches and outputs).
+Context parallelism: ``group = dsacp.cp_group(P, D)`` per process (torch.distributed: gloo on the CPU, dsacp's NCCL
+communicators on CUDA), ``dsacp.cp_plan(group, ...)`` per forward pass, ``dsacp.cp_run_layer(plan, ...)`` per layer.
 """
 import importlib.util
 import sys
@@ -29,6 +31,8 @@ if _HAVE_TORCH:
 from . import _dsacp
 from ._dsacp import check_errors, make_case, replay
 from .step import StepPlan, plan, run_layer
+from .cp import CpStepPlan, TorchCollectives, cp_group, cp_plan, cp_run_layer
+from ._dsacp import nccl_available
 
 
 def _torch_cuda(x):
@@ -100,8 +104,9 @@ for _f in (indexer_topk, sparse_mla, lse_merge, cache_write, plan, run_layer):
     if _f.__doc__ is None:
         _f.__doc__ = getattr(_dsacp, _f.__name__).__doc__
 
-__all__ = ["StepPlan", "cache_write", "check_errors", "indexer_topk", "lse_merge", "make_case", "plan", "replay",
-           "run_layer", "sparse_mla"]
+__all__ = ["CpStepPlan", "StepPlan", "TorchCollectives", "cache_write", "check_errors", "cp_group", "cp_plan",
+           "cp_run_layer", "indexer_topk", "lse_merge", "make_case", "nccl_available", "plan", "replay", "run_layer",
+           "sparse_mla"]
 __version__ = "0.1.0"
 
 if _HAVE_TORCH:

@@ -72,7 +72,8 @@ def cache_write(rows: object, slots: object, pool: object, *, rope_rows: object 
     [num_pages, page_size, dim] f32/bf16, or uint8 FP8 pages (rows are quantized with scale_mode "fp32" or
     "ue8m0"), or uint8 fp8_ds_mla records [num_pages, page_size, dim + 4 * dim / 128 + 2 * Dr] (the latent rows
     quantized per 128-value tile, or float8_e4m3fn rows with row_scales [T, dim / 128]; rope_rows [T, Dr] f32/bf16
-    stored as bf16 in the same records).
+    stored as bf16 in the same records); or, with rope_rows, vLLM's bf16 KV cache [num_pages, page_size, kv_row >= dim +
+    Dr] (f32/bf16: each slot's row gets rows[t], then rope_rows[t]; the values past dim + Dr are left as they are).
 
     Tensors: all on the CPU (numpy, torch, ...) or all on one CUDA device (torch, cupy, jax: used in place). CUDA
     calls run on the stream `stream` (a cudaStream_t as an int; None: torch's current stream for torch tensors, else
@@ -178,6 +179,99 @@ def plan(query_lens: Sequence[int], context_lens: Sequence[int], block_table: ob
 
 def run_layer(plan: StepPlan, latent: object, rope: object | None, index_keys: object, q_nope: object, q_rope: object, kv_latent: object, k_rope: object, idx_q: object | None = None, idx_w: object | None = None, idx_k: object | None = None, *, idx_q_scale: object | None = None, idx_k_scale: object | None = None, precomputed_topk: object | None = None, out: object | None = None, lse: object | None = None, topk: object | None = None, workspace: object | None = None, stream: int | None = None, fingerprint: int = 0) -> tuple:
     """One layer's step under a plan (see dsacp.run_layer)."""
+
+class CpGroup:
+    """
+    A CP rank's group (dsacp.cp_group): its layout, rank and communicators.
+    """
+
+    @property
+    def rank(self) -> int:
+        """cr = r * D + d"""
+
+    @property
+    def P(self) -> int: ...
+
+    @property
+    def D(self) -> int: ...
+
+    @property
+    def r(self) -> int: ...
+
+    @property
+    def d(self) -> int: ...
+
+    @property
+    def transport(self) -> str:
+        """"nccl" or "python collectives\""""
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def stream(self) -> int: ...
+
+    def comm_stats(self) -> tuple:
+        """(collectives, bytes sent) of the world communicator"""
+
+def nccl_make_id() -> bytes:
+    """A new ncclUniqueId (128 bytes) for the ranks of one NCCL group."""
+
+def nccl_available() -> bool:
+    """Whether this build has the NCCL communicator."""
+
+class CpStepPlan:
+    """A CP rank's plan of one batch (dsacp.cp_plan)."""
+
+    @property
+    def num_rows(self) -> int:
+        """The rank's input rows (its tokens and padding rows)"""
+
+    @property
+    def output_rows(self) -> int: ...
+
+    @property
+    def num_shared_rows(self) -> int: ...
+
+    @property
+    def row_token(self) -> list[int]:
+        """The batch token of each input row (-1: a padding row)"""
+
+    @property
+    def head_begin(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def pages_needed(self) -> int: ...
+
+    @property
+    def index_page_factor(self) -> int: ...
+
+    @property
+    def topk(self) -> int: ...
+
+    @property
+    def heads(self) -> int: ...
+
+    @property
+    def latent_dim(self) -> int: ...
+
+    @property
+    def rope_dim(self) -> int: ...
+
+    @property
+    def out_dtype(self) -> str: ...
+
+    @property
+    def run_scratch_bytes(self) -> int: ...
+
+def cp_plan(group: object, query_lens: Sequence[int], context_lens: Sequence[int], block_table: object, *, num_pages: int, heads: int, scale: float, topk: int = 2048, page_size: int = 64, latent_dim: int = 512, rope_dim: int = 64, index_heads: int = 64, index_dim: int = 128, dtype: str = 'bf16', out_dtype: str = 'f32', cache_dtype: str | None = None, index_dtype: str | None = None, latent_cache: str = 'rows', index_scale_mode: str = 'fp32', latent_scale_mode: str = 'fp32', topk_form: str = 'canonical', lse_base: str = 'e', decode_threshold: int = 16, device_block_table: object | None = None) -> CpStepPlan:
+    """A CP rank's plan of one batch (see dsacp.cp_plan)."""
+
+def cp_run_layer(plan: CpStepPlan, latent: object, rope: object | None, index_keys: object, q_nope: object, q_rope: object, kv_latent: object, k_rope: object, idx_q: object | None = None, idx_w: object | None = None, idx_k: object | None = None, *, idx_q_scale: object | None = None, idx_k_scale: object | None = None, precomputed_topk: object | None = None, out: object | None = None, lse: object | None = None, topk: object | None = None, stream: int | None = None) -> tuple:
+    """One layer's step on a CP rank (see dsacp.cp_run_layer)."""
 
 def check_errors() -> None:
     """

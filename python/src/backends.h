@@ -23,6 +23,8 @@ uintptr_t call_stream(const Placement& pl, std::optional<uintptr_t> stream);
 Backend& op_backend(const Placement& pl, int threads, std::optional<uintptr_t> stream);
 // Adds StepPlan, plan() and run_layer() (plan.cc) to the module.
 void register_plan(nanobind::module_& m);
+// Adds CpGroup, CpStepPlan, cp_plan() and cp_run_layer() (cp.cc) to the module.
+void register_cp(nanobind::module_& m);
 // Waits for every CUDA backend's work and raises the first data error a kernel found since the last check.
 void check_errors();
 

@@ -95,9 +95,13 @@ nb::tuple sparse_mla(nb::handle q_nope, nb::handle q_rope, const nb::object& lat
   check_dims(op, "q_rope", qr, {{"T", T}, {"H", H}, {"Dr", qr.shape[2]}});
   const int64_t Dr = qr.shape[2];
   int32_t record_dr = 0;
-  PagedPoolView lat = paged_pool_arg(pl, "latent", latent, Dl, false, 0, /*records_ok=*/rope.is_none(), &record_dr);
-  PagedPoolView rp;
-  if (lat.records()) {
+  PagedPoolView lat, rp;
+  if (rope.is_none() && !is_u8_tensor(latent)) {
+    // vLLM's bf16 KV cache: one [num_pages, page_size, kv_row] tensor, each row latent then rope.
+    lat = kv_rows_arg(pl, "latent", latent, Dl, Dr, false, "rope is None (or fp8_ds_mla records, uint8)");
+    rp = kv_rope_view(lat, static_cast<int32_t>(Dl), static_cast<int32_t>(Dr));
+  } else if (lat = paged_pool_arg(pl, "latent", latent, Dl, false, 0, /*records_ok=*/rope.is_none(), &record_dr);
+             lat.records()) {
     // fp8_ds_mla records: latent and rope of a token in one record; rope=None.
     if (record_dr != Dr) {
       throw nb::value_error((std::string(op) + ": fp8_ds_mla records of " + std::to_string(lat.record_bytes) +
@@ -225,7 +229,21 @@ void cache_write(nb::handle rows, nb::handle slots, const nb::object& pool, std:
   p.num_rows = T;
   p.slots = static_cast<const int64_t*>(ts.data);
   int32_t record_dr = 0;
-  p.pool = paged_pool_arg(pl, "pool", pool, dim, /*writable=*/true, 0, /*records_ok=*/true, &record_dr);
+  const bool combined = rope_rows && !is_u8_tensor(pool);
+  if (combined) {
+    // vLLM's bf16 KV cache [num_pages, page_size, kv_row]: rows into each slot's first dim values, rope_rows
+    // after them.
+    TensorArg trr = tensor_arg(pl, "rope_rows", *rope_rows, {Elem::kF32, Elem::kBF16}, 2);
+    check_dims(op, "rope_rows", trr, {{"T", T}, {"Dr", -1}});
+    record_dr = static_cast<int32_t>(trr.shape[1]);
+    p.pool = kv_rows_arg(pl, "pool", pool, dim, record_dr, /*writable=*/true, "rope_rows is given (or fp8_ds_mla records, uint8)");
+    p.more[0].rows = trr.data;
+    p.more[0].rows_dtype = trr.dtype;
+    p.more[0].slots = p.slots;
+    p.more[0].pool = kv_rope_view(p.pool, static_cast<int32_t>(dim), record_dr);
+  } else {
+    p.pool = paged_pool_arg(pl, "pool", pool, dim, /*writable=*/true, 0, /*records_ok=*/true, &record_dr);
+  }
   p.fp8_scale_mode = p.record_scale_mode = scale_mode_arg(op, scale_mode);
   if (row_scales) {
     // [T] for FP8 pages; [T, dim / 128] (a scale per 128-value tile) for fp8_ds_mla records.
@@ -233,7 +251,7 @@ void cache_write(nb::handle rows, nb::handle slots, const nb::object& pool, std:
                                      : tensor_arg(pl, "row_scales", *row_scales, {Elem::kF32}, {{"T", T}});
     p.row_scales = static_cast<const float*>(tsc.data);
   }
-  if (rope_rows) {
+  if (rope_rows && !combined) {
     if (!p.pool.records()) {
       throw nb::value_error((std::string(op) + ": rope_rows given but 'pool' is not an fp8_ds_mla record pool (uint8 "
                              "[num_pages, page_size, Dl + 4 * Dl / 128 + 2 * Dr]); write a rope pool with its own call")
@@ -395,11 +413,13 @@ rows [T, dim] f32/bf16 (or float8_e4m3fn with row_scales [T]); slots [T] int64 (
 [num_pages, page_size, dim] f32/bf16, or uint8 FP8 pages (rows are quantized with scale_mode "fp32" or
 "ue8m0"), or uint8 fp8_ds_mla records [num_pages, page_size, dim + 4 * dim / 128 + 2 * Dr] (the latent rows
 quantized per 128-value tile, or float8_e4m3fn rows with row_scales [T, dim / 128]; rope_rows [T, Dr] f32/bf16
-stored as bf16 in the same records).)") + cuda_note).c_str());
+stored as bf16 in the same records); or, with rope_rows, vLLM's bf16 KV cache [num_pages, page_size, kv_row >= dim +
+Dr] (f32/bf16: each slot's row gets rows[t], then rope_rows[t]; the values past dim + Dr are left as they are).)") + cuda_note).c_str());
   m.def("_bench_lse_merge", &bench_lse_merge, nb::arg("part_out"), nb::arg("part_lse"), nb::arg("out"), nb::arg("lse"),
         nb::arg("stream").none(), nb::arg("n"),
         "Host seconds per lse_merge call made n times from C++ with the arguments converted once (benchmarks).");
   register_plan(m);
+  register_cp(m);
   m.def("check_errors", &check_errors,
         R"(Waits for the CUDA work of every op so far and raises the first data error a kernel found since the last
 check (ValueError naming the kernel and the row). Does nothing when no op ran on CUDA tensors.)");

@@ -21,6 +21,7 @@
 #include "dsacp/paged_cache.h"
 #include "dsacp/step.h"
 #include "dsacp/step_plan.h"
+#include "step_args.h"
 #include "tensor_args.h"
 
 namespace nb = nanobind;
@@ -28,7 +29,7 @@ namespace nb = nanobind;
 namespace dsacp::py {
 namespace {
 
-[[noreturn]] void value_error(const std::string& msg) { throw nb::value_error(msg.c_str()); }
+void value_error(const std::string& msg) { plan_value_error(msg); }
 
 // One batch's plan, with where it runs: the backend (CPU threads, or a CUDA device and the stream the plan was
 // made on: every run must be on that stream, since the plan's tables were uploaded in its order).
@@ -43,42 +44,6 @@ struct PyStepPlan {
     return device_type == nb::device::cuda::value ? "cuda:" + std::to_string(device_id) : "cpu";
   }
 };
-
-DType act_dtype_arg(const char* what, const std::string& s) {
-  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
-  if (s == "f32" || s == "float32") return DType::kF32;
-  value_error(std::string("plan: ") + what + "=\"" + s + "\", expected \"bf16\" or \"f32\"");
-}
-
-Fp8ScaleMode scale_mode_of(const char* what, const std::string& s) {
-  if (s == "fp32") return Fp8ScaleMode::kFp32;
-  if (s == "ue8m0") return Fp8ScaleMode::kUe8m0;
-  value_error(std::string("plan: ") + what + "=\"" + s + "\", expected \"fp32\" or \"ue8m0\"");
-}
-
-// "cpu", "cuda" (device 0) or "cuda:N".
-void device_arg(const std::string& s, int32_t* type, int32_t* id) {
-  if (s == "cpu") {
-    *type = nb::device::cpu::value;
-    *id = 0;
-    return;
-  }
-  if (s == "cuda" || s.rfind("cuda:", 0) == 0) {
-    *type = nb::device::cuda::value;
-    *id = 0;
-    if (s.size() > 5) {
-      try {
-        size_t used = 0;
-        *id = std::stoi(s.substr(5), &used);
-        if (used + 5 != s.size() || *id < 0) throw std::invalid_argument(s);
-      } catch (const std::exception&) {
-        value_error("plan: device=\"" + s + "\", expected \"cpu\", \"cuda\" or \"cuda:N\"");
-      }
-    }
-    return;
-  }
-  value_error("plan: device=\"" + s + "\", expected \"cpu\", \"cuda\" or \"cuda:N\"");
-}
 
 PyStepPlan* make_plan(const std::vector<int32_t>& query_lens, const std::vector<int32_t>& context_lens,
                       nb::handle block_table, int64_t num_pages, int32_t heads, float scale, int32_t topk,
@@ -108,51 +73,30 @@ PyStepPlan* make_plan(const std::vector<int32_t>& query_lens, const std::vector<
   table.data.assign(entries, entries + bt.shape[0] * bt.shape[1]);
 
   auto p = std::make_unique<PyStepPlan>();
-  device_arg(device, &p->device_type, &p->device_id);
-  StepConfig c = step_config_of(CaseDims{heads, latent_dim, rope_dim, index_heads, index_dim}, topk, scale,
-                                act_dtype_arg("dtype", dtype), act_dtype_arg("out_dtype", out_dtype));
-  if (decode_threshold < 1 || decode_threshold > kMaxDecodeThreshold) {
-    value_error("plan: decode_threshold=" + std::to_string(decode_threshold) + ", expected 1 .. " +
-                std::to_string(kMaxDecodeThreshold));
-  }
-  c.decode_threshold = decode_threshold;
-  if (topk_form == "canonical") {
-    c.topk_form = TopkForm::kCanonical;
-  } else if (topk_form == "slots") {
-    c.topk_form = TopkForm::kSlot;
-  } else {
-    value_error("plan: topk_form=\"" + topk_form + "\", expected \"canonical\" or \"slots\"");
-  }
-  if (lse_base == "e") {
-    c.lse_base = LseBase::kNatural;
-  } else if (lse_base == "2") {
-    c.lse_base = LseBase::kTwo;
-  } else {
-    value_error("plan: lse_base=\"" + lse_base + "\", expected \"e\" or \"2\"");
-  }
+  device_arg("plan", device, &p->device_type, &p->device_id);
+  PlanArgs a;
+  a.num_pages = num_pages;
+  a.heads = heads;
+  a.scale = scale;
+  a.topk = topk;
+  a.page_size = page_size;
+  a.latent_dim = latent_dim;
+  a.rope_dim = rope_dim;
+  a.index_heads = index_heads;
+  a.index_dim = index_dim;
+  a.dtype = dtype;
+  a.out_dtype = out_dtype;
+  a.cache_dtype = cache_dtype;
+  a.index_dtype = index_dtype;
+  a.latent_cache = latent_cache;
+  a.index_scale_mode = index_scale_mode;
+  a.latent_scale_mode = latent_scale_mode;
+  a.topk_form = topk_form;
+  a.lse_base = lse_base;
+  a.decode_threshold = decode_threshold;
+  StepConfig c;
   PagedCacheConfig cc;
-  if (num_pages < 1) value_error("plan: num_pages=" + std::to_string(num_pages) + ", expected >= 1 (the caches' pages)");
-  cc.num_pages = num_pages;
-  cc.page_size = page_size;
-  cc.Dl = latent_dim;
-  cc.Dr = rope_dim;
-  cc.Di = index_dim;
-  cc.dtype = cache_dtype ? act_dtype_arg("cache_dtype", *cache_dtype) : c.act_dtype;
-  if (index_dtype) {
-    if (*index_dtype != "fp8") value_error("plan: index_dtype=\"" + *index_dtype + "\", expected None or \"fp8\"");
-    // e4m3 idx_q / idx_k with their scales, into the FP8 indexer pages (132 bytes a key for Di = 128).
-    c.index_dtype = DType::kF8E4M3;
-    cc.index_dtype = DType::kF8E4M3;
-  }
-  cc.index_scale_mode = scale_mode_of("index_scale_mode", index_scale_mode);
-  if (latent_cache == "rows") {
-    cc.latent_format = LatentFormat::kRows;
-  } else if (latent_cache == "fp8_ds_mla") {
-    cc.latent_format = LatentFormat::kFp8DsMla;
-  } else {
-    value_error("plan: latent_cache=\"" + latent_cache + "\", expected \"rows\" or \"fp8_ds_mla\"");
-  }
-  cc.latent_scale_mode = scale_mode_of("latent_scale_mode", latent_scale_mode);
+  plan_configs("plan", a, &c, &cc);
 
   StepPlanOptions o;
   o.fingerprint = fingerprint;
@@ -187,32 +131,6 @@ PyStepPlan* make_plan(const std::vector<int32_t>& query_lens, const std::vector<
   return p.release();
 }
 
-// A layer's pool tensor against the plan's layout; returns its pages.
-int64_t check_pool(const PyStepPlan& p, Placement& pl, const char* name, nb::handle obj, int64_t dim, DType want,
-                   bool records, PagedPoolView* view) {
-  int32_t record_dr = 0;
-  const PagedCacheConfig& cc = p.cache;
-  *view = paged_pool_arg(pl, name, obj, dim, /*writable=*/true, cc.page_size, records, &record_dr);
-  auto py_name = [](DType d) { return d == DType::kBF16 ? "bfloat16" : "float32"; };
-  const char* kind = want == DType::kF8E4M3 ? (records ? "fp8_ds_mla records (uint8)" : "FP8 pages (uint8)")
-                                            : py_name(want);
-  if (view->dtype != want || (records != view->records()) || view->page_size != cc.page_size ||
-      (records && record_dr != cc.Dr)) {
-    const std::string got = view->records() ? "fp8_ds_mla records of " + std::to_string(view->record_bytes) + " bytes"
-                            : view->dtype == DType::kF8E4M3 ? "FP8 pages"
-                                                             : std::string(py_name(view->dtype));
-    value_error(std::string("run_layer: cache '") + name + "' holds " + got + " in pages of " +
-                std::to_string(view->page_size) + ", the plan's layout wants " + kind + " in pages of " +
-                std::to_string(cc.page_size) +
-                (records ? " (" + std::to_string(fp8_ds_mla_record_bytes(cc.Dl, cc.Dr)) + " bytes a token)" : ""));
-  }
-  if (view->num_pages < p.plan.pages_needed()) {
-    value_error(std::string("run_layer: cache '") + name + "' holds " + std::to_string(view->num_pages) +
-                " pages, the plan's block table uses page " + std::to_string(p.plan.pages_needed() - 1));
-  }
-  return view->num_pages;
-}
-
 // One run_layer call's arguments as the C++ step takes them (checked against the plan).
 struct LayerCall {
   StepInputs si;
@@ -236,86 +154,14 @@ struct LayerCall {
 LayerCall layer_call(DSACP_LAYER_PARAMS) {
   Placement pl("run_layer");
   const StepConfig& c = p.plan.config();
-  const PagedCacheConfig& cc = p.cache;
   const int64_t T = p.plan.num_tokens();
-  const Elem act = c.act_dtype == DType::kBF16 ? Elem::kBF16 : Elem::kF32;
-  // Inputs: the plan's batch (T tokens) and shapes.
-  auto in = [&](const char* name, nb::handle h, std::initializer_list<Elem> elems, std::initializer_list<Dim> dims) {
-    TensorArg t = tensor_arg(pl, name, h, elems, dims.size());
-    if (t.shape[0] != T) {
-      value_error(std::string("run_layer: tensor '") + name + "' has " + std::to_string(t.shape[0]) +
-                  " tokens, the plan's batch " + std::to_string(T) + " (a plan of another batch?)");
-    }
-    check_dims(pl.op, name, t, dims);
-    return t;
-  };
-  StepInputs si;
-  TensorArg qn = in("q_nope", q_nope, {act}, {{"T", T}, {"H", c.H}, {"Dl", c.Dl}});
-  if (pl.device_type != p.device_type || pl.device_id != p.device_id) {
-    value_error("run_layer: tensor 'q_nope' is on " + pl.where() + ", the plan was made for " + p.where() +
-                " (make the plan with device= of the layer's tensors)");
-  }
-  si.q_nope = qn.data;
-  si.q_rope = in("q_rope", q_rope, {act}, {{"T", T}, {"H", c.H}, {"Dr", c.Dr}}).data;
-  si.kv_latent = in("kv_latent", kv_latent, {act}, {{"T", T}, {"Dl", c.Dl}}).data;
-  si.k_rope = in("k_rope", k_rope, {act}, {{"T", T}, {"Dr", c.Dr}}).data;
-  const bool fp8_index = c.index_input_dtype() == DType::kF8E4M3;
-  // e4m3 indexer inputs: float8_e4m3fn tensors or their uint8 bytes.
-  const std::initializer_list<Elem> idx_elems = {Elem::kF8E4M3, Elem::kU8};
-  const std::initializer_list<Elem> act_elems = {act};
-  if (idx_q && !idx_q->is_none()) {
-    si.idx_q = in("idx_q", *idx_q, fp8_index ? idx_elems : act_elems, {{"T", T}, {"Hi", c.Hi}, {"Di", c.Di}}).data;
-  }
-  if (idx_w && !idx_w->is_none()) si.idx_w = static_cast<const float*>(in("idx_w", *idx_w, {Elem::kF32}, {{"T", T}, {"Hi", c.Hi}}).data);
-  if (idx_k && !idx_k->is_none()) {
-    si.idx_k = in("idx_k", *idx_k, fp8_index ? idx_elems : act_elems, {{"T", T}, {"Di", c.Di}}).data;
-  }
-  const bool has_scale_q = idx_q_scale && !idx_q_scale->is_none(), has_scale_k = idx_k_scale && !idx_k_scale->is_none();
-  if (fp8_index) {
-    if ((si.idx_q != nullptr && !has_scale_q) || (si.idx_k != nullptr && !has_scale_k)) {
-      value_error("run_layer: the plan's indexer is FP8 (index_dtype=\"fp8\"): e4m3 idx_q and idx_k come with "
-                  "idx_q_scale [T, Hi] and idx_k_scale [T] (float32)");
-    }
-    if (has_scale_q) si.idx_q_scale = static_cast<const float*>(in("idx_q_scale", *idx_q_scale, {Elem::kF32}, {{"T", T}, {"Hi", c.Hi}}).data);
-    if (has_scale_k) si.idx_k_scale = static_cast<const float*>(in("idx_k_scale", *idx_k_scale, {Elem::kF32}, {{"T", T}}).data);
-  } else if (has_scale_q || has_scale_k) {
-    value_error("run_layer: idx_q_scale / idx_k_scale given, but the plan's indexer is not FP8 (plan with "
-                "index_dtype=\"fp8\")");
-  }
-  if (precomputed_topk && !precomputed_topk->is_none()) {
-    si.topk = static_cast<const int32_t*>(in("precomputed_topk", *precomputed_topk, {Elem::kI32}, {{"T", T}, {"K", c.K}}).data);
-  } else if (si.idx_q == nullptr || si.idx_w == nullptr || si.idx_k == nullptr) {
-    value_error(std::string("run_layer: '") + (si.idx_q == nullptr ? "idx_q" : si.idx_w == nullptr ? "idx_w" : "idx_k") +
-                "' is None; the indexer needs idx_q, idx_w and idx_k (only a layer given precomputed_topk runs "
-                "without them)");
-  }
+  StepInputs si = layer_inputs(pl, c, T, c.H,
+                               LayerTensors{q_nope, q_rope, kv_latent, k_rope, idx_q, idx_w, idx_k, idx_q_scale,
+                                            idx_k_scale, precomputed_topk},
+                               p.device_type, p.device_id, p.where(), "the plan's batch");
   si.plan_fingerprint = fingerprint;
-
   // The layer's caches, the caller's tensors as they are.
-  PagedPoolView lv, rv, kv;
-  const bool records = cc.fp8_latent();
-  int64_t pages = check_pool(p, pl, "latent", latent, cc.Dl, records ? DType::kF8E4M3 : cc.dtype, records, &lv);
-  ExternalPools pools;
-  pools.latent = lv.data;
-  if (records) {
-    if (rope && !rope->is_none()) {
-      value_error("run_layer: cache 'rope' given, but the plan's latent cache is fp8_ds_mla records (they hold the "
-                  "rope): pass None");
-    }
-  } else {
-    if (!rope || rope->is_none()) value_error("run_layer: cache 'rope' is None; the plan's latent cache is rows (bf16/f32), with a rope pool");
-    pages = std::min(pages, check_pool(p, pl, "rope", *rope, cc.Dr, cc.dtype, false, &rv));
-    pools.rope = rv.data;
-  }
-  pages = std::min(pages, check_pool(p, pl, "index_keys", index_keys, cc.Di, cc.index_key_dtype(), false, &kv));
-  pools.index_keys = kv.data;
-  PagedCacheConfig layer = cc;
-  layer.num_pages = pages;
-  pools.latent_bytes = PagedKvCache::latent_bytes(layer);
-  pools.rope_bytes = records ? 0 : PagedKvCache::rope_bytes(layer);
-  pools.index_keys_bytes = PagedKvCache::index_keys_bytes(layer);
-  Result<PagedKvCache> cache = PagedKvCache::wrap(layer, pools);
-  raise_if_error(cache.status());
+  std::unique_ptr<PagedKvCache> cache = layer_caches(pl, p.cache, p.plan.pages_needed(), latent, rope, index_keys);
 
   // Outputs.
   StepOutputs so;
@@ -348,7 +194,7 @@ LayerCall layer_call(DSACP_LAYER_PARAMS) {
   call.si = si;
   call.so = so;
   call.ws = ws;
-  call.cache = std::make_unique<PagedKvCache>(std::move(cache).value());
+  call.cache = std::move(cache);
   call.o = std::move(o);
   call.l = std::move(l);
   call.k = std::move(k);

@@ -318,6 +318,61 @@ PagedPoolView record_rope_view(const PagedPoolView& latent, int32_t Dr) {
   return r;
 }
 
+PagedPoolView kv_rows_arg(Placement& pl, const char* name, const nb::handle& obj, int64_t Dl, int64_t Dr,
+                          bool writable, const char* because) {
+  const char* op = pl.op;
+  TensorArg t = checked(op, &pl, name, obj, {Elem::kF32, Elem::kBF16}, writable);
+  const size_t esize = t.elem == Elem::kBF16 ? 2 : 4;
+  const std::string want = "the combined KV cache [num_pages, page_size, kv_row] with kv_row >= Dl + Dr = " +
+                           std::to_string(Dl) + " + " + std::to_string(Dr) +
+                           " (each token's latent, then its rope, then unused values; 576 in vLLM's layout), since " +
+                           because;
+  if (t.shape.size() != 3 || t.shape[2] < Dl + Dr) {
+    value_error(std::string(op) + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", expected " + want);
+  }
+  if (static_cast<size_t>(t.shape[2]) * esize % 16 != 0 || static_cast<size_t>(Dl) * esize % 16 != 0) {
+    value_error(std::string(op) + ": tensor '" + name + "' has shape " + shape_str(t.shape) + " of " +
+                elem_name(t.elem) + ": the combined KV cache's rows (" + std::to_string(t.shape[2]) +
+                " values) and their latent part (" + std::to_string(Dl) +
+                ") must each be a multiple of 16 bytes (the GPU kernels' vector loads)");
+  }
+  PagedPoolView v;
+  v.data = const_cast<void*>(t.data);
+  v.dtype = t.dtype;
+  v.num_pages = t.shape[0];
+  v.page_size = static_cast<int32_t>(t.shape[1]);
+  v.dim = static_cast<int32_t>(Dl);
+  v.row_stride = t.shape[2];
+  return v;
+}
+
+PagedPoolView kv_rope_view(const PagedPoolView& latent, int32_t Dl, int32_t Dr) {
+  PagedPoolView r = latent;
+  r.data = static_cast<char*>(latent.data) + static_cast<size_t>(Dl) * dtype_size(latent.dtype);
+  r.dim = Dr;
+  return r;
+}
+
+bool is_u8_tensor(nb::handle obj) {
+  PyObject* dt = PyObject_GetAttrString(obj.ptr(), "dtype");
+  if (dt == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  nb::object name = nb::steal(PyObject_Str(dt));
+  Py_DECREF(dt);
+  if (!name.is_valid()) {
+    PyErr_Clear();
+    return false;
+  }
+  const char* s = PyUnicode_AsUTF8(name.ptr());
+  if (s == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  return std::strcmp(s, "uint8") == 0 || std::strcmp(s, "torch.uint8") == 0;
+}
+
 BlockTableView block_table_arg(Placement& pl, nb::handle a) {
   TensorArg t = tensor_arg(pl, "block_table", a, {Elem::kI32}, 2);
   return {static_cast<const int32_t*>(t.data), static_cast<int32_t>(t.shape[0]), static_cast<int32_t>(t.shape[1])};

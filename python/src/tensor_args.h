@@ -110,6 +110,17 @@ PagedPoolView paged_pool_arg(Placement& pl, const char* name, const nb::handle& 
                              int32_t* record_dr = nullptr);
 // The rope view (bf16, dim Dr) of a record pool's latent view.
 PagedPoolView record_rope_view(const PagedPoolView& latent, int32_t Dr);
+// vLLM's and FlashMLA's bf16 KV cache: one f32 / bf16 tensor [num_pages, page_size, kv_row] whose token rows hold
+// the Dl latent values, then the Dr rope values, then kv_row - Dl - Dr unused ones (kv_row = 576 for 512 + 64).
+// Returns the latent view (row_stride kv_row); kv_rope_view gives the rope view of the same rows. Refused with a
+// ValueError naming the tensor and the shape expected: another rank, kv_row < Dl + Dr, rows or a latent part
+// whose bytes are not a multiple of 16 (the GPU kernels' vector loads), or a non-contiguous tensor.
+// `because` says in the message why the tensor is read so ("rope is None").
+PagedPoolView kv_rows_arg(Placement& pl, const char* name, const nb::handle& obj, int64_t Dl, int64_t Dr,
+                          bool writable, const char* because);
+PagedPoolView kv_rope_view(const PagedPoolView& latent, int32_t Dl, int32_t Dr);
+// Whether `obj` is a uint8 tensor (the record and FP8-page layouts) rather than a float one.
+bool is_u8_tensor(nb::handle obj);
 // int32 [num_requests, max_pages].
 BlockTableView block_table_arg(Placement& pl, nb::handle a);
 

@@ -429,3 +429,69 @@ def test_torch_compile_fullgraph_of_planned_layers_on_cuda():
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     dsacp.check_errors()
+
+
+@pytest.mark.parametrize("kv_row", [576, 640])
+def test_combined_kv_on_cuda_equals_separate_pools(kv_row):
+    """vLLM's bf16 KV [num_pages, 64, 576] (and padded rows) on the GPU: the same bytes written and the same results
+    as the separate pools, bit for bit; the padding stays."""
+    (ql, cl, bt), kw, caches, x, idx = plan_case(False)
+    gc, gx, gi = on(DEV, caches, x, idx)
+    lat, rope, keys = gc
+    kv = torch.full(lat.shape[:2] + (kv_row,), 3.0, dtype=torch.bfloat16, device=DEV)
+    kv[..., :512] = lat
+    kv[..., 512:576] = rope
+    keys2 = keys.clone()
+    p = dsacp.plan(ql, cl, bt, device=DEV, device_block_table=bt.to(DEV), **kw)
+    ref = dsacp.run_layer(p, (lat, rope, keys), *gx, **gi)
+    got = dsacp.run_layer(p, (kv, None, keys2), *gx, **gi)
+    dsacp.check_errors()
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert torch.equal(kv[..., :512], lat) and torch.equal(kv[..., 512:576], rope) and torch.equal(keys2, keys)
+    assert bool((kv[..., 576:] == 3.0).all())
+    # The ops: cache_write with rope_rows and sparse_mla with rope None, against the separate pools.
+    s = torch.tensor(p.slots, dtype=torch.int64, device=DEV)
+    dsacp.cache_write(gx[2], s, kv, rope_rows=gx[3])
+    req = torch.tensor(p.token_request, dtype=torch.int32, device=DEV)
+    klen = torch.tensor(p.key_len, dtype=torch.int32, device=DEV)
+    o1, l1 = dsacp.sparse_mla(gx[0], gx[1], lat, rope, bt.to(DEV), req, klen, ref[2], kw["scale"])
+    o2, l2 = dsacp.sparse_mla(gx[0], gx[1], kv, None, bt.to(DEV), req, klen, ref[2], kw["scale"])
+    dsacp.check_errors()
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    with pytest.raises(ValueError, match=r"tensor 'latent' is not contiguous"):
+        dsacp.run_layer(p, (kv[:, :, :576] if kv_row > 576 else kv[:, ::2], None, keys2), *gx, **gi)
+
+
+def test_cp_group_of_one_nccl_rank_runs_the_cp_step():
+    """dsacp.cp_group on CUDA: the NCCL id broadcast through a torch.distributed group (one process here: one GPU is
+    lent, and NCCL refuses two ranks on one GPU), dsacp's NCCL communicators, the planned CP step of a 1 x 1
+    layout against the single-device planned step."""
+    import socket
+    import torch.distributed as dist
+    if not dsacp.nccl_available():
+        pytest.skip("built without NCCL")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        g = dsacp.cp_group(1, 1, device=DEV)
+        assert g.transport == "nccl" and g.device == DEV and g.rank == 0
+        (ql, cl, bt), kw, caches, x, idx = plan_case(False)
+        gc, gx, gi = on(DEV, caches, x, idx)
+        gc2 = [c.clone() for c in gc]
+        single = dsacp.plan(ql, cl, bt, device=DEV, **kw)
+        ro, rl, rk = dsacp.run_layer(single, gc, *gx, **gi)
+        p = dsacp.cp_plan(g, ql, cl, bt, **kw)
+        assert p.num_rows == sum(ql) and p.num_heads == kw["heads"]
+        rows = [p.rows(a, heads=i < 2) for i, a in enumerate(gx)]
+        o, l, k = dsacp.cp_run_layer(p, gc2, *rows, **{n: p.rows(v) for n, v in gi.items()})
+        dsacp.check_errors()
+        torch.cuda.synchronize()
+        tok = torch.tensor(p.row_token, device=DEV)
+        assert (k[:len(tok)] == rk[tok]).float().mean() > 0.98
+        rel = (o[:len(tok)] - ro[tok]).norm() / ro.norm()
+        assert rel < 1e-2
+    finally:
+        dist.destroy_process_group()

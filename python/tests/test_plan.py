@@ -228,7 +228,8 @@ def test_argument_errors_name_what_does_not_match(case):
     with pytest.raises(ValueError, match=r"the plan is of another batch"):
         dsacp.run_layer(p, caches, *x, fingerprint=p.fingerprint ^ 1)
     dsacp.run_layer(p, caches, *x, fingerprint=p.fingerprint)  # the right one passes
-    with pytest.raises(ValueError, match=r"cache 'rope' is None"):
+    with pytest.raises(ValueError, match=r"'latent' has shape \[\d+, 8, 32\], expected the combined KV cache .* since "
+                                         r"cache 'rope' is None"):
         dsacp.run_layer(p, (caches[0], None, caches[2]), *x)
     with pytest.raises(ValueError, match=r"'idx_q' is None"):
         dsacp.run_layer(p, caches, *x[:4])

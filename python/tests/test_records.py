@@ -87,9 +87,9 @@ def test_record_argument_errors():
     topk = np.zeros((T, 1), np.int32)
     with pytest.raises(ValueError, match=r"rope of 16 values, but q_rope has Dr=8; expected records of 148 bytes"):
         dsacp.sparse_mla(q_nope, np.zeros((T, H, 8), np.float32), pool, None, bt, req, klen, topk, 1.0)
-    with pytest.raises(ValueError, match="rope=None needs latent as fp8_ds_mla records"):
+    with pytest.raises(ValueError, match=r"expected the combined KV cache .* since rope is None \(or fp8_ds_mla"):
         dsacp.sparse_mla(q_nope, np.zeros((T, H, Dr), np.float32), f32_pool, None, bt, req, klen, topk, 1.0)
-    with pytest.raises(ValueError, match="rope_rows given but 'pool' is not an fp8_ds_mla record pool"):
+    with pytest.raises(ValueError, match=r"expected the combined KV cache .* since rope_rows is given \(or fp8_ds_mla"):
         dsacp.cache_write(np.zeros((T, Dl), np.float32), np.zeros(T, np.int64), f32_pool,
                           rope_rows=np.zeros((T, Dr), np.float32))
     with pytest.raises(ValueError, match=r"'rope_rows' has shape \[2, 8\], expected \[T=2, Dr=16\]"):
