@@ -2,7 +2,7 @@
 """Writes BENCHMARKS.md, the current table of each benchmark family, from the JSON in bench/results/.
 
 Each results file is one benchmark run wrapped with where it came from (scripts/record_bench.py writes it):
-  {"family": "kernels" | "layers" | "cp" | "peers", "date": "...", "gpu": "...", "commit": "...", "command": "...",
+  {"family": "kernels" | "layers" | "cp" | "peers" | "python", "date": "...", "gpu": "...", "commit": "...", "command": "...",
    "data": <the benchmark's own JSON: bench/compare.py's output, dsacp_bench_cp --json, or the peers' table>}
 Usage: scripts/benchmarks_md.py [--results DIR] [--out FILE] [--check]
   --check: exit 1 (naming the first differing line) if FILE is not what the results generate.
@@ -128,8 +128,24 @@ def layers_section(r):
     return out
 
 
-SECTIONS = {"peers": peers_section, "kernels": kernels_section, "cp": cp_section, "layers": layers_section}
-ORDER = ["kernels", "layers", "peers", "cp"]
+def python_section(r):
+    d = r["data"]
+    out = ["## The Python module on one H200 (`python/bench/op_overhead.py`, `python/bench/kernel_time.py`)", ""] + \
+        provenance(r) + ["", "| call (CUDA, eager) | median us | min us | over C++ us | target |", "|---|---|---|---|---|"]
+    for k in d["overhead"]:
+        out.append(f"| {k['call']} | {fmt(k['median_us'], 2)} | {fmt(k['min_us'], 2)} | {fmt(k['over_cpp_us'], 2)} | "
+                   f"{k['target']} |")
+    out += ["", "| kernel case (bf16, K=2048) | from Python ms | dsacp_bench_gpu ms | difference | target |",
+            "|---|---|---|---|---|"]
+    for k in d["kernels"]:
+        diff = 100.0 * (k["python_ms"] / k["cpp_ms"] - 1.0)
+        out.append(f"| {k['case']} | {fmt(k['python_ms'])} | {fmt(k['cpp_ms'])} | {diff:+.1f}% | {k['target']} |")
+    return out
+
+
+SECTIONS = {"peers": peers_section, "kernels": kernels_section, "cp": cp_section, "layers": layers_section,
+            "python": python_section}
+ORDER = ["kernels", "layers", "python", "peers", "cp"]
 
 
 def generate(results_dir):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Records one benchmark run for BENCHMARKS.md: wraps the benchmark's JSON with its date, GPU, commit and command
 into bench/results/<name>.json (see scripts/benchmarks_md.py), replacing that family's earlier run.
-Usage: scripts/record_bench.py --family kernels|layers|cp|peers --in RUN.json --name NAME --command "..."
+Usage: scripts/record_bench.py --family kernels|layers|cp|peers|python --in RUN.json --name NAME --command "..."
                                [--commit HASH] [--date "YYYY-MM-DD HH:MM UTC"] [--gpu "..."] [--note "..."] [--title "..."]
 The commit defaults to `git rev-parse --short HEAD`, the date to now, the GPU to the JSON's "device"."""
 import datetime
