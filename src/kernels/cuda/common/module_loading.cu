@@ -41,10 +41,10 @@ void warn_if_lazy_module_loading(const char* who) {
   std::call_once(once, [who] {
     if (!lazy_module_loading()) return;
     std::fprintf(stderr,
-                 "dsacp: warning: CUDA loads modules lazily in this process (CUDA_MODULE_LOADING=%s); %s waits "
-                 "across GPUs, and a kernel's first launch beside such a wait can deadlock the ranks of one "
+                 "dsacp: warning: CUDA loads modules lazily in this process (the driver's loading mode); %s "
+                 "waits across GPUs, and a kernel's first launch beside such a wait can deadlock the ranks of one "
                  "process. Set CUDA_MODULE_LOADING=EAGER before CUDA starts.\n",
-                 std::getenv("CUDA_MODULE_LOADING") != nullptr ? std::getenv("CUDA_MODULE_LOADING") : "unset", who);
+                 who);
   });
 }
 
