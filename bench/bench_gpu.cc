@@ -60,6 +60,11 @@ int main(int argc, char** argv) {
       bench_sparse_mla("sparse_decode b=64 ctx32K h=" + std::to_string(h), 64, h, 32768, 64, reps);
     }
     bench_sparse_mla("sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps);
+    // over vLLM's combined [pages, 64, 576] bf16 KV (ExternalPools::kv): latent and rope of a key in one row
+    for (int h : {128, 64, 16}) {
+      bench_sparse_mla("sparse_decode b=64 ctx32K h=" + std::to_string(h) + " combined kv", 64, h, 32768, 64, reps, 0,
+                       2048, false, "", true);
+    }
   }
   if (want("fp8_ds_mla")) {  // the FP8 latent cache (issue 26's targets; FlashMLA FP8 from perf-anchors.md)
     bench_sparse_mla("fp8_ds_mla sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048, true,
@@ -115,6 +120,11 @@ int main(int argc, char** argv) {
       g_ctx.options.mla_splits = 2;
       bench_sparse_mla("small_heads splits=2 sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps);
       g_ctx.options.mla_splits = 0;
+      // over vLLM's combined [pages, 64, 576] bf16 KV: one 1152-byte copy a key
+      for (int h : {16, 1}) {
+        bench_sparse_mla("small_heads sparse_decode b=64 ctx32K h=" + std::to_string(h) + " combined kv", 64, h, 32768,
+                         64, reps, 0, 2048, false, "", true);
+      }
     }
     if (want("fp8_ds_mla small_heads")) {
       bench_sparse_mla("small_heads fp8_ds_mla sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048,

@@ -125,8 +125,10 @@ inline LaunchContext g_ctx;
 // gather_ctas > 0: the gather ceiling (bench/gather_ceiling.cu) on the same pages and entries instead; used < 2048:
 // each row's first `used` entries are keys, the rest -1 (a DCP rank's rows); fp8: fp8_ds_mla records; `extra`
 // goes into the row.
+// combined_kv: bf16 latent and rope in one [pages, 64, 576] buffer (vLLM's layout: row_stride 576).
 void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_per_token, int64_t num_requests,
-                      int reps, int gather_ctas = 0, int used = 2048, bool fp8 = false, const std::string& extra = "");
+                      int reps, int gather_ctas = 0, int used = 2048, bool fp8 = false, const std::string& extra = "",
+                      bool combined_kv = false);
 // Indexer + top-k (bf16, or fp8: e4m3 q + q_scale and FP8 two-plane key pages), and its parts alone.
 void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, int64_t qlen, int reps, int Hi = 64,
                    bool fp8 = false);

@@ -26,7 +26,7 @@ void* dev_random_records(int64_t n);
 }  // namespace
 
 void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_per_token, int64_t num_requests,
-                      int reps, int gather_ctas, int used, bool fp8, const std::string& extra) {
+                      int reps, int gather_ctas, int used, bool fp8, const std::string& extra, bool combined_kv) {
   const int K = 2048, page = 64, Dl = 512, Dr = 64;
   // request b owns keys_per_token keys; tokens are spread over requests evenly (decode: one token each)
   const int64_t pages_per_req = (keys_per_token + page - 1) / page;
@@ -65,6 +65,10 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
     void* records = dev_random_records(num_pages * page);
     p.latent = {records, DType::kF8E4M3, num_pages, page, Dl, rec};
     p.rope = {records, DType::kBF16, num_pages, page, Dr, rec};
+  } else if (combined_kv) {
+    auto* kv = static_cast<uint16_t*>(dev_random_bf16(num_pages * page * (Dl + Dr)));
+    p.latent = {kv, DType::kBF16, num_pages, page, Dl, 0, Dl + Dr};
+    p.rope = {kv + Dl, DType::kBF16, num_pages, page, Dr, 0, Dl + Dr};
   } else {
     p.latent = {dev_random_bf16(num_pages * page * Dl), DType::kBF16, num_pages, page, Dl};
     p.rope = {dev_random_bf16(num_pages * page * Dr), DType::kBF16, num_pages, page, Dr};
