@@ -87,6 +87,7 @@ T* dev_copy(const std::vector<T>& v) {
 }
 
 void* g_flush = nullptr;
+bool g_flush_on = true;  // off only inside the fp8_fixed_probe rows (the L2 flush's cost next to the kernel's)
 constexpr size_t kFlushBytes = size_t{256} << 20;
 
 // median ms of `reps` runs, L2 flushed before each (flush = false: not flushed, the inputs and the code warm in L2)
@@ -98,7 +99,7 @@ double time_ms(const std::function<void()>& fn, int reps, cudaStream_t stream, b
   CK(cudaStreamSynchronize(stream));
   std::vector<double> v;
   for (int i = 0; i < reps; ++i) {
-    if (flush) CK(cudaMemsetAsync(g_flush, i & 0xff, kFlushBytes, stream));
+    if (flush && g_flush_on) CK(cudaMemsetAsync(g_flush, i & 0xff, kFlushBytes, stream));
     CK(cudaEventRecord(a, stream));
     fn();
     CK(cudaEventRecord(b, stream));
@@ -784,6 +785,19 @@ int main(int argc, char** argv) {
   // One FP8 decode row alone (32K, next_n 1, Hi = 64), for a profiler run of the score kernel; only when asked for.
   if (!only.empty() && want("fp8_score_probe")) {
     bench_indexer("fp8_score_probe decode b=64 ctx32K next_n=1 Hi=64", 64, 32768 - 1, 1, reps, 64, true);
+  }
+  // The FP8 decode row's fixed part (the intercept of time against context): short contexts, with the L2 flush
+  // before each rep and without it (then the keys of the 2K / 8K rows stay in L2); only when asked for.
+  if (!only.empty() && want("fp8_fixed_probe")) {
+    for (const bool flush : {true, false}) {
+      g_flush_on = flush;
+      for (const int64_t ctx : {2048, 8192, 32768}) {
+        bench_indexer("fp8_fixed_probe decode b=64 ctx" + std::to_string(ctx / 1024) + "K next_n=1 Hi=64" +
+                          (flush ? "" : " no flush"),
+                      64, ctx - 1, 1, reps, 64, true);
+      }
+    }
+    g_flush_on = true;
   }
   // The same for MTP (next_n 4: N = 256 columns a key block).
   if (!only.empty() && want("fp8_mtp4_probe")) {
