@@ -18,8 +18,10 @@
 // (v5: the columns ascending, then xor 1, 2; v6: 4-deep partial sums and a reduce-scatter), so reruns are
 // bit-identical; v5 and v6 differ in rounding only (both within the contract's tolerance of the CPU oracle).
 // Two math loops: v5 (one accumulator set: wgmma, wait, epilogue, a serial chain a block;
-// docs/design/2026-12-02-persistent-score-kernel.md) and v6, the default (two sets: a unit's wgmma runs while the
-// previous unit's epilogue and the next stage's loads run; docs/design/2026-12-03-score-kernel-v6.md).
+// docs/design/2026-12-02-persistent-score-kernel.md) and v6 (two sets: a unit's wgmma runs while the previous
+// unit's epilogue and the next stage's loads run; docs/design/2026-12-03-score-kernel-v6.md). v7, the default, is
+// v6's loop with the stage 128B-swizzled by tensor copies (page sizes % 64 == 0), the e4m3 halves converted without
+// shifts and v5's epilogue order at one token a pass (docs/design/2026-12-03-score-kernel-v7.md).
 // Only visible keys (j < key_len[t]) are written, into token t's row at score_offset[t]: the same output as the
 // mma.sync kernel (indexer_scores_mma.cu), which serves the layouts this one does not (bf16, page sizes that are
 // not multiples of 4: key rows then are not 16-byte aligned).
@@ -430,7 +432,8 @@ Status launch_wg_variant(WgArgs& a, const LaunchContext& ctx, const ScoreWgmmaVa
     // the chain epilogue at one token a pass unless told otherwise (epilogue 1: the reduce-scatter)
     const bool chain = v.epilogue != 1;
     if (tma) {
-      return chain ? launch_wg<kHi, kNT, kMW, 7, kFlTma | kFlChain>(a, ctx) : launch_wg<kHi, kNT, kMW, 7, kFlTma>(a, ctx);
+      return chain ? launch_wg<kHi, kNT, kMW, 7, kFlTma | kFlChain>(a, ctx)
+                   : launch_wg<kHi, kNT, kMW, 7, kFlTma>(a, ctx);
     }
     return chain ? launch_wg<kHi, kNT, kMW, 7, kFlChain>(a, ctx) : launch_wg<kHi, kNT, kMW, 7, 0>(a, ctx);
   }
@@ -449,8 +452,8 @@ bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_toke
 }
 
 // The measured rule (dsacp_bench_gpu, one H200, b = 64, 32K..128K; docs/design/2026-12-02-persistent-score-kernel.md,
-// 2026-12-03-score-kernel-v6.md): this kernel wherever it applies (v6: 1.9-2.3x faster than the mma.sync kernel at
-// next_n 1, 2.2-2.9x at next_n 2..4, 1.7x at prefill).
+// 2026-12-03-score-kernel-v6.md, -v7.md): this kernel wherever it applies (v6: 1.9-2.3x faster than the mma.sync
+// kernel at next_n 1, 2.2-2.9x at next_n 2..4, 1.7x at prefill; v7 2.0-2.8x).
 bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens) {
   (void)p;
   return max_group_tokens >= 1;
