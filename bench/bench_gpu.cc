@@ -203,6 +203,19 @@ int main(int argc, char** argv) {
   if (!only.empty() && want("fp8_score_probe")) {
     bench_indexer("fp8_score_probe decode b=64 ctx32K next_n=1 Hi=64", 64, 32768 - 1, 1, reps, 64, true);
   }
+  // The FP8 decode row's fixed part (the intercept of time against context): short contexts, with the L2 flush
+  // before each rep and without it (then the keys of the 2K / 8K rows stay in L2); only when asked for.
+  if (!only.empty() && want("fp8_fixed_probe")) {
+    for (const bool flush : {true, false}) {
+      g_flush_on = flush;
+      for (const int64_t ctx : {2048, 8192, 32768}) {
+        bench_indexer("fp8_fixed_probe decode b=64 ctx" + std::to_string(ctx / 1024) + "K next_n=1 Hi=64" +
+                          (flush ? "" : " no flush"),
+                      64, ctx - 1, 1, reps, 64, true);
+      }
+    }
+    g_flush_on = true;
+  }
   // The same for MTP (next_n 4: N = 256 columns a key block).
   if (!only.empty() && want("fp8_mtp4_probe")) {
     bench_indexer("fp8_mtp4_probe decode b=64 ctx32K next_n=4 Hi=64", 64, 32768 - 4, 4, reps, 64, true);

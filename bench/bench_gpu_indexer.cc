@@ -130,15 +130,32 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
         reps, g_ctx.stream);
   };
   const double ms_mma = time_scores(CudaBackendOptions::IndexerScoreKernel::kMmaSync);
-  double ms_wgmma = -1, ms_v5 = -1, ms_v6_2wg = -1;
+  double ms_wgmma = -1, ms_v5 = -1, ms_v6_2wg = -1, ms_v6 = -1, ms_v7_rs = -1, ms_v7_bulk = -1;
   const int max_group = plan->chunks.front().max_group_tokens;
   if (indexer_scores_wgmma_applies(p, max_group)) {
-    ms_wgmma = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmma);  // v6, the default
+    ms_wgmma = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmma);  // v7, the default
     ms_v5 = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmmaV5);
+    ms_v6 = time_scores(CudaBackendOptions::IndexerScoreKernel::kWgmmaV6);
+    // v7 variants: v6's reduce-scatter epilogue at one token a pass; bulk copies (unswizzled stage) instead of TMA
+    auto time_variant = [&](const ScoreWgmmaVariant& v) {
+      return time_ms(
+          [&] {
+            for (const auto& ch : plan->chunks) {
+              CS(launch_indexer_scores_wgmma(p, dev.items + ch.item_begin, ch.item_end - ch.item_begin,
+                                             ch.max_group_tokens, dev.score_offset, dev.scores, dev.inl, g_ctx, v));
+            }
+          },
+          reps, g_ctx.stream);
+    };
+    ScoreWgmmaVariant v7rs, v7bulk;
+    v7rs.epilogue = 1;
+    v7bulk.tma_stage = false;
+    ms_v7_rs = time_variant(v7rs);
+    ms_v7_bulk = time_variant(v7bulk);
     // v6 with 2 math warpgroups where the rule says 3 (heads x group tokens <= 64)
     const int nt = max_group <= 1 ? 1 : max_group <= 2 ? 2 : 4;
     if (Hi * nt <= 64) {
-      const ScoreWgmmaVariant v{6, 2};
+      const ScoreWgmmaVariant v{6, 2, 0, false};
       ms_v6_2wg = time_ms(
           [&] {
             for (const auto& ch : plan->chunks) {
@@ -160,7 +177,7 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   const double key_row = fp8 ? Di + 4.0 : Di * 2.0;
   const double key_bytes = static_cast<double>(num_requests) * total * key_row;
   const double bytes = key_bytes + T * Hi * Di * (fp8 ? 1.0 : 2.0) + T * Hi * (fp8 ? 8.0 : 4.0) + T * K * 4.0;
-  char extra[512];
+  char extra[768];
   std::snprintf(extra, sizeof extra, "scores only %.4f ms, top-k alone %.4f ms (last chunk), chunks=%zu", ms_scores,
                 ms_topk, plan->chunks.size());
   if (fp8) {
@@ -169,8 +186,10 @@ void bench_indexer(const std::string& name, int64_t num_requests, int64_t ctx, i
   }
   if (ms_wgmma >= 0) {
     const size_t n = std::strlen(extra);
-    std::snprintf(extra + n, sizeof extra - n, ", wgmma scores kernel %.4f ms, v5 scores kernel %.4f ms", ms_wgmma,
-                  ms_v5);
+    std::snprintf(extra + n, sizeof extra - n,
+                  ", wgmma scores kernel %.4f ms, v5 scores kernel %.4f ms, v6 scores kernel %.4f ms, v7 reduce-scatter "
+                  "epilogue %.4f ms, v7 bulk-copy stage %.4f ms",
+                  ms_wgmma, ms_v5, ms_v6, ms_v7_rs, ms_v7_bulk);
   }
   if (ms_v6_2wg >= 0) {
     const size_t n = std::strlen(extra);

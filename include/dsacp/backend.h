@@ -229,8 +229,9 @@ struct CudaBackendOptions {
   // The FP8 indexer's score kernel: auto = the rule in the CUDA backend (the persistent wgmma kernel where it applies
   // and measured faster, else the mma.sync one); kWgmma = the persistent wgmma kernel wherever it applies (FP8 q and
   // keys, Hi = 32 / 64, page sizes a multiple of 4); kMmaSync = the mma.sync kernel always (bf16 always runs it);
-  // kWgmmaV5 = the wgmma kernel's previous math loop (v5, one accumulator set) where it applies, for comparisons.
-  enum class IndexerScoreKernel : uint8_t { kAuto, kWgmma, kMmaSync, kWgmmaV5 };
+  // kWgmmaV5 / kWgmmaV6 = the wgmma kernel's previous math loops (v5: one accumulator set; v6: two, before v7's
+  // swizzled stage and conversions) where it applies, for comparisons.
+  enum class IndexerScoreKernel : uint8_t { kAuto, kWgmma, kMmaSync, kWgmmaV5, kWgmmaV6 };
   IndexerScoreKernel indexer_score_kernel = IndexerScoreKernel::kAuto;
   bool indexer_inline_plan = true;  // the indexer's plan in the launch parameters where it fits (else uploaded)
   bool topk_merge_general = false;  // the CP top-k merge's general kernel also for shapes the small one takes

@@ -65,16 +65,20 @@ inline void fill_score_kernel_args(ScoreKernelArgs& a, const IndexerTopkParams& 
 // rule, docs/design/2026-12-02-persistent-score-kernel.md) is false.
 bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_tokens);
 bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens);
-// Its math loop follows ctx.options.indexer_score_kernel: kWgmmaV5 = v5 (one accumulator set a warpgroup), else
-// v6 (two; docs/design/2026-12-03-score-kernel-v6.md).
+// Its math loop follows ctx.options.indexer_score_kernel: kWgmmaV5 = v5 (one accumulator set a warpgroup), kWgmmaV6
+// = v6 (two; docs/design/2026-12-03-score-kernel-v6.md), else v7 (v6 with a 128B-swizzled stage by tensor copies,
+// conversions without shifts, the chain epilogue at one token a pass; docs/design/2026-12-03-score-kernel-v7.md).
 Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                                    int max_group_tokens, const int64_t* score_offset, float* scores,
                                    const InlinePlan& inl, const LaunchContext& ctx);
-// The same with the variant named (the benchmark's same-run comparisons): version 5 or 6; math warpgroups a CTA
-// (0: the rule; 2 is also built for v6 at heads x group tokens <= 64, where the rule says 3).
+// The same with the variant named (the benchmark's same-run comparisons): version 5, 6 or 7; math warpgroups a CTA
+// (0: the rule; 2 is also built for v6 at heads x group tokens <= 64, where the rule says 3); v7's epilogue at one
+// token a pass (0: the rule = the chain, 1: v6's reduce-scatter) and its swizzled stage (page sizes % 64 == 0).
 struct ScoreWgmmaVariant {
-  int version = 6;
+  int version = 7;
   int math_warpgroups = 0;
+  int epilogue = 0;
+  bool tma_stage = true;
 };
 Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                                    int max_group_tokens, const int64_t* score_offset, float* scores,

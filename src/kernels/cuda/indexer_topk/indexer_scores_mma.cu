@@ -279,7 +279,7 @@ Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items,
   using Kernel = CudaBackendOptions::IndexerScoreKernel;
   const Kernel choice = ctx.options.indexer_score_kernel;
   if (choice != Kernel::kMmaSync && indexer_scores_wgmma_applies(p, max_group_tokens) &&
-      (choice == Kernel::kWgmma || choice == Kernel::kWgmmaV5 ||
+      (choice == Kernel::kWgmma || choice == Kernel::kWgmmaV5 || choice == Kernel::kWgmmaV6 ||
        indexer_scores_wgmma_preferred(p, max_group_tokens))) {
     return launch_indexer_scores_wgmma(p, items, num_items, max_group_tokens, score_offset, scores, inl, ctx);
   }

@@ -18,8 +18,10 @@
 // (v5: the columns ascending, then xor 1, 2; v6: 4-deep partial sums and a reduce-scatter), so reruns are
 // bit-identical; v5 and v6 differ in rounding only (both within the contract's tolerance of the CPU oracle).
 // Two math loops: v5 (one accumulator set: wgmma, wait, epilogue, a serial chain a block;
-// docs/design/2026-12-02-persistent-score-kernel.md) and v6, the default (two sets: a unit's wgmma runs while the
-// previous unit's epilogue and the next stage's loads run; docs/design/2026-12-03-score-kernel-v6.md).
+// docs/design/2026-12-02-persistent-score-kernel.md) and v6 (two sets: a unit's wgmma runs while the previous
+// unit's epilogue and the next stage's loads run; docs/design/2026-12-03-score-kernel-v6.md). v7, the default, is
+// v6's loop with the stage 128B-swizzled by tensor copies (page sizes % 64 == 0), the e4m3 halves converted without
+// shifts and v5's epilogue order at one token a pass (docs/design/2026-12-03-score-kernel-v7.md).
 // Only visible keys (j < key_len[t]) are written, into token t's row at score_offset[t]: the same output as the
 // mma.sync kernel (indexer_scores_mma.cu), which serves the layouts this one does not (bf16, page sizes that are
 // not multiples of 4: key rows then are not 16-byte aligned).
@@ -149,9 +151,59 @@ __device__ __forceinline__ void epilogue_v6(float (&acc)[kPN / 2], const Unit& u
   }
 }
 
+// v7 at one token a pass, v5's order: per row one chain over the thread's columns ascending, then xor 1, 2 over
+// the quad (4 shuffles against the reduce-scatter's 2, but no tree adds and no selects: 2.5% faster at one token a
+// pass in the first v6 build, docs/design/2026-12-03-score-kernel-v6.md). Lane tq = 0 stores both rows.
+template <int kHi, int kPN, bool kHoist, int kNP>
+__device__ __forceinline__ void epilogue_chain(float (&acc)[kPN / 2], const Unit& u,
+                                               const V6State<kPN, kHoist, kNP>& s, const float* sWq, int tq,
+                                               int row0) {
+  static_assert(kPN == kHi && kNP == 1, "one token a pass");
+#pragma unroll
+  for (int i = 0; i < kPN / 2; ++i) reg_fence(acc[i]);
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < kHi / 8; ++i) {
+    float2 wv;
+    if constexpr (kHoist) {
+      wv = make_float2(s.wr[2 * i], s.wr[2 * i + 1]);
+    } else {
+      wv = *reinterpret_cast<const float2*>(sWq + 8 * i + 2 * tq);
+    }
+    s0 = fmaf(wv.x, relu_nan(acc[4 * i]), s0);
+    s0 = fmaf(wv.y, relu_nan(acc[4 * i + 1]), s0);
+    s1 = fmaf(wv.x, relu_nan(acc[4 * i + 2]), s1);
+    s1 = fmaf(wv.y, relu_nan(acc[4 * i + 3]), s1);
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  if (tq == 0) {
+    const int32_t len = s.my_len[0], k0 = u.kb + row0, k1 = k0 + 8;
+    float* row = s.my_row[0];
+    if (k0 < len) row[k0] = u.sk0 * s0;
+    if (k1 < len) row[k1] = u.sk1 * s1;
+  }
+}
+
+// v6 / v7 flags: kFlTma = the stage 128B-swizzled by a tensor copy (v7, page sizes that are multiples of 64; else
+// bulk copies, unswizzled); kFlChain = the chain epilogue at one token a pass (v7).
+constexpr int kFlTma = 1, kFlChain = 2;
+
+template <int kHi, int kPN, bool kHoist, int kNP, int kVer, int kFl>
+__device__ __forceinline__ void epilogue_any(float (&acc)[kPN / 2], const Unit& u,
+                                             const V6State<kPN, kHoist, kNP>& s, const float* sWq, int tq, int row0) {
+  if constexpr (kVer == 7 && (kFl & kFlChain) && kPN == kHi) {
+    epilogue_chain<kHi, kPN, kHoist, kNP>(acc, u, s, sWq, tq, row0);
+  } else {
+    epilogue_v6<kHi, kPN, kHoist, kNP>(acc, u, s, sWq, tq, row0);
+  }
+}
+
 // One step: issue the next unit into `an`, finish the pending one (in `ao`). False at the ring's end marker (the
 // pending unit finished).
-template <int kHi, int kNT, int kPN, bool kHoist>
+template <int kHi, int kNT, int kPN, bool kHoist, int kVer, int kFl>
 __device__ __forceinline__ bool step_v6(float (&an)[kPN / 2], float (&ao)[kPN / 2],
                                         V6State<kPN, kHoist, kHi * kNT / kPN>& s, const WgArgs& a, const Ring& ring,
                                         uint32_t sQ, float* sWq, int bar, int wt) {
@@ -167,7 +219,7 @@ __device__ __forceinline__ bool step_v6(float (&an)[kPN / 2], float (&ao)[kPN / 
     if (info.z < 0 || info.x != s.gv.t0) {
       // the end, or another group: finish the pending unit (it reads the old Q, w and rows)
       wgmma_wait<0>();
-      if (s.has_pend) epilogue_v6<kHi, kPN, kHoist, kNP>(ao, s.pend, s, sWq, tq, row0);
+      if (s.has_pend) epilogue_any<kHi, kPN, kHoist, kNP, kVer, kFl>(ao, s.pend, s, sWq, tq, row0);
       s.has_pend = false;
       if (info.z < 0) return false;
       load_group_q<kHi, kN>(a, info.x, info.y, sQ, sWq, bar, wt, s.gv);
@@ -186,12 +238,20 @@ __device__ __forceinline__ bool step_v6(float (&an)[kPN / 2], float (&ao)[kPN / 
         }
       }
     }
-    const RawRows rr = load_rows(ring.stage + slot * kStageBytes, row0, g, tq);
+    constexpr bool kSw = kVer == 7 && (kFl & kFlTma);
+    const RawRows rr = kSw ? load_rows_sw(ring.stage + slot * kStageBytes, row0, g, tq)
+                           : load_rows(ring.stage + slot * kStageBytes, row0, g, tq);
     s.cur.sk0 = ring.scale[slot * kBK + row0];
     s.cur.sk1 = ring.scale[slot * kBK + row0 + 8];
     s.cur.kb = info.z;
     wgmma_wait<0>();  // the pending unit's wgmma, the fragments' last reader, is done
-    rows_to_f16(rr, g, s.af);
+    if constexpr (kSw) {
+      rows_to_f16_sw(rr, s.af);
+    } else if constexpr (kVer == 7) {
+      rows_to_f16_fast(rr, g, s.af);
+    } else {
+      rows_to_f16(rr, g, s.af);
+    }
     // the stage is read (its words in af, its scales in cur): release it to the producer
     mbar_arrive(ring.empty + 8 * slot);
     s.pos.next(ring.S);
@@ -208,13 +268,13 @@ __device__ __forceinline__ bool step_v6(float (&an)[kPN / 2], float (&ao)[kPN / 
   }
   wgmma_commit();
   wgmma_wait<1>();  // the pending unit (the group before this one) is done
-  if (s.has_pend) epilogue_v6<kHi, kPN, kHoist, kNP>(ao, s.pend, s, sWq, tq, row0);
+  if (s.has_pend) epilogue_any<kHi, kPN, kHoist, kNP, kVer, kFl>(ao, s.pend, s, sWq, tq, row0);
   s.pend = s.cur;
   s.has_pend = true;
   return true;
 }
 
-template <int kHi, int kNT, int kMW>
+template <int kHi, int kNT, int kMW, int kVer, int kFl>
 __device__ __forceinline__ void math_v6(const WgArgs& a, const Ring& ring, uint32_t sQ, float* sWq, int bar,
                                         int wt) {
   constexpr int kN = kHi * kNT, kPN = kN < kPassN ? kN : kPassN;
@@ -224,8 +284,8 @@ __device__ __forceinline__ void math_v6(const WgArgs& a, const Ring& ring, uint3
   V6State<kPN, kHoist, kN / kPN> s;
   float acc0[kPN / 2], acc1[kPN / 2];
   for (;;) {
-    if (!step_v6<kHi, kNT, kPN, kHoist>(acc0, acc1, s, a, ring, sQ, sWq, bar, wt)) break;
-    if (!step_v6<kHi, kNT, kPN, kHoist>(acc1, acc0, s, a, ring, sQ, sWq, bar, wt)) break;
+    if (!step_v6<kHi, kNT, kPN, kHoist, kVer, kFl>(acc0, acc1, s, a, ring, sQ, sWq, bar, wt)) break;
+    if (!step_v6<kHi, kNT, kPN, kHoist, kVer, kFl>(acc1, acc0, s, a, ring, sQ, sWq, bar, wt)) break;
   }
 }
 
@@ -237,9 +297,9 @@ constexpr int kProducerRegs = kMW == 3 ? 80 : 72;
 template <int kMW>
 constexpr int kMathRegs = kMW == 3 ? 144 : 216;
 
-// The kernel body: kVer 5 (math_v5) or 6 (math_v6); the producers and the layout are the same. Two kernel names,
-// so a profiler can pick either.
-template <int kHi, int kNT, int kMW, int kVer>
+// The kernel body: kVer 5 (math_v5), 6 or 7 (math_v6; kFl: v7's flags); the producers and the layout are the
+// same. A kernel name each version, so a profiler can pick either.
+template <int kHi, int kNT, int kMW, int kVer, int kFl>
 __device__ __forceinline__ void wgmma_scores_body(const WgArgs& a) {
   static_assert(kMW == 2 || kMW == 3, "2 or 3 math warpgroups");
   constexpr int kN = kHi * kNT;
@@ -265,12 +325,14 @@ __device__ __forceinline__ void wgmma_scores_body(const WgArgs& a) {
 
   if (wg == 0) {
     // ==== producers: warp c feeds math warpgroup c (the other warps of the warpgroup have nothing to do) ====
-    if constexpr (kVer == 6) setmaxnreg_dec<kProducerRegs<kMW>>();
+    if constexpr (kVer >= 6) setmaxnreg_dec<kProducerRegs<kMW>>();
     if (c >= kMW) return;
     const int lane = tid & 31;
     RingPos pos;
-    if (a.page_size % kBK == 0) {
-      produce_paged64(a, ring, pos, lane, i0 + c, kMW, nc);
+    if constexpr ((kFl & kFlTma) != 0) {
+      produce_paged64<true>(a, ring, pos, lane, i0 + c, kMW, nc);  // (launched only at page sizes % 64 == 0)
+    } else if (a.page_size % kBK == 0) {
+      produce_paged64<false>(a, ring, pos, lane, i0 + c, kMW, nc);
     } else {
       produce_segments(a, ring, pos, lane, i0 + c, kMW, nc);
     }
@@ -282,9 +344,9 @@ __device__ __forceinline__ void wgmma_scores_body(const WgArgs& a) {
   // ==== math warpgroups ====
   const uint32_t sQ = base + L.q_off() + c * 2 * kN * 128;  // f16 Q, permuted [2 slabs][N x 128 B]
   float* sWq = reinterpret_cast<float*>(smem + L.wq_off()) + c * kN;
-  if constexpr (kVer == 6) {
+  if constexpr (kVer >= 6) {
     setmaxnreg_inc<kMathRegs<kMW>>();
-    math_v6<kHi, kNT, kMW>(a, ring, sQ, sWq, 1 + c, tid & 127);
+    math_v6<kHi, kNT, kMW, kVer, kFl>(a, ring, sQ, sWq, 1 + c, tid & 127);
   } else {
     math_v5<kHi, kNT>(a, ring, sQ, sWq, 1 + c, tid & 127);
   }
@@ -292,11 +354,44 @@ __device__ __forceinline__ void wgmma_scores_body(const WgArgs& a) {
 
 template <int kHi, int kNT, int kMW>
 __global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma_kernel(const __grid_constant__ WgArgs a) {
-  wgmma_scores_body<kHi, kNT, kMW, 5>(a);
+  wgmma_scores_body<kHi, kNT, kMW, 5, 0>(a);
 }
 template <int kHi, int kNT, int kMW>
 __global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma6_kernel(const __grid_constant__ WgArgs a) {
-  wgmma_scores_body<kHi, kNT, kMW, 6>(a);
+  wgmma_scores_body<kHi, kNT, kMW, 6, 0>(a);
+}
+template <int kHi, int kNT, int kMW, int kFl>
+__global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma7_kernel(const __grid_constant__ WgArgs a) {
+  wgmma_scores_body<kHi, kNT, kMW, 7, kFl>(a);
+}
+
+// v7's key tensor map: the pool's row planes as [num_pages][page_size rows][128 B] (page stride page_size x 132 B:
+// the two-plane page), boxes of 64 rows of one page, 128B swizzle. cuTensorMapEncodeTiled through the runtime's
+// driver entry point (no link to libcuda). False where it is unavailable or refuses the shape.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      return static_cast<EncodeTiledFn>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+bool make_key_tensor_map(CUtensorMap* map, void* keys, int64_t num_pages, int32_t page_size) {
+  const EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr || num_pages < 1 || num_pages > (int64_t{1} << 31) || page_size % kBK != 0) return false;
+  const cuuint64_t dims[3] = {kDi, static_cast<cuuint64_t>(page_size), static_cast<cuuint64_t>(num_pages)};
+  const cuuint64_t strides[2] = {kDi, static_cast<cuuint64_t>(page_size) * (kDi + 4)};
+  const cuuint32_t box[3] = {kDi, kBK, 1}, estr[3] = {1, 1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, keys, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // Math warpgroups a CTA for N = kN columns (heads x group tokens), by version.
@@ -307,7 +402,7 @@ __global__ void __launch_bounds__(128 * (1 + kMW), 1) indexer_scores_wgmma6_kern
 template <int kN>
 constexpr int kMathWarpgroups = kN <= 64 ? 3 : 2;
 
-template <int kHi, int kNT, int kMW, int kVer>
+template <int kHi, int kNT, int kMW, int kVer, int kFl = 0>
 Status launch_wg(WgArgs& a, const LaunchContext& ctx) {
   constexpr int kN = kHi * kNT;
   static_assert(kMaxStages % kMW == 0, "whole rings");
@@ -318,7 +413,9 @@ Status launch_wg(WgArgs& a, const LaunchContext& ctx) {
   while (L.stages > 2 * kMW && L.bytes() > optin) L.stages -= kMW;
   a.stages = L.stages / kMW;
   const int bytes = L.bytes();
-  auto* kernel = kVer == 6 ? indexer_scores_wgmma6_kernel<kHi, kNT, kMW> : indexer_scores_wgmma_kernel<kHi, kNT, kMW>;
+  auto* kernel = kVer == 7   ? indexer_scores_wgmma7_kernel<kHi, kNT, kMW, kFl>
+                 : kVer == 6 ? indexer_scores_wgmma6_kernel<kHi, kNT, kMW>
+                             : indexer_scores_wgmma_kernel<kHi, kNT, kMW>;
   DSACP_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), bytes));
   const int grid = static_cast<int>(std::min<int64_t>(std::max(ctx.num_sms, 1), a.num_items));
   kernel<<<grid, 128 * (1 + kMW), bytes, ctx.stream>>>(a);
@@ -328,9 +425,18 @@ Status launch_wg(WgArgs& a, const LaunchContext& ctx) {
 
 // The (Hi, group tokens) instance of a version and math-warpgroup count (0: the rule).
 template <int kHi, int kNT>
-Status launch_wg_variant(WgArgs& a, const LaunchContext& ctx, const ScoreWgmmaVariant& v) {
-  constexpr int kN = kHi * kNT;
-  if (v.version == 5) return launch_wg<kHi, kNT, kMathWarpgroups<kN>, 5>(a, ctx);
+Status launch_wg_variant(WgArgs& a, const LaunchContext& ctx, const ScoreWgmmaVariant& v, bool tma) {
+  constexpr int kN = kHi * kNT, kMW = kMathWarpgroups<kN>;
+  if (v.version == 5) return launch_wg<kHi, kNT, kMW, 5>(a, ctx);
+  if (v.version == 7) {
+    // the chain epilogue at one token a pass unless told otherwise (epilogue 1: the reduce-scatter)
+    const bool chain = v.epilogue != 1;
+    if (tma) {
+      return chain ? launch_wg<kHi, kNT, kMW, 7, kFlTma | kFlChain>(a, ctx)
+                   : launch_wg<kHi, kNT, kMW, 7, kFlTma>(a, ctx);
+    }
+    return chain ? launch_wg<kHi, kNT, kMW, 7, kFlChain>(a, ctx) : launch_wg<kHi, kNT, kMW, 7, 0>(a, ctx);
+  }
   if constexpr (kN <= 64) {
     if (v.math_warpgroups == 2) return launch_wg<kHi, kNT, 2, 6>(a, ctx);
   }
@@ -346,8 +452,8 @@ bool indexer_scores_wgmma_applies(const IndexerTopkParams& p, int max_group_toke
 }
 
 // The measured rule (dsacp_bench_gpu, one H200, b = 64, 32K..128K; docs/design/2026-12-02-persistent-score-kernel.md,
-// 2026-12-03-score-kernel-v6.md): this kernel wherever it applies (v6: 1.9-2.3x faster than the mma.sync kernel at
-// next_n 1, 2.2-2.9x at next_n 2..4, 1.7x at prefill).
+// 2026-12-03-score-kernel-v6.md, -v7.md): this kernel wherever it applies (v6: 1.9-2.3x faster than the mma.sync
+// kernel at next_n 1, 2.2-2.9x at next_n 2..4, 1.7x at prefill; v7 2.0-2.8x).
 bool indexer_scores_wgmma_preferred(const IndexerTopkParams& p, int max_group_tokens) {
   (void)p;
   return max_group_tokens >= 1;
@@ -359,22 +465,26 @@ Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* 
   if (num_items == 0) return Status::ok_status();
   WgArgs a{};
   fill_score_kernel_args(a, p, items, num_items, score_offset, scores, inl, ctx);
+  // v7's swizzled stage: page sizes that are multiples of 64 and a tensor map (else v7 with bulk copies)
+  const bool tma = v.version == 7 && v.tma_stage && p.keys.page_size % kBK == 0 &&
+                   make_key_tensor_map(&a.kmap, p.keys.data, p.keys.num_pages, p.keys.page_size);
   const int nt = max_group_tokens <= 1 ? 1 : max_group_tokens <= 2 ? 2 : 4;
   if (p.Hi == 32) {
-    return nt == 1   ? launch_wg_variant<32, 1>(a, ctx, v)
-           : nt == 2 ? launch_wg_variant<32, 2>(a, ctx, v)
-                     : launch_wg_variant<32, 4>(a, ctx, v);
+    return nt == 1   ? launch_wg_variant<32, 1>(a, ctx, v, tma)
+           : nt == 2 ? launch_wg_variant<32, 2>(a, ctx, v, tma)
+                     : launch_wg_variant<32, 4>(a, ctx, v, tma);
   }
-  return nt == 1 ? launch_wg_variant<64, 1>(a, ctx, v)
-         : nt == 2 ? launch_wg_variant<64, 2>(a, ctx, v)
-                   : launch_wg_variant<64, 4>(a, ctx, v);
+  return nt == 1 ? launch_wg_variant<64, 1>(a, ctx, v, tma)
+         : nt == 2 ? launch_wg_variant<64, 2>(a, ctx, v, tma)
+                   : launch_wg_variant<64, 4>(a, ctx, v, tma);
 }
 
 Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* items, int64_t num_items,
                                    int max_group_tokens, const int64_t* score_offset, float* scores,
                                    const InlinePlan& inl, const LaunchContext& ctx) {
-  ScoreWgmmaVariant v;
+  ScoreWgmmaVariant v;  // v7, the default
   if (ctx.options.indexer_score_kernel == CudaBackendOptions::IndexerScoreKernel::kWgmmaV5) v.version = 5;
+  if (ctx.options.indexer_score_kernel == CudaBackendOptions::IndexerScoreKernel::kWgmmaV6) v.version = 6;
   return launch_indexer_scores_wgmma(p, items, num_items, max_group_tokens, score_offset, scores, inl, ctx, v);
 }
 

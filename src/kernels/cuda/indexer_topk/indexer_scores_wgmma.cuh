@@ -3,6 +3,7 @@
 // and v5's math loop (one accumulator set a warpgroup; docs/design/2026-12-02-persistent-score-kernel.md).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -27,6 +28,9 @@ constexpr int kPassN = 128;        // wgmma columns a pass (accumulators: kPassN
 
 struct WgArgs : ScoreKernelArgs {
   int32_t stages;  // a ring's (kMW rings)
+  // v7 at page sizes that are multiples of 64: the key rows of the pool as a 3-D tensor (128 B x page_size rows x
+  // num_pages, page stride page_size x 132 B), boxes of 128 B x 64 rows x 1 page, 128B-swizzled into the stage
+  CUtensorMap kmap;
 };
 static_assert(sizeof(WgArgs) <= 4096, "the wgmma score kernel's parameters past 4 KB");
 
@@ -49,6 +53,18 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x, bool high) {
   const __half2_raw h =
       __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(high ? x >> 16 : x & 0xffffu), __NV_E4M3);
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+// The same without the shift for the high half (v7): the 16-bit halves are named by a mov, and ptxas reads the
+// high one in place (F2FP.F16.E4M3.UNPACK_B R, R.H1). Same values as e4m3x2_to_f16x2.
+__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(r) : "r"(x));
+  return r;
 }
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
@@ -73,6 +89,17 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
+}
+
+// Tensor copy (TMA) of a 3-D box global -> shared, counted on bar (v7's 128B-swizzled stage: the map is
+// make_key_tensor_map's, coordinates {byte 0, row in page, page}).
+__device__ __forceinline__ void tma_g2s_3d(uint32_t dst, const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
+                                           uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
 }
 
 // A ring position: the stage within the ring and the parity of its current use; `wrapped` once every stage has
@@ -154,6 +181,7 @@ __device__ __forceinline__ Batch resolve_batch(const WgArgs& a, int64_t it, bool
 // Producer c's items: first + stride n, n < nc. Batches of 32 resolved one batch ahead; per block, the record
 // comes from lane q of the batch by shuffle and lane 0 issues the two copies (rows, scales; n rounded up to 4 rows:
 // 16-byte scale groups, still inside the page).
+template <bool kTma>
 __device__ __forceinline__ void produce_paged64(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
                                                 int64_t first, int64_t stride, int64_t nc) {
   const int32_t P = a.page_size, bpp = P / kBK;
@@ -174,10 +202,16 @@ __device__ __forceinline__ void produce_paged64(const WgArgs& a, const Ring& rin
         const bool ok = pg >= 0 && pg < a.num_pages;
         if (!ok && lane == 0) report_device_error(a.err, kDevBadPage, t0);
         const int32_t n = ok ? (kend - kb + 3) & ~3 : 0;
-        const uint32_t fb = begin_stage(ring, pos, lane, make_int4(t0, nt, kb, kend), n * (kDi + 4));
+        // kTma: the whole 64-row box (inside the page), 128B-swizzled
+        const uint32_t fb = begin_stage(ring, pos, lane, make_int4(t0, nt, kb, kend),
+                                        n == 0 ? 0 : (kTma ? kStageBytes : n * kDi) + n * 4);
         if (lane == 0 && n > 0) {
           const unsigned char* page = a.keys + pg * page_bytes;
-          bulk_g2s(ring.stage + pos.slot * kStageBytes, page + static_cast<int64_t>(row) * kDi, n * kDi, fb);
+          if constexpr (kTma) {
+            tma_g2s_3d(ring.stage + pos.slot * kStageBytes, &a.kmap, 0, row, pg, fb);
+          } else {
+            bulk_g2s(ring.stage + pos.slot * kStageBytes, page + static_cast<int64_t>(row) * kDi, n * kDi, fb);
+          }
           bulk_g2s(smem_u32(ring.scale + pos.slot * kBK), page + static_cast<int64_t>(P) * kDi + row * 4, n * 4, fb);
         }
         __syncwarp();
@@ -314,6 +348,31 @@ __device__ __forceinline__ RawRows load_rows(uint32_t stage, int row0, int g, in
   const uint32_t st = stage + 32 * tq, odd = (g & 1) * 16;
   return RawRows{lds128(st + row0 * kDi + odd), lds128(st + row0 * kDi + (odd ^ 16)),
                  lds128(st + (row0 + 8) * kDi + odd), lds128(st + (row0 + 8) * kDi + (odd ^ 16))};
+}
+// v7's stage is 128B-swizzled (chunk c of row r at chunk c ^ (r % 8); rows row0 and row0 + 8 have r % 8 = g):
+// the 8 lanes of a quarter warp read 8 distinct bank groups with chunk 2 tq first in every lane, so the
+// fragments need no select by lane parity.
+__device__ __forceinline__ RawRows load_rows_sw(uint32_t stage, int row0, int g, int tq) {
+  const uint32_t ca = ((2 * tq) ^ g) * 16, cb = ca ^ 16;
+  const uint32_t x = stage + row0 * kDi, y = x + 8 * kDi;
+  return RawRows{lds128(x + ca), lds128(x + cb), lds128(y + ca), lds128(y + cb)};
+}
+// Fragments of a swizzled stage's rows (xa, ya: chunk 2 tq; xb, yb: 2 tq + 1), without the shifts (v7).
+__device__ __forceinline__ void rows_to_f16_sw(const RawRows& r, uint32_t (&af)[8][4]) {
+  const uint32_t xw[8] = {r.xa.x, r.xa.y, r.xa.z, r.xa.w, r.xb.x, r.xb.y, r.xb.z, r.xb.w};
+  const uint32_t yw[8] = {r.ya.x, r.ya.y, r.ya.z, r.ya.w, r.yb.x, r.yb.y, r.yb.z, r.yb.w};
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    af[ks][0] = e4m3x2_lo_to_f16x2(xw[ks]);
+    af[ks][1] = e4m3x2_lo_to_f16x2(yw[ks]);
+    af[ks][2] = e4m3x2_hi_to_f16x2(xw[ks]);
+    af[ks][3] = e4m3x2_hi_to_f16x2(yw[ks]);
+  }
+}
+// An unswizzled stage's rows (load_rows) without the shifts (v7 at other page sizes): the selects stay.
+__device__ __forceinline__ void rows_to_f16_fast(const RawRows& r, int g, uint32_t (&af)[8][4]) {
+  const bool odd = g & 1;
+  rows_to_f16_sw(RawRows{odd ? r.xb : r.xa, odd ? r.xa : r.xb, odd ? r.yb : r.ya, odd ? r.ya : r.yb}, af);
 }
 __device__ __forceinline__ void rows_to_f16(const RawRows& r, int g, uint32_t (&af)[8][4]) {
   const bool odd = g & 1;
