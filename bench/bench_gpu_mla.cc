@@ -136,7 +136,7 @@ void bench_sparse_mla(const std::string& name, int64_t T, int H, int64_t keys_pe
       std::printf("  of which the split-K combine: %.4f ms\n", mms);
     }
   }
-  if (fp8) p.rope.data = nullptr;  // the latent view's pool
+  if (fp8 || combined_kv) p.rope.data = nullptr;  // the latent view's pool (records, or the combined rows)
   for (void* q : {const_cast<void*>(p.q_nope), const_cast<void*>(p.q_rope), p.latent.data, p.rope.data, p.out,
                   static_cast<void*>(p.lse), static_cast<void*>(ws), static_cast<void*>(const_cast<int32_t*>(p.topk)),
                   static_cast<void*>(const_cast<int32_t*>(p.block_table.data)),
