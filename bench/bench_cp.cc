@@ -12,6 +12,7 @@
 // Usage: dsacp_bench_cp [--json FILE] [--reps N] [--only busbw|pcp|dcp|graph] [--S TOKENS] [--mode sharded|replicated]
 //        [--quick] [--host-table] [--one-gpu-only] [--stagger-us N] [--no-pin] [--timeout-ms N] [--batch N]
 //        [--nccl-window-mb N (0: none)] [--nccl-peer-exchange-mb N (0: off)] [--exchange-stamps]
+//        [--fp8-kv (the latent cache as fp8_ds_mla records: issue 26's DCP row)]
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -96,7 +97,7 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
     max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>((r.seq_len() + 63) / 64));
   }
   const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
-  PagedCacheConfig cc{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
+  const PagedCacheConfig cc = bench_cache_config(static_cast<int64_t>(requests.size()) * max_pages, c);
   PagedKvCache cache = take(PagedKvCache::create(be, cc, false), "cache");
   if (fill) fill_cache(be, cache);
   StepBuffers b = step_buffers(be, c, T, c.H, T);
@@ -148,7 +149,7 @@ Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c
     max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), 64)));
   }
   const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
-  PagedCacheConfig per_rank{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
+  const PagedCacheConfig per_rank = bench_cache_config(static_cast<int64_t>(requests.size()) * max_pages, c);
   const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
   std::vector<OwnedCpComms> comms = make_comms(gpus, layout);
   std::vector<CpRankPlan> plans;
@@ -400,6 +401,7 @@ int main(int argc, char** argv) {
     else if (a == "--nccl-peer-exchange-mb" && i + 1 < argc) {
       g_peer_exchange_bytes = size_t(std::max(0L, std::atol(argv[++i]))) << 20;
     } else if (a == "--exchange-stamps") g_exchange_stamps = true;
+    else if (a == "--fp8-kv") g_fp8_kv = true;
   }
   auto count = cuda_device_count();
   if (!count.ok() || *count < 2 || !nccl_available()) {
@@ -454,7 +456,7 @@ int main(int argc, char** argv) {
         if (!only_mode.empty() && only_mode != (mode == IndexerMode::kSharded ? "sharded" : "replicated")) continue;
         const Measure cp = cp_gpus(gpus, c, req, layout_of(1, n, mode), reps, true);
         const std::string m = mode == IndexerMode::kSharded ? "sharded" : "replicated";
-        add("dcp decode " + b + " " + std::to_string(S / 1024) + "K " + m, S, ("D" + std::to_string(n) + " " + m).c_str(),
+        add("dcp decode " + b + " " + std::to_string(S / 1024) + "K " + m + (g_fp8_kv ? " fp8 kv" : ""), S, ("D" + std::to_string(n) + " " + m).c_str(),
             one, cp);
       }
       // Hybrid layouts from 4 GPUs: 2 x n/2 and n/2 x 2 (sharded indexer).

@@ -42,7 +42,7 @@ double one_gpu_graph_layer_ms(Backend& be, const StepConfig& c, const std::vecto
     max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>((r.seq_len() + 63) / 64));
   }
   const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
-  const PagedCacheConfig cc{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
+  const PagedCacheConfig cc = bench_cache_config(static_cast<int64_t>(requests.size()) * max_pages, c);
   std::vector<double> times;
   on_ranks(1, [&](int) {  // on rank 0's thread: the capture records the launches of the thread that begins it
     PagedKvCache cache = take(PagedKvCache::create(be, cc, false), "cache");
@@ -72,7 +72,7 @@ double cp_graph_layer_ms(std::vector<std::unique_ptr<Backend>>& gpus, const Step
     max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), 64)));
   }
   const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
-  const PagedCacheConfig per_rank{static_cast<int64_t>(requests.size()) * max_pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
+  const PagedCacheConfig per_rank = bench_cache_config(static_cast<int64_t>(requests.size()) * max_pages, c);
   const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
   std::vector<OwnedCpComms> comms = make_comms(gpus, layout);
   std::vector<CpRankPlan> rank_plans;

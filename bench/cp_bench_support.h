@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "dsacp/backend.h"
+#include "dsacp/fp8.h"
 #include "dsacp/cp_step.h"
 #include "dsacp/nccl_communicator.h"
 #include "dsacp/paged_cache.h"
@@ -103,10 +105,59 @@ inline StepBuffers step_buffers(Backend& be, const StepConfig& c, int64_t rows, 
   return b;
 }
 
-inline void fill_cache(Backend& be, const PagedKvCache& cache) {
-  for (const PagedPoolView& v : {cache.latent(), cache.rope(), cache.index_keys()}) {
-    fill_random(be, v.data, static_cast<size_t>(v.num_pages) * v.page_size * v.dim * 2);
+// --fp8-kv: the latent cache as fp8_ds_mla records (656 B a key) instead of bf16 rows.
+inline bool g_fp8_kv = false;
+
+// A cache of `pages` pages of 64 tokens for the step's dims: bf16 rows, or with --fp8-kv fp8_ds_mla records (the
+// indexer keys stay bf16).
+inline PagedCacheConfig bench_cache_config(int64_t pages, const StepConfig& c) {
+  PagedCacheConfig cc{pages, 64, c.Dl, c.Dr, c.Di, DType::kBF16};
+  if (g_fp8_kv) cc.latent_format = LatentFormat::kFp8DsMla;
+  return cc;
+}
+
+// 4096 valid fp8_ds_mla records (Dl 512, Dr 64) tiled over a record pool: e4m3 values without NaN (exponent at
+// most 13), tile scales in [0.005, 0.01), bf16 rope in [-1, 1).
+inline void fill_records(Backend& be, void* pool, int64_t records) {
+  const int32_t rec = fp8_ds_mla_record_bytes(512, 64);
+  static const std::vector<uint8_t> block = [rec] {
+    std::vector<uint8_t> b(static_cast<size_t>(4096) * rec);
+    for (size_t r = 0; r < 4096; ++r) {
+      uint8_t* p = b.data() + r * rec;
+      for (int i = 0; i < 512; ++i) {
+        const uint64_t h = counter_hash(11, r, static_cast<uint64_t>(i));
+        p[i] = static_cast<uint8_t>((h & 0x80) | ((h >> 8) % 0x70));
+      }
+      for (int k = 0; k < 4; ++k) {
+        const float s = 0.005f + 0.005f * static_cast<float>((counter_hash(12, r, k) >> 40) / 16777216.0);
+        std::memcpy(p + 512 + 4 * k, &s, 4);
+      }
+      for (int i = 0; i < 64; ++i) {
+        const uint16_t v =
+            f32_to_bf16(static_cast<float>((counter_hash(13, r, i) >> 40) * (2.0 / 16777216.0) - 1.0)).bits;
+        std::memcpy(p + 528 + 2 * i, &v, 2);
+      }
+    }
+    return b;
+  }();
+  const size_t bytes = static_cast<size_t>(records) * rec, chunk = std::min(bytes, block.size());
+  die_if(be.copy_to_device(pool, block.data(), chunk), "upload records");
+  for (size_t at = chunk; at < bytes; at += chunk) {
+    die_if(be.copy_on_device(static_cast<char*>(pool) + at, pool, std::min(chunk, bytes - at)), "tile records");
   }
+}
+
+inline void fill_cache(Backend& be, const PagedKvCache& cache) {
+  if (cache.config().fp8_latent()) {
+    const PagedPoolView& v = cache.latent();
+    fill_records(be, v.data, v.num_pages * v.page_size);
+  } else {
+    for (const PagedPoolView& v : {cache.latent(), cache.rope()}) {
+      fill_random(be, v.data, static_cast<size_t>(v.num_pages) * v.page_size * v.dim * 2);
+    }
+  }
+  const PagedPoolView& k = cache.index_keys();
+  fill_random(be, k.data, static_cast<size_t>(k.num_pages) * k.page_size * k.dim * 2);
 }
 
 // The ranks' NCCL communicators for a P x D layout (world, PCP group, DCP group), one thread per GPU.
