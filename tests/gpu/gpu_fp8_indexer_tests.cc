@@ -41,15 +41,7 @@ struct Fp8Case {
 void run_fp8_indexer_case(Backend& gpu, const Fp8Case& c) {
   const int Hi = c.Hi, Di = 128;
   const std::string name = "indexer_topk fp8 " + c.name;
-  std::vector<int64_t> lens;
-  std::vector<int32_t> request, key_len;
-  for (size_t b = 0; b < c.ctx.size(); ++b) {
-    lens.push_back(c.ctx[b] + c.qlen[b]);
-    for (int i = 0; i < c.qlen[b]; ++i) {
-      request.push_back(static_cast<int32_t>(b));
-      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
-    }
-  }
+  auto [lens, request, key_len] = query_rows(c.ctx, c.qlen);
   const int64_t T = static_cast<int64_t>(request.size());
   const uint64_t seed = 900 + static_cast<uint64_t>(std::hash<std::string>{}(c.name) % 1000);
   Paging pg = make_paging(lens, c.page_size, 3, seed);

@@ -16,6 +16,7 @@
 #include "dsacp/backend.h"
 #include "dsacp/dtype.h"
 #include "dsacp/fp8.h"
+#include "gpu/gpu_kernel_data.h"
 #include "gpu/gpu_test.h"
 #include "support/compare.h"
 #include "support/random_values.h"
@@ -165,15 +166,7 @@ struct Fp8MlaCase {
 
 void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, CheckLog& log) {
   const std::string name = "fp8_ds_mla sparse_mla " + c.name;
-  std::vector<int64_t> lens;
-  std::vector<int32_t> request, key_len;
-  for (size_t b = 0; b < c.ctx.size(); ++b) {
-    lens.push_back(c.ctx[b] + c.qlen[b]);
-    for (int i = 0; i < c.qlen[b]; ++i) {
-      request.push_back(static_cast<int32_t>(b));
-      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
-    }
-  }
+  auto [lens, request, key_len] = query_rows(c.ctx, c.qlen);
   const int64_t T = static_cast<int64_t>(request.size());
   // paging: the requests' pages from a shuffled range, 3 spare pages
   const int32_t ps = c.page_size;
@@ -216,24 +209,9 @@ void run_case(Backend& gpu, Backend& cpu, const Fp8MlaCase& c, uint64_t seed, Ch
     log.report(false, name, "CPU cache write: " + s.to_string());
     return;
   }
-  std::vector<uint16_t> qn(T * c.H * kDl), qr(T * c.H * kDr);
-  for (size_t i = 0; i < qn.size(); ++i) qn[i] = f32_to_bf16(uniform_at(seed + 300, i)).bits;
-  for (size_t i = 0; i < qr.size(); ++i) qr[i] = f32_to_bf16(uniform_at(seed + 301, i)).bits;
-  std::vector<int32_t> topk(T * c.K, -1);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t len = key_len[t];
-    int64_t n = std::min<int64_t>(c.K, len);
-    if (t % 5 == 2) n = n / 3;            // a short row: -1, then garbage
-    if (t == T - 1 && T > 1) n = 0;       // no key at all
-    int64_t stride = 1 + static_cast<int64_t>(splitmix64(seed + 400 + t) % 97);
-    while (std::gcd(stride, len) != 1) ++stride;
-    int64_t pos = static_cast<int64_t>(splitmix64(seed + 500 + t) % len);
-    for (int64_t i = 0; i < n; ++i) {
-      topk[t * c.K + i] = static_cast<int32_t>(pos);
-      pos = (pos + stride) % len;
-    }
-    for (int64_t i = n + 1; i < c.K; i += 3) topk[t * c.K + i] = static_cast<int32_t>(i % len);
-  }
+  const std::vector<uint16_t> qn = random_bf16(T * c.H * kDl, seed + 300), qr = random_bf16(T * c.H * kDr, seed + 301);
+  // short rows (-1, then garbage) and a row with no key at all
+  const std::vector<int32_t> topk = stride_walk_topk(key_len, c.K, seed, /*hostile=*/true);
   SparseMlaParams p;
   p.rows.num_tokens = T;
   p.H = c.H;

@@ -38,15 +38,7 @@ void run_scores_side_by_side(const ScoreSideCase& c) {
   using namespace dsacp::cuda;
   const int Hi = c.Hi, Di = 128;
   const std::string name = "indexer scores side by side " + c.name + " (wgmma kernel vs mma.sync kernel)";
-  std::vector<int64_t> lens;
-  std::vector<int32_t> request, key_len;
-  for (size_t b = 0; b < c.ctx.size(); ++b) {
-    lens.push_back(c.ctx[b] + c.qlen[b]);
-    for (int i = 0; i < c.qlen[b]; ++i) {
-      request.push_back(static_cast<int32_t>(b));
-      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
-    }
-  }
+  auto [lens, request, key_len] = query_rows(c.ctx, c.qlen);
   const int64_t T = static_cast<int64_t>(request.size());
   const uint64_t seed = 4000 + static_cast<uint64_t>(std::hash<std::string>{}(c.name) % 1000);
   Paging pg = make_paging(lens, c.page_size, 2, seed);

@@ -34,15 +34,7 @@ struct IdxCase {
 
 void run_indexer_case(Backend& gpu, Backend& cpu, const IdxCase& c) {
   const int Hi = c.Hi, Di = 128;
-  std::vector<int64_t> lens;
-  std::vector<int32_t> request, key_len;
-  for (size_t b = 0; b < c.ctx.size(); ++b) {
-    lens.push_back(c.ctx[b] + c.qlen[b]);
-    for (int i = 0; i < c.qlen[b]; ++i) {
-      request.push_back(static_cast<int32_t>(b));
-      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
-    }
-  }
+  auto [lens, request, key_len] = query_rows(c.ctx, c.qlen);
   const int64_t T = static_cast<int64_t>(request.size());
   Paging pg = make_paging(lens, c.page_size, 4, 77, c.first_page);
   std::vector<uint16_t> keys = make_pool(pg, lens, Di, 600);

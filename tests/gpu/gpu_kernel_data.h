@@ -107,6 +107,49 @@ inline std::vector<uint16_t> random_bf16(size_t n, uint64_t seed, float amp = 1.
   return v;
 }
 
+// A batch's query rows: request b has qlen[b] new tokens after ctx[b] earlier keys, its token i seeing
+// ctx[b] + i + 1 keys; lens[b] = ctx[b] + qlen[b] (the request's keys).
+struct QueryRows {
+  std::vector<int64_t> lens;
+  std::vector<int32_t> request, key_len;  // a row each
+};
+inline QueryRows query_rows(const std::vector<int64_t>& ctx, const std::vector<int>& qlen) {
+  QueryRows q;
+  for (size_t b = 0; b < ctx.size(); ++b) {
+    q.lens.push_back(ctx[b] + qlen[b]);
+    for (int i = 0; i < qlen[b]; ++i) {
+      q.request.push_back(static_cast<int32_t>(b));
+      q.key_len.push_back(static_cast<int32_t>(ctx[b] + i + 1));
+    }
+  }
+  return q;
+}
+
+// Sparse MLA top-k rows [T, K] over each row's key_len keys: distinct positions by a stride walk from a random
+// start (a gcd-free stride); with `hostile`, every fifth row (t % 5 == 2) short (a third of its keys), the last row
+// of several empty, and garbage every third entry after a row's first -1.
+inline std::vector<int32_t> stride_walk_topk(const std::vector<int32_t>& key_len, int K, uint64_t seed, bool hostile) {
+  const int64_t T = static_cast<int64_t>(key_len.size());
+  std::vector<int32_t> topk(T * K, -1);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t len = key_len[t];
+    int64_t n = std::min<int64_t>(K, len);
+    if (hostile && t % 5 == 2) n = n / 3;
+    if (hostile && t == T - 1 && T > 1) n = 0;
+    int64_t stride = 1 + static_cast<int64_t>(splitmix64(seed + 400 + t) % 97);
+    while (std::gcd(stride, len) != 1) ++stride;
+    int64_t pos = static_cast<int64_t>(splitmix64(seed + 500 + t) % len);
+    for (int64_t i = 0; i < n; ++i) {
+      topk[t * K + i] = static_cast<int32_t>(pos);
+      pos = (pos + stride) % len;
+    }
+    if (hostile) {
+      for (int64_t i = n + 1; i < K; i += 3) topk[t * K + i] = static_cast<int32_t>(i % len);
+    }
+  }
+  return topk;
+}
+
 // rel_error_finite with *nan_mismatch cleared first.
 inline double rel_norm(const std::vector<float>& a, const std::vector<float>& ref, bool* nan_mismatch) {
   *nan_mismatch = false;

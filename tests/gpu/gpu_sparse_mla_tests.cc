@@ -44,38 +44,14 @@ struct MlaCase {
 
 void run_mla_case(Backend& gpu, Backend& cpu, const MlaCase& c) {
   const int Dl = 512, Dr = 64;
-  std::vector<int64_t> lens;
-  std::vector<int32_t> request, key_len;
-  for (size_t b = 0; b < c.ctx.size(); ++b) {
-    lens.push_back(c.ctx[b] + c.qlen[b]);
-    for (int i = 0; i < c.qlen[b]; ++i) {
-      request.push_back(static_cast<int32_t>(b));
-      key_len.push_back(static_cast<int32_t>(c.ctx[b] + i + 1));
-    }
-  }
+  auto [lens, request, key_len] = query_rows(c.ctx, c.qlen);
   const int64_t T = static_cast<int64_t>(request.size());
   Paging pg = make_paging(lens, c.page_size, c.extra_pages, 31 + c.H, c.first_page);
   std::vector<uint16_t> latent = make_pool(pg, lens, Dl, 100);
   std::vector<uint16_t> rope = make_pool(pg, lens, Dr, 200);
   std::vector<uint16_t> qn = random_bf16(T * c.H * Dl, 300), qr = random_bf16(T * c.H * Dr, 301);
-  std::vector<int32_t> topk(T * c.K, -1);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t len = key_len[t];
-    int64_t n = std::min<int64_t>(c.K, len);
-    if (c.hostile_rows && t % 5 == 2) n = n / 3;          // short row: -1 then garbage
-    if (c.hostile_rows && t == T - 1 && T > 1) n = 0;     // all-invalid row
-    // n distinct positions: stride walk from a random start (gcd-free stride)
-    int64_t stride = 1 + static_cast<int64_t>(splitmix64(400 + t) % 97);
-    while (std::gcd(stride, len) != 1) ++stride;
-    int64_t pos = static_cast<int64_t>(splitmix64(500 + t) % len);
-    for (int64_t i = 0; i < n; ++i) {
-      topk[t * c.K + i] = static_cast<int32_t>(pos);
-      pos = (pos + stride) % len;
-    }
-    if (c.hostile_rows && n < c.K) {
-      for (int64_t i = n + 1; i < c.K; i += 3) topk[t * c.K + i] = static_cast<int32_t>(i % len);  // garbage after -1
-    }
-  }
+  // hostile rows: short (-1, then garbage), all-invalid
+  std::vector<int32_t> topk = stride_walk_topk(key_len, c.K, 0, c.hostile_rows);
   const float scale = c.scale;
   std::vector<float> out_c(T * c.H * Dl), lse_c(T * c.H);
   SparseMlaParams p;
