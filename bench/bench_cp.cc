@@ -143,20 +143,12 @@ Measure one_gpu(Backend& be, const StepConfig& c, const std::vector<Request>& re
 Measure cp_gpus(std::vector<std::unique_ptr<Backend>>& gpus, const StepConfig& c, const std::vector<Request>& requests,
                 const CpLayout& layout, int reps, bool fill) {
   const int Pt = layout.num_ranks();
-  const KvSharding sharding = cp_kv_sharding(layout, 64);
-  int32_t max_pages = 0;
-  for (const Request& r : requests) {
-    max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), 64)));
-  }
-  const BlockTable table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
-  const PagedCacheConfig per_rank = bench_cache_config(static_cast<int64_t>(requests.size()) * max_pages, c);
-  const PagedCacheConfig cc = cp_rank_cache_config(layout, per_rank);
+  const CpBatch batch = cp_batch(c, requests, layout);
+  const KvSharding& sharding = batch.sharding;
+  const BlockTable& table = batch.table;
+  const PagedCacheConfig& cc = batch.cc;
+  const std::vector<CpRankPlan>& plans = batch.plans;
   std::vector<OwnedCpComms> comms = make_comms(gpus, layout);
-  std::vector<CpRankPlan> plans;
-  for (int cr = 0; cr < Pt; ++cr) {
-    plans.push_back(take(cp_rank_plan(requests, layout, cr / layout.D, cr % layout.D, table, 64, c.decode_threshold, c.H),
-                         "cp_rank_plan"));
-  }
   std::vector<PagedKvCache> caches;
   std::vector<StepBuffers> bufs(static_cast<size_t>(Pt));
   for (int cr = 0; cr < Pt; ++cr) caches.push_back(take(PagedKvCache::create(*gpus[cr], cc, false), "cache"));

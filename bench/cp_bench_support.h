@@ -160,6 +160,31 @@ inline void fill_cache(Backend& be, const PagedKvCache& cache) {
   fill_random(be, k.data, static_cast<size_t>(k.num_pages) * k.page_size * k.dim * 2);
 }
 
+// A batch on a P x D layout's ranks: the KV sharding (page 64), the block table (request b's pages in order), a
+// rank's cache configuration and every rank's plan.
+struct CpBatch {
+  KvSharding sharding;
+  BlockTable table;
+  PagedCacheConfig cc;
+  std::vector<CpRankPlan> plans;  // rank cr = r * D + d
+};
+inline CpBatch cp_batch(const StepConfig& c, const std::vector<Request>& requests, const CpLayout& layout) {
+  CpBatch b;
+  b.sharding = cp_kv_sharding(layout, 64);
+  int32_t max_pages = 0;
+  for (const Request& r : requests) {
+    max_pages = std::max<int32_t>(max_pages, static_cast<int32_t>(b.sharding.pages_needed(r.seq_len(), 64)));
+  }
+  b.table = ordered_table(static_cast<int32_t>(requests.size()), max_pages);
+  b.cc = cp_rank_cache_config(layout, bench_cache_config(static_cast<int64_t>(requests.size()) * max_pages, c));
+  for (int cr = 0; cr < layout.num_ranks(); ++cr) {
+    b.plans.push_back(take(cp_rank_plan(requests, layout, cr / layout.D, cr % layout.D, b.table, 64,
+                                        c.decode_threshold, c.H),
+                           "cp_rank_plan"));
+  }
+  return b;
+}
+
 // The ranks' NCCL communicators for a P x D layout (world, PCP group, DCP group), one thread per GPU.
 inline std::vector<OwnedCpComms> make_comms(const std::vector<std::unique_ptr<Backend>>& gpus, const CpLayout& layout) {
   const int Pt = layout.num_ranks();
