@@ -70,6 +70,32 @@ struct PlannedLayout {
 
 class CpStepPlanTest : public ::testing::TestWithParam<PlannedLayout> {};
 
+// A random CP batch for layout l (f32 case dims, top-k 12, page 4): the case spec (its seed the caller's), the KV
+// sharding, the block table (request b's pages in order) and the per-rank cache configuration.
+struct PlannedBatch {
+  CaseGenSpec spec;
+  KvSharding sharding;
+  BlockTable table;
+  PagedCacheConfig per_rank;
+};
+PlannedBatch planned_batch(const PlannedLayout& pl, uint64_t seed) {
+  const int32_t page = 4;
+  PlannedBatch b;
+  b.spec.topk = 12;
+  b.spec.requests = testing::random_cp_batch(seed, pl.layout.P, b.spec.topk, pl.decode_only);
+  b.spec.dims = CaseDims{8, 16, 8, 2, 16};
+  b.spec.scale = 0.3f;
+  b.sharding = cp_kv_sharding(pl.layout, page);
+  int32_t pages = 1;
+  for (const Request& r : b.spec.requests) {
+    pages = std::max<int32_t>(pages, static_cast<int32_t>(b.sharding.pages_needed(r.seq_len(), page)));
+  }
+  const int32_t R = static_cast<int32_t>(b.spec.requests.size());
+  b.table = ordered_table(R, pages);
+  b.per_rank = PagedCacheConfig{int64_t{R} * pages, page, b.spec.dims.Dl, b.spec.dims.Dr, b.spec.dims.Di, DType::kF32};
+  return b;
+}
+
 // Two layers (two caches per rank, different inputs and contexts; the second in the caller's memory with latent
 // and rope in one padded row) under one plan per rank: each layer's assembled result is the one-shot cluster
 // step's, bit for bit.
@@ -77,12 +103,10 @@ TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
   const PlannedLayout& pl = GetParam();
   const CpLayout& l = pl.layout;
   const uint64_t seed = testing::test_seed(4242);
-  const int32_t page = 4, Pt = l.P * l.D;
-  CaseGenSpec spec;
-  spec.topk = 12;
-  spec.requests = testing::random_cp_batch(seed, l.P, spec.topk, pl.decode_only);
-  spec.dims = CaseDims{8, 16, 8, 2, 16};
-  spec.scale = 0.3f;
+  const int32_t Pt = l.P * l.D;
+  PlannedBatch batch = planned_batch(pl, seed);
+  const int32_t page = batch.per_rank.page_size;
+  CaseGenSpec& spec = batch.spec;
   std::vector<CaseFile> layers;
   for (uint64_t k = 0; k < 2; ++k) {
     spec.seed = seed * 3 + k;
@@ -92,12 +116,9 @@ TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
   }
   const std::vector<Request>& requests = spec.requests;
   const StepConfig config = testing::f32_step_config(layers[0]);
-  const KvSharding sharding = cp_kv_sharding(l, page);
-  int32_t pages = 1;
-  for (const Request& r : requests) pages = std::max<int32_t>(pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), page)));
-  const int32_t R = static_cast<int32_t>(requests.size());
-  const BlockTable table = ordered_table(R, pages);
-  const PagedCacheConfig per_rank{int64_t{R} * pages, page, spec.dims.Dl, spec.dims.Dr, spec.dims.Di, DType::kF32};
+  const KvSharding& sharding = batch.sharding;
+  const BlockTable& table = batch.table;
+  const PagedCacheConfig& per_rank = batch.per_rank;
   std::unique_ptr<Backend> cpu = make_cpu_backend(2);
 
   // The one-shot steps: a fresh cluster a layer.
@@ -275,23 +296,17 @@ TEST_P(CpStepPlanTest, EnqueueOnlyRunsWaitForNothingAndEqualEagerRuns) {
   const PlannedLayout& pl = GetParam();
   const CpLayout& l = pl.layout;
   const uint64_t seed = testing::test_seed(977);
-  const int32_t page = 4, Pt = l.P * l.D;
-  CaseGenSpec spec;
-  spec.topk = 12;
-  spec.requests = testing::random_cp_batch(seed, l.P, spec.topk, pl.decode_only);
-  spec.dims = CaseDims{8, 16, 8, 2, 16};
-  spec.scale = 0.3f;
-  spec.seed = seed;
-  auto c = case_generate(spec);
+  const int32_t Pt = l.P * l.D;
+  PlannedBatch batch = planned_batch(pl, seed);
+  const int32_t page = batch.per_rank.page_size;
+  batch.spec.seed = seed;
+  auto c = case_generate(batch.spec);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  const std::vector<Request>& requests = spec.requests;
+  const std::vector<Request>& requests = batch.spec.requests;
   const StepConfig config = testing::f32_step_config(*c);
-  const KvSharding sharding = cp_kv_sharding(l, page);
-  int32_t pages = 1;
-  for (const Request& r : requests) pages = std::max<int32_t>(pages, static_cast<int32_t>(sharding.pages_needed(r.seq_len(), page)));
-  const int32_t R = static_cast<int32_t>(requests.size());
-  const BlockTable table = ordered_table(R, pages);
-  const PagedCacheConfig per_rank{int64_t{R} * pages, page, spec.dims.Dl, spec.dims.Dr, spec.dims.Di, DType::kF32};
+  const KvSharding& sharding = batch.sharding;
+  const BlockTable& table = batch.table;
+  const PagedCacheConfig& per_rank = batch.per_rank;
   std::unique_ptr<Backend> cpu = make_cpu_backend(2);
   auto cluster = LocalCpCluster::create(*cpu, l, per_rank);
   ASSERT_TRUE(cluster.ok()) << cluster.status().to_string();
