@@ -271,22 +271,9 @@ PyCpPlan* make_cp_plan(nb::object group_obj, const std::vector<int32_t>& query_l
                        const std::string& topk_form, const std::string& lse_base, int32_t decode_threshold,
                        std::optional<nb::object> device_block_table) {
   PyCpGroup& g = *nb::cast<PyCpGroup*>(group_obj);
-  if (query_lens.size() != context_lens.size()) {
-    plan_value_error("cp_plan: " + std::to_string(query_lens.size()) + " query_lens but " +
-                     std::to_string(context_lens.size()) + " context_lens; expected one of each per request");
-  }
-  std::vector<Request> requests;
-  for (size_t i = 0; i < query_lens.size(); ++i) requests.push_back({query_lens[i], context_lens[i]});
-  TensorArg bt = host_tensor_arg("cp_plan", "block_table", block_table, {Elem::kI32}, {{"num_requests", -1}, {"max_pages", -1}});
-  if (bt.shape[0] < static_cast<int64_t>(requests.size())) {
-    plan_value_error("cp_plan: block_table has " + std::to_string(bt.shape[0]) + " rows, the batch " +
-                     std::to_string(requests.size()) + " requests; expected a row per request");
-  }
-  BlockTable table;
-  table.num_requests = static_cast<int32_t>(bt.shape[0]);
-  table.max_pages = static_cast<int32_t>(bt.shape[1]);
-  const auto* entries = static_cast<const int32_t*>(bt.data);
-  table.data.assign(entries, entries + bt.shape[0] * bt.shape[1]);
+  const PlanBatch batch = plan_batch("cp_plan", query_lens, context_lens, block_table);
+  const std::vector<Request>& requests = batch.requests;
+  const BlockTable& table = batch.table;
   PlanArgs a{num_pages, heads, scale, topk, page_size, latent_dim, rope_dim, index_heads, index_dim, dtype,
              out_dtype, cache_dtype, index_dtype, latent_cache, index_scale_mode, latent_scale_mode, topk_form,
              lse_base, decode_threshold};

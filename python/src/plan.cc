@@ -54,23 +54,9 @@ PyStepPlan* make_plan(const std::vector<int32_t>& query_lens, const std::vector<
                       const std::string& topk_form, const std::string& lse_base, int32_t decode_threshold,
                       const std::string& device, std::optional<nb::object> device_block_table,
                       std::optional<uintptr_t> stream, int threads, bool fingerprint) {
-  if (query_lens.size() != context_lens.size()) {
-    value_error("plan: " + std::to_string(query_lens.size()) + " query_lens but " + std::to_string(context_lens.size()) +
-                " context_lens; expected one of each per request");
-  }
-  std::vector<Request> requests;
-  for (size_t i = 0; i < query_lens.size(); ++i) requests.push_back({query_lens[i], context_lens[i]});
-  // The host block table (the plan reads it on the host: checks, slots, the fingerprint).
-  TensorArg bt = host_tensor_arg("plan", "block_table", block_table, {Elem::kI32}, {{"num_requests", -1}, {"max_pages", -1}});
-  if (bt.shape[0] < static_cast<int64_t>(requests.size())) {
-    value_error("plan: block_table has " + std::to_string(bt.shape[0]) + " rows, the batch " +
-                std::to_string(requests.size()) + " requests; expected a row per request");
-  }
-  BlockTable table;
-  table.num_requests = static_cast<int32_t>(bt.shape[0]);
-  table.max_pages = static_cast<int32_t>(bt.shape[1]);
-  const auto* entries = static_cast<const int32_t*>(bt.data);
-  table.data.assign(entries, entries + bt.shape[0] * bt.shape[1]);
+  const PlanBatch batch = plan_batch("plan", query_lens, context_lens, block_table);
+  const std::vector<Request>& requests = batch.requests;
+  const BlockTable& table = batch.table;
 
   auto p = std::make_unique<PyStepPlan>();
   device_arg("plan", device, &p->device_type, &p->device_id);

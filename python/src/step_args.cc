@@ -239,4 +239,25 @@ std::unique_ptr<PagedKvCache> layer_caches(Placement& pl, const PagedCacheConfig
   return std::make_unique<PagedKvCache>(std::move(cache).value());
 }
 
+PlanBatch plan_batch(const char* op, const std::vector<int32_t>& query_lens, const std::vector<int32_t>& context_lens,
+                     nb::handle block_table) {
+  if (query_lens.size() != context_lens.size()) {
+    plan_value_error(std::string(op) + ": " + std::to_string(query_lens.size()) + " query_lens but " +
+                     std::to_string(context_lens.size()) + " context_lens; expected one of each per request");
+  }
+  PlanBatch b;
+  for (size_t i = 0; i < query_lens.size(); ++i) b.requests.push_back({query_lens[i], context_lens[i]});
+  // The host block table (the plan reads it on the host: checks, slots, the fingerprint).
+  TensorArg bt = host_tensor_arg(op, "block_table", block_table, {Elem::kI32}, {{"num_requests", -1}, {"max_pages", -1}});
+  if (bt.shape[0] < static_cast<int64_t>(b.requests.size())) {
+    plan_value_error(std::string(op) + ": block_table has " + std::to_string(bt.shape[0]) + " rows, the batch " +
+                     std::to_string(b.requests.size()) + " requests; expected a row per request");
+  }
+  b.table.num_requests = static_cast<int32_t>(bt.shape[0]);
+  b.table.max_pages = static_cast<int32_t>(bt.shape[1]);
+  const auto* entries = static_cast<const int32_t*>(bt.data);
+  b.table.data.assign(entries, entries + bt.shape[0] * bt.shape[1]);
+  return b;
+}
+
 }  // namespace dsacp::py

@@ -9,7 +9,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "dsacp/batch.h"
 #include "dsacp/paged_cache.h"
 #include "dsacp/step.h"
 #include "tensor_args.h"
@@ -22,6 +24,15 @@ namespace nb = nanobind;
 
 // "cpu", "cuda" (device 0) or "cuda:N".
 void device_arg(const char* op, const std::string& s, int32_t* type, int32_t* id);
+
+// A plan's batch from its arguments: the requests (query_lens[i], context_lens[i]) and the host block table (int32
+// [num_requests >= requests, max_pages]); ValueError prefixed with `op` on a mismatch.
+struct PlanBatch {
+  std::vector<Request> requests;
+  BlockTable table;
+};
+PlanBatch plan_batch(const char* op, const std::vector<int32_t>& query_lens, const std::vector<int32_t>& context_lens,
+                     nb::handle block_table);
 
 // The keyword arguments dsacp.plan and dsacp.cp_plan share (their docstrings say what each means).
 struct PlanArgs {
