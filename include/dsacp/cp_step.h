@@ -148,5 +148,7 @@ class LocalCpCluster {
 
 // Host rows of `full` selected by `rows` (-1 = a zero row): [rows.size(), ...].
 Result<Tensor> select_rows(const Tensor& full, const std::vector<int64_t>& rows);
+// Rows of a [T, H, D] tensor selected by `rows` (-1 = a zero row), heads [h0, h0 + nh) only: [rows.size(), nh, D].
+Result<Tensor> select_rows_heads(const Tensor& full, const std::vector<int64_t>& rows, int64_t h0, int64_t nh);
 
 }  // namespace dsacp

@@ -34,9 +34,6 @@ Result<Tensor> select_rows(const Tensor& full, const std::vector<int64_t>& rows)
   return out;
 }
 
-namespace {
-
-// Rows of a [T, H, D] tensor (-1 = zero row), heads [h0, h0 + nh) only: [rows.size(), nh, D].
 Result<Tensor> select_rows_heads(const Tensor& full, const std::vector<int64_t>& rows, int64_t h0, int64_t nh) {
   const int64_t H = full.dim(1), D = full.dim(2);
   DSACP_ASSIGN_OR_RETURN(Tensor out, Tensor::zeros(full.dtype(), {static_cast<int64_t>(rows.size()), nh, D}));
@@ -48,8 +45,6 @@ Result<Tensor> select_rows_heads(const Tensor& full, const std::vector<int64_t>&
   }
   return out;
 }
-
-}  // namespace
 
 Result<std::unique_ptr<LocalCpCluster>> LocalCpCluster::create(Backend& backend, const CpLayout& layout,
                                                                const PagedCacheConfig& per_rank_cache) {

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,25 +23,11 @@ namespace {
 
 constexpr int kLayers = 4, kReplays = 20;
 
-// The rank's rows of a [T, ...] tensor (padding rows: zeros), with heads [h0, h0 + nh) of `heads` where the
-// tensor has heads (0: none).
-std::vector<char> rank_rows(const Tensor& t, const std::vector<int64_t>& tokens, int64_t heads, int64_t h0, int64_t nh) {
-  const int64_t T = t.dim(0);
-  const size_t row = T > 0 ? t.nbytes() / static_cast<size_t>(T) : 0;
-  const size_t per_head = heads > 0 ? row / static_cast<size_t>(heads) : row;
-  const size_t take = heads > 0 ? per_head * static_cast<size_t>(nh) : row;
-  const size_t skip = heads > 0 ? per_head * static_cast<size_t>(h0) : 0;
-  std::vector<char> out(tokens.size() * take, 0);
-  const char* src = static_cast<const char*>(t.data());
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] >= 0) std::memcpy(out.data() + i * take, src + tokens[i] * row + skip, take);
-  }
-  return out;
-}
-
-Result<DeviceBuffer> upload_bytes(Backend& be, const std::vector<char>& v) {
-  DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, be.allocate(std::max<size_t>(v.size(), 4)));
-  if (!v.empty()) DSACP_RETURN_IF_ERROR(be.copy_to_device(b.get(), v.data(), v.size()));
+// A device copy of a host tensor (a rank's rows of a step input: select_rows / select_rows_heads).
+Result<DeviceBuffer> upload_rows(Backend& be, Result<Tensor> rows) {
+  DSACP_RETURN_IF_ERROR(rows.status());
+  DSACP_ASSIGN_OR_RETURN(DeviceBuffer b, be.allocate(std::max<size_t>(rows->nbytes(), 4)));
+  if (rows->nbytes() > 0) DSACP_RETURN_IF_ERROR(be.copy_to_device(b.get(), rows->data(), rows->nbytes()));
   return b;
 }
 
@@ -79,15 +64,15 @@ Status run_rank(const CaseFile& c, const StepConfig& config, const CpLayout& lay
   DSACP_RETURN_IF_ERROR(cp_load_context_rank(*be, layout, sharding, cr, c.requests, table, c.ctx_kv_latent,
                                              c.ctx_k_rope, c.ctx_idx_k, cache));
   const std::vector<int64_t>& tok = rank_plan.row_token;
-  const int64_t H = c.dims.H, h0 = rank_plan.head_begin, nh = rank_plan.num_heads;
+  const int64_t h0 = rank_plan.head_begin, nh = rank_plan.num_heads;
   RankBuffers b;
-  DSACP_ASSIGN_OR_RETURN(b.q_nope, upload_bytes(*be, rank_rows(c.q_nope, tok, H, h0, nh)));
-  DSACP_ASSIGN_OR_RETURN(b.q_rope, upload_bytes(*be, rank_rows(c.q_rope, tok, H, h0, nh)));
-  DSACP_ASSIGN_OR_RETURN(b.kv, upload_bytes(*be, rank_rows(c.kv_latent, tok, 0, 0, 0)));
-  DSACP_ASSIGN_OR_RETURN(b.kr, upload_bytes(*be, rank_rows(c.k_rope, tok, 0, 0, 0)));
-  DSACP_ASSIGN_OR_RETURN(b.iq, upload_bytes(*be, rank_rows(c.idx_q, tok, 0, 0, 0)));
-  DSACP_ASSIGN_OR_RETURN(b.iw, upload_bytes(*be, rank_rows(c.idx_w, tok, 0, 0, 0)));
-  DSACP_ASSIGN_OR_RETURN(b.ik, upload_bytes(*be, rank_rows(c.idx_k, tok, 0, 0, 0)));
+  DSACP_ASSIGN_OR_RETURN(b.q_nope, upload_rows(*be, select_rows_heads(c.q_nope, tok, h0, nh)));
+  DSACP_ASSIGN_OR_RETURN(b.q_rope, upload_rows(*be, select_rows_heads(c.q_rope, tok, h0, nh)));
+  DSACP_ASSIGN_OR_RETURN(b.kv, upload_rows(*be, select_rows(c.kv_latent, tok)));
+  DSACP_ASSIGN_OR_RETURN(b.kr, upload_rows(*be, select_rows(c.k_rope, tok)));
+  DSACP_ASSIGN_OR_RETURN(b.iq, upload_rows(*be, select_rows(c.idx_q, tok)));
+  DSACP_ASSIGN_OR_RETURN(b.iw, upload_rows(*be, select_rows(c.idx_w, tok)));
+  DSACP_ASSIGN_OR_RETURN(b.ik, upload_rows(*be, select_rows(c.idx_k, tok)));
   const int64_t rows = rank_plan.output_rows;
   for (int k = 0; k < 2; ++k) {
     DSACP_ASSIGN_OR_RETURN(b.topk[k], be->allocate(std::max<int64_t>(rows * config.K * 4, 4)));
