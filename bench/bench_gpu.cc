@@ -77,6 +77,13 @@ int main(int argc, char** argv) {
                      "target<=0.045 FlashMLA-fp8=0.079");
     bench_sparse_mla("fp8_ds_mla sparse_prefill T=8192 keys8192 h=128", 8192, 128, 8192, 1, std::max(3, reps / 4),
                      0, 2048, true, "target>=600TFLOP/s");
+    // h=128 with each CTA dequantizing every tile itself (the paired dequantization off: the default before it)
+    g_ctx.options.mla_fp8_pair_dequant = CudaBackendOptions::Choice::kOff;
+    bench_sparse_mla("fp8_ds_mla unpaired sparse_decode b=64 ctx32K h=128", 64, 128, 32768, 64, reps, 0, 2048, true,
+                     "target<=0.065");
+    bench_sparse_mla("fp8_ds_mla unpaired sparse_decode b=64 ctx32K h=128 MTP2", 128, 128, 32768, 64, reps, 0, 2048,
+                     true, "target<=0.125");
+    g_ctx.options.mla_fp8_pair_dequant = CudaBackendOptions::Choice::kAuto;
     // the warp-specialized kernel whose producer dequantizes the records (CudaBackendOptions::MlaKernel::kWgmmaWs32)
     g_ctx.options.mla_kernel = CudaBackendOptions::MlaKernel::kWgmmaWs32;
     bench_sparse_mla("fp8_ds_mla ws32 sparse_decode b=64 ctx32K h=16", 64, 16, 32768, 64, reps, 0, 2048, true,

@@ -226,6 +226,10 @@ struct CudaBackendOptions {
   // Split-K partials merged inside the kernel by a cluster of a token's splits (auto: for 64-head groups).
   enum class Choice : uint8_t { kAuto, kOn, kOff };
   Choice mla_cluster_merge = Choice::kAuto;
+  // fp8_ds_mla records on the 64-head decode kernel: a token's head groups in pairs (a cluster of 2 CTAs over the
+  // same keys), each CTA dequantizing half of every tile into both CTAs' shared memory (auto: wherever it applies,
+  // an even number of head groups a token and no split-K cluster merge; kOff: each CTA dequantizes every tile).
+  Choice mla_fp8_pair_dequant = Choice::kAuto;
   // The FP8 indexer's score kernel: auto = the rule in the CUDA backend (the persistent wgmma kernel where it applies
   // and measured faster, else the mma.sync one); kWgmma = the persistent wgmma kernel wherever it applies (FP8 q and
   // keys, Hi = 32 / 64, page sizes a multiple of 4); kMmaSync = the mma.sync kernel always (bf16 always runs it);

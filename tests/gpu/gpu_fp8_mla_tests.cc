@@ -321,6 +321,8 @@ void fp8_mla_cases(Backend& gpu, Backend& cpu, uint64_t seed, bool small, CheckL
     CudaBackendOptions::MlaKernel kernel;
     std::vector<Fp8MlaCase> cases;
     int32_t splits = 0;  // CudaBackendOptions::mla_splits (1: a CTA walks all 2048 keys, 32 pairs of tiles)
+    CudaBackendOptions::Choice pair_dequant = CudaBackendOptions::Choice::kAuto;  // mla_fp8_pair_dequant
+    CudaBackendOptions::Choice cluster_merge = CudaBackendOptions::Choice::kAuto;  // mla_cluster_merge
   };
   std::vector<Forced> forced;
   forced.push_back({"ws32", CudaBackendOptions::MlaKernel::kWgmmaWs32, {}});
@@ -350,6 +352,24 @@ void fp8_mla_cases(Backend& gpu, Backend& cpu, uint64_t seed, bool small, CheckL
                 Fp8ScaleMode::kFp32, 2});
   w1.push_back({"decode H=128 page64 K=2048 records past 2^31 bytes", 128, 2048, 64, {3000, 2500}, {1, 1},
                 DType::kBF16, Fp8ScaleMode::kFp32, 1, 52000});
+  // One split again, short key lists among long ones (1, 4, 2 pairs: the paired CTAs' last pairs), paired by
+  // default for H = 128 and head_blocks = 2; then each CTA dequantizing alone (paired off), and paired CTAs with
+  // split-K merged through the workspace (the cluster merge off: the pair takes the cluster).
+  w1.push_back({"decode H=128 page64 K=2048 short lists", 128, 2048, 64, {30, 200, 64, 5000}, {1, 1, 1, 1}});
+  using Choice = CudaBackendOptions::Choice;
+  forced.push_back({"ws32 unpaired splits=1", CudaBackendOptions::MlaKernel::kWgmmaWs32, {}, 1, Choice::kOff});
+  forced.back().cases.push_back({"decode H=128 page64 K=2048", 128, 2048, 64, {3000, 2100, 4100}, {1, 1, 1}});
+  forced.back().cases.push_back({"MTP-2 H=128 page61 K=2048 bf16 out", 128, 2048, 61, {4096, 30}, {2, 2},
+                                 DType::kBF16});
+  forced.push_back({"ws32 paired splits=4", CudaBackendOptions::MlaKernel::kWgmmaWs32, {}, 4, Choice::kAuto,
+                    Choice::kOff});
+  std::vector<Fp8MlaCase>& w4 = forced.back().cases;
+  w4.push_back({"decode H=128 page64 K=2048", 128, 2048, 64, {3000, 2100, 4100}, {1, 1, 1}});
+  w4.push_back({"MTP-2 H=128 page1 K=2048 ue8m0 bf16 out", 128, 2048, 1, {4096, 3000}, {2, 2}, DType::kBF16,
+                Fp8ScaleMode::kUe8m0});
+  w4.push_back({"decode H=96 head_blocks=2 page61 K=1024", 96, 1024, 61, {1500, 100, 3000}, {1, 1, 1}, DType::kF32,
+                Fp8ScaleMode::kFp32, 2});
+  w4.push_back({"decode H=128 page64 K=2048 short lists", 128, 2048, 64, {30, 200, 64, 700}, {1, 1, 1, 1}});
   forced.push_back({"mma_sync", CudaBackendOptions::MlaKernel::kMmaSync, {}});
   forced.back().cases.push_back({"decode H=16 page64 K=2048", 16, 2048, 64, {3000, 2100, 900}, {1, 1, 1}, DType::kBF16});
   forced.back().cases.push_back({"MTP-2 H=128 page61 K=2048", 128, 2048, 61, {4096, 3000}, {2, 2}});
@@ -360,6 +380,8 @@ void fp8_mla_cases(Backend& gpu, Backend& cpu, uint64_t seed, bool small, CheckL
     CudaBackendOptions o;
     o.mla_kernel = fc.kernel;
     o.mla_splits = fc.splits;
+    o.mla_fp8_pair_dequant = fc.pair_dequant;
+    o.mla_cluster_merge = fc.cluster_merge;
     auto be = make_cuda_backend(0, o);
     if (!be.ok()) {
       log.report(false, prefix + "backend", be.status().to_string());
@@ -389,6 +411,8 @@ TEST_F(Fp8DsMla, CacheWrite) { check_cache_write(gpu(), cpu(), gpu_test_options(
 TEST_F(Fp8DsMla, SparseMla) { run(""); }
 TEST_F(Fp8DsMla, SparseMlaWs32) { run("ws32"); }
 TEST_F(Fp8DsMla, SparseMlaWs32OneSplit) { run("ws32 splits=1"); }
+TEST_F(Fp8DsMla, SparseMlaWs32Unpaired) { run("ws32 unpaired splits=1"); }
+TEST_F(Fp8DsMla, SparseMlaWs32PairedSplitK) { run("ws32 paired splits=4"); }
 TEST_F(Fp8DsMla, SparseMlaMmaSync) { run("mma_sync"); }
 
 }  // namespace dsacp::testing

@@ -68,6 +68,9 @@ int mla_head_group(int block_heads);
 // Whether the splits are merged inside the kernel (a cluster of each token's splits: 2..8 splits, 64-head groups
 // unless o.mla_cluster_merge says otherwise); else partials go to a workspace and a merge kernel follows.
 bool sparse_mla_cluster_merge(int splits, int head_group, const CudaBackendOptions& o);
+// fp8_ds_mla on the 64-head decode kernel (ws32): a token's head groups dequantize each tile in pairs (a cluster of
+// two CTAs), where the token has an even number of groups and no split-K cluster merge takes the cluster.
+bool sparse_mla_fp8_pair_dequant(const SparseMlaParams& p, int splits, const CudaBackendOptions& o);
 // f32 workspace for split partials: splits * T * H * (Dl + 1) floats (0 when splits == 1 or merged in the kernel).
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits, const CudaBackendOptions& o);
 Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace, const LaunchContext& ctx);

@@ -48,6 +48,8 @@ struct MlaArgs {
   bool out_bf16;
   bool cluster_merge;           // splits > 1 merged inside the kernel: the splits of a (token, head group) are one
                                 // cluster and combine through shared memory (mla_cluster_merge); else part_out
+  bool pair_dequant;            // fp8_ds_mla on the ws32 kernel: CTAs 2i, 2i + 1 (the same token and keys, other
+                                // heads) are a cluster and each dequantizes half of every tile into both
   DeviceErrorWord err;
   SparseMlaParams::PeerMerge peer;  // the ranks' partials merged in the kernel (peer.sync.seq != 0; splits == 1)
   // fp8_ds_mla records (record_bytes > 0; latent / rope unused): key row r's record at records + r * record_bytes
@@ -113,7 +115,8 @@ __device__ __forceinline__ int mla_cta_heads(const MlaArgs& a, int head_group) {
 
 // Launches MLA kernel `name` on that grid with smem_bytes of dynamic shared memory (the attribute is set first);
 // with a.cluster_merge the splits of a (token, head group) form one cluster (dims (1, 1, splits)) and merge in the
-// kernel. Any failure comes back as a Status naming the kernel.
+// kernel; with a.pair_dequant two head groups of a token form one (dims (2, 1, 1)). Any failure comes back as a
+// Status naming the kernel.
 inline Status launch_mla_grid(void (*kernel)(MlaArgs), const char* name, const MlaArgs& a, int groups, int threads,
                               int smem_bytes, cudaStream_t stream) {
   const std::string what = std::string("launch of ") + name;
@@ -131,6 +134,13 @@ inline Status launch_mla_grid(void (*kernel)(MlaArgs), const char* name, const M
     attr[0].val.clusterDim.x = 1;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = static_cast<unsigned>(a.splits);
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  } else if (a.pair_dequant) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
@@ -178,17 +188,27 @@ __device__ __forceinline__ MlaSplitKeys mla_split_keys(const MlaArgs& a, int64_t
 }
 
 // The cache row of split-local key `key` (-1: past the split's used entries, or a key whose page lies outside the
-// block table or the cache, which is reported).
-__device__ __forceinline__ int32_t mla_cache_row(const MlaArgs& a, const MlaSplitKeys& keys, int64_t t, int key) {
-  if (key >= keys.nkeys) return -1;
-  const int32_t e = keys.entries[key];
+// block table or the cache, which is reported), in three steps so that a caller can keep the two dependent loads in
+// flight behind other work: the top-k entry (-1 past the used ones), its page, then the row.
+__device__ __forceinline__ int32_t mla_key_entry(const MlaSplitKeys& keys, int key) {
+  return key < keys.nkeys ? keys.entries[key] : -1;
+}
+__device__ __forceinline__ int32_t mla_entry_page(const MlaArgs& a, const MlaSplitKeys& keys, int32_t e) {
+  if (e < 0) return -1;
   const int32_t c = e / a.page_size;
-  const int32_t page = c < a.max_pages ? a.block_table[static_cast<int64_t>(keys.request) * a.max_pages + c] : -1;
+  return c < a.max_pages ? a.block_table[static_cast<int64_t>(keys.request) * a.max_pages + c] : -1;
+}
+__device__ __forceinline__ int32_t mla_entry_row(const MlaArgs& a, int64_t t, int32_t e, int32_t page) {
+  if (e < 0) return -1;
   if (page < 0 || page >= a.num_pages) {
     report_device_error(a.err, kDevBadPage, t);
     return -1;
   }
   return page * a.page_size + e % a.page_size;
+}
+__device__ __forceinline__ int32_t mla_cache_row(const MlaArgs& a, const MlaSplitKeys& keys, int64_t t, int key) {
+  const int32_t e = mla_key_entry(keys, key);
+  return mla_entry_row(a, t, e, mla_entry_page(a, keys, e));
 }
 
 // Q rows [h0, h0 + kRows) of token t, 72 16-byte chunks a row (512 latent + 64 rope bf16), copied by cp.async from

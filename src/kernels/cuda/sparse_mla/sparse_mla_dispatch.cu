@@ -189,6 +189,16 @@ bool sparse_mla_cluster_merge(int splits, int head_group, const CudaBackendOptio
   return head_group == 64;
 }
 
+// Two CTAs of a token (its head groups 2i, 2i + 1: the same keys) share each tile's dequantization, each
+// converting 16 of the 32 rows into both CTAs' shared memory (FlashMLA's way for 128 heads): half the producer's
+// copies and conversions a CTA. It needs the cluster, so not with the split-K cluster merge.
+bool sparse_mla_fp8_pair_dequant(const SparseMlaParams& p, int splits, const CudaBackendOptions& o) {
+  if (o.mla_fp8_pair_dequant == CudaBackendOptions::Choice::kOff) return false;
+  const MlaShape shape = sparse_mla_shape(p, o);
+  if (!p.latent.records() || shape.kernel != MlaKernel::kWgmmaWs32 || shape.groups % 2 != 0) return false;
+  return !sparse_mla_cluster_merge(std::max(1, splits), shape.head_group, o);
+}
+
 int64_t sparse_mla_workspace_floats(const SparseMlaParams& p, int splits, const CudaBackendOptions& o) {
   if (splits <= 1 || sparse_mla_cluster_merge(splits, sparse_mla_shape(p, o).head_group, o)) return 0;
   return static_cast<int64_t>(splits) * p.rows.num_tokens * p.H * (kDl + 1);

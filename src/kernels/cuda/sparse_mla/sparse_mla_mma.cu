@@ -456,6 +456,7 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
   a.scale_log2 = p.scale * kLog2e;
   a.out_bf16 = p.out_dtype == DType::kBF16;
   a.cluster_merge = sparse_mla_cluster_merge(a.splits, shape.head_group, ctx.options);
+  a.pair_dequant = sparse_mla_fp8_pair_dequant(p, a.splits, ctx.options);
   a.err = ctx.error;
   a.peer = p.peer;
   if (p.peer.sync.active() && a.splits != 1) {

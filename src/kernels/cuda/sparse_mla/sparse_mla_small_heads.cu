@@ -63,13 +63,6 @@ struct SmallLayout {
   static_assert(mla_cluster_merge_bytes(16) <= kOffBuf, "the cluster merge's rows fit in the ring");
 };
 
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// Arrive on the barrier and add `bytes` to the transaction count this phase waits for.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 // One bulk copy global -> this CTA's shared memory (16-byte aligned, a multiple of 16 bytes), completing on bar.
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
@@ -153,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_mla_small_heads_kernel(con
       mbar_init(full(s), 32);
       mbar_init(empty(s), kMathWarps);
     }
-    fence_mbarrier_init();
+    fence_mbarrier_init_cluster();
   }
   // ---- prologue: used entries, this split's cache rows (its barriers also order the barrier inits) ----
   const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);

@@ -25,6 +25,11 @@
 // whole pair, 20 a thread) where register loads held four; the records of pair k + 2 are prefetched into L2
 // (cp.async.bulk.prefetch) when its rows are resolved. A partial head group (block_heads < 64) runs on zero query
 // rows that are never stored (sparse_mla_shape picks this kernel for 64-head groups).
+// Paired (MlaArgs::pair_dequant, a cluster of the token's head groups 2i, 2i + 1, which read the same keys): each
+// CTA copies and dequantizes 16 of every tile's 32 rows (its raw bytes in its own row half of slabs 4..7) and hands
+// its 2 KB of each latent slab to the peer by bulk copies (cp.async.bulk shared::cta -> shared::cluster) that
+// complete on the peer's "full" barrier; a slot is refilled once both CTAs' consumers are done with it. The row
+// loads are split there (entries a pair ahead of their pages), so they stay in flight behind the conversions.
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE). The layout needs the whole
 // 227 KB from a 1024-byte-aligned base (what the driver gives); a misaligned base is reported (kDevSmemAlign).
@@ -33,6 +38,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/common/cluster_sm90.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/device_error.cuh"
 #include "kernels/cuda/common/mbarrier_sm90.cuh"
@@ -76,7 +82,11 @@ constexpr int kBarProducer = 12;  // the producer's 128 threads (the row ring)
 // full[slot]: the producer's 128 threads arrive twice (their copies landed: noinc; their ring rows: release).
 // empty[slot]: both consumers' 256 threads arrive after their last read of the pair. Pair k uses slot
 // (k % 2) * 2 + tile for the (k / 2)-th time: "full" phase parity (k / 2) & 1.
-constexpr int kFullArrivals = 256, kEmptyArrivals = 256;
+// Paired CTAs (kPaired): full[slot] also waits for the peer's half of the tile, 16 KB of transaction bytes that its
+// bulk copies complete (thread 0 expects them as it arrives); empty[slot] gets the peer consumers' 256 arrivals too
+// (for every pair but the last two, which no producer waits for), since the peer's producer writes this slot.
+constexpr int kFullArrivals = 256;
+__host__ __device__ constexpr int empty_arrivals(bool paired) { return paired ? 512 : 256; }
 __device__ __forceinline__ uint32_t full_bar(uint32_t bars, int slot) { return bars + 8 * slot; }
 __device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int slot) { return bars + 8 * (kSlots + slot); }
 
@@ -109,6 +119,15 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
                : "memory");
 }
 
+// bytes of this CTA's shared memory at src to the peer's at dst (a shared::cluster address), completing as
+// transaction bytes on the peer's barrier at remote_bar.
+__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t remote_bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   dst),
+               "r"(src), "r"(bytes), "r"(remote_bar)
+               : "memory");
+}
+
 // The 16 e4m3 values of chunk c (values 16c .. 16c + 15) of tile row r, dequantized (mla_dequant8) into bf16
 // chunks 2c, 2c + 1 of the swizzled tile at base; `sel` (c / 4 odd) stores the second first, so that the 8 lanes
 // of a shared-memory phase (one row, chunks c .. c + 7) hit distinct banks.
@@ -119,8 +138,9 @@ __device__ __forceinline__ void store_dequant16(uint32_t base, int r, int c, int
   sts128(base + sw128_chunk_off(r, 2 * c + 1 - sel, kSlabBytes), sel ? lo : hi);
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(const MlaArgs a) {
+  static_assert(kFp8 || !kPaired, "only fp8_ds_mla records share the dequantization");
   extern __shared__ __align__(1024) unsigned char smem[];
   if (!mla_smem_aligned(a, smem)) return;
   const uint32_t sQ = smem_u32(smem + kOffQ);
@@ -141,20 +161,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   const int64_t t = mla_cta_token(a, 64);
   const int h0 = mla_cta_head0(a, 64);
   const int split = blockIdx.z;
-  if (tid < 2 * kSlots) mbar_init(bars + 8 * tid, tid < kSlots ? kFullArrivals : kEmptyArrivals);  // visible after
-                                                                                                   // the prologue's
-                                                                                                   // __syncthreads
+  // (visible after the prologue's __syncthreads; kPaired: to the peer after the cluster barrier below)
+  if (tid < 2 * kSlots) {
+    mbar_init(bars + 8 * tid, tid < kSlots ? kFullArrivals : empty_arrivals(kPaired));
+    if constexpr (kPaired) fence_mbarrier_init_cluster();
+  }
 
   // ---- prologue (all threads): used entries ----
   const MlaSplitKeys keys = mla_split_keys<kThreads>(a, t, split, &sMisc[0]);
   const int nkeys = keys.nkeys;
-  const int npairs = (nkeys + 2 * kBN - 1) / (2 * kBN);
+  const int npairs = (nkeys + 2 * kBN - 1) / (2 * kBN);  // (kPaired: the same in both CTAs: one token, one split)
+  if constexpr (kPaired) cluster_sync();  // both CTAs' barriers initialized before either arrives on the other's
 
   if (wg == 2) {
     // ==== producer ====
     setmaxnreg_dec<kFp8 ? kFp8ProducerRegs : 56>();
     const int p = tid - 256;  // 0..127
-    if constexpr (kFp8) {
+    if constexpr (kFp8 && !kPaired) {
       // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63, each record prefetched
       // into L2 as it is resolved.
       auto resolve_pair = [&](int pair) {
@@ -236,6 +259,132 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
         if (pair + 2 < npairs) resolve_pair(pair + 2);
         named_bar_sync(kBarProducer, 128);
       }
+    } else if constexpr (kFp8) {
+      // Paired (kPaired): this CTA converts rows rb .. rb + 15 of every tile (rb = 16 * its cluster rank), the peer
+      // the other 16; kKs = 4 rows a warp (rows rb + pw + 4k).
+      constexpr int kKs = 4;
+      const uint32_t crank = cluster_cta_rank();
+      const int rb = 16 * static_cast<int>(crank);
+      // Where own row i's raw 512 bytes land in a slot: in this CTA's row half of latent slabs 4..7 (the peer's
+      // bulk copies fill only the other half).
+      auto raw_off = [&](int i) -> uint32_t { return (4 + (i >> 2)) * kSlabBytes + 2048 * crank + 512 * (i & 3); };
+      // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63 (all 64 rows: the rope and
+      // the consumers' masks need them), this CTA's rows' records prefetched into L2 as they are resolved.
+      // In the loop the two loads of a row are split: pair + 3's entries are loaded during pair, their pages during
+      // pair + 1, behind the conversions, and the rows stored after them (a row's loads never stall the producer).
+      auto publish_row = [&](int pair, int32_t row) {
+        sRing[(pair & 3) * 64 + p] = row;
+        const bool own = ((p & 31) >> 4) == static_cast<int>(crank);
+        if (row >= 0 && own) prefetch_l2(a.records + static_cast<int64_t>(row) * a.record_bytes, a.record_bytes);
+      };
+      auto entry_of = [&](int pair) { return pair < npairs ? mla_key_entry(keys, pair * 2 * kBN + p) : -1; };
+      int32_t e_ahead = -1;  // threads 0..63: the entry of pair + 2 (loaded during pair - 1)
+      if (p < 64) {
+        publish_row(0, mla_cache_row(a, keys, t, p));
+        if (npairs > 1) publish_row(1, mla_cache_row(a, keys, t, 2 * kBN + p));
+        e_ahead = entry_of(2);
+      }
+      named_bar_sync(kBarProducer, 128);
+      const int pw = p >> 5, pl = p & 31;
+      const int half = pl >> 4, c16 = pl & 15;  // a conversion item's row (of two) and 16-value chunk (of 16)
+      const int sel = (c16 >> 2) & 1;           // which of its two bf16 chunks a lane stores first (bank-conflict free)
+      for (int pair = 0; pair < npairs; ++pair) {
+        const int32_t* ring = sRing + (pair & 3) * 64;
+        // Both tiles' bytes by cp.async: this CTA's e4m3 rows raw into the slot (raw_off), every row's rope into
+        // slab 8; the scale of this lane's (own row pw + 4 (pl % kKs), tile (pl / kKs) % 4) to a register.
+        float sc[2];
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile) {
+          const int slot = (pair & 1) * 2 + tile;
+          // pair - 2 is done with it in both CTAs (this producer writes the peer's slot too)
+          if (pair >= 2) mbar_wait_cluster(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);
+          const uint32_t base = sKV + slot * kTileBytes;
+          const int32_t* tr = ring + tile * kBN;
+#pragma unroll
+          for (int k = 0; k < kKs; ++k) {  // warp pw: own rows pw + 4k, one 512-byte row a warp instruction
+            const int i = pw + 4 * k;
+            const int32_t row = tr[rb + i];
+            cp_async_16(base + raw_off(i) + pl * 16, mla_record(a, row) + pl * 16, row >= 0 ? 16 : 0);
+          }
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass) {  // the rope: 8 chunks a row, 16 rows a pass
+            const int r = (p >> 3) + 16 * pass;
+            const int32_t row = tr[r];
+            cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
+                        row >= 0 ? 16 : 0);
+          }
+          cp_async_commit();
+          cp_async_mbar_arrive_noinc(full_bar(bars, slot));
+          const int32_t srow = tr[rb + pw + 4 * (pl % kKs)];
+          sc[tile] = srow >= 0
+                         ? __ldg(reinterpret_cast<const float*>(mla_record(a, srow) + 512 + ((pl / kKs) & 3) * 4))
+                         : 0.f;
+        }
+        // Pair + 2's pages and pair + 3's entries: loads in flight during the conversions.
+        const bool resolving = p < 64 && pair + 2 < npairs;
+        int32_t page_ahead = -1, e_next = -1;
+        if (resolving) {
+          page_ahead = mla_entry_page(a, keys, e_ahead);
+          e_next = entry_of(pair + 3);
+        }
+        // Each tile dequantized in place once its bytes landed: items (own row pw + 4k, chunk c), k = 2j + half;
+        // chunks 0..15 (slabs 0..3, clear of the raw rows) first, then chunks 16..31, whose stores overwrite the
+        // raw rows: read by every producer thread before any of them stores; then bulk-copied to the peer's slot.
+#pragma unroll 1
+        for (int tile = 0; tile < 2; ++tile) {
+          if (tile == 0) {
+            cp_async_wait<1>();
+          } else {
+            cp_async_wait<0>();
+          }
+          named_bar_sync(kBarProducer, 128);  // every producer thread's copies of the tile landed
+          const int slot = (pair & 1) * 2 + tile;
+          const uint32_t base = sKV + slot * kTileBytes;
+          const float st = tile == 0 ? sc[0] : sc[1];
+#pragma unroll
+          for (int j = 0; j < kKs / 2; ++j) {
+            const int k = 2 * j + half, i = pw + 4 * k;
+            const float scale = __shfl_sync(0xffffffffu, st, (c16 >> 3) * kKs + k);
+            store_dequant16(base, rb + i, c16, sel, lds128(base + raw_off(i) + c16 * 16), scale);
+          }
+          uint4 vb[kKs / 2];
+          float sb[kKs / 2];
+#pragma unroll
+          for (int j = 0; j < kKs / 2; ++j) {
+            const int k = 2 * j + half, i = pw + 4 * k;
+            sb[j] = __shfl_sync(0xffffffffu, st, (2 + (c16 >> 3)) * kKs + k);
+            vb[j] = lds128(base + raw_off(i) + (16 + c16) * 16);
+          }
+          named_bar_sync(kBarProducer, 128);  // the raw rows read
+#pragma unroll
+          for (int j = 0; j < kKs / 2; ++j) {
+            store_dequant16(base, rb + pw + 4 * (2 * j + half), 16 + c16, sel, vb[j], sb[j]);
+          }
+          // This CTA's converted rows (2 KB of each latent slab) to the peer's slot by 8 bulk copies that complete
+          // on the peer's "full" barrier; the bytes the peer sends here are expected on this one's by thread 0.
+          fence_proxy_async_smem();
+          named_bar_sync(kBarProducer, 128);  // every producer thread's rows written and fenced
+          if (p == 0) {
+            const uint32_t peer_base = cluster_map(base, crank ^ 1u);
+            const uint32_t peer_full = cluster_map(full_bar(bars, slot), crank ^ 1u);
+#pragma unroll
+            for (int sl = 0; sl < 8; ++sl) {
+              const uint32_t off = sl * kSlabBytes + 2048 * crank;
+              bulk_copy_to_peer(peer_base + off, base + off, 2048, peer_full);
+            }
+            mbar_arrive_expect_tx(full_bar(bars, slot), 8 * 2048);
+          } else {
+            mbar_arrive(full_bar(bars, slot));
+          }
+        }
+        // Pair + 2's rows (its ring slot held pair - 2's, which both consumers are done with: the empty waits above;
+        // the barrier publishes them).
+        if (resolving) {
+          publish_row(pair + 2, mla_entry_row(a, t, e_ahead, page_ahead));
+          e_ahead = e_next;
+        }
+        named_bar_sync(kBarProducer, 128);
+      }
     } else {
       // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
       auto resolve_pair = [&](int pair) {
@@ -277,6 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     cp_async_wait<0>();
     mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, kFp8 ? mla_cta_heads(a, 64) : 64);
     mla_peer_merge<64, kThreads, 0>(a, t, h0, smem_part, peer_stage);  // (the consumers sum unstaged rows)
+    if constexpr (kPaired) cluster_sync();  // neither CTA exits while the other may still reach its shared memory
     return;
   }
 
@@ -302,9 +452,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   named_bar_sync(kBarConsumers, 256);  // Q visible to wgmma
 
   // S = Q K_own^T : [64 heads, 32 keys] for pair `pair`, one commit group; waited for at the top of the pair.
+  auto wait_full = [&](int slot, uint32_t parity) {
+    if constexpr (kPaired) {
+      mbar_wait_cluster(full_bar(bars, slot), parity);  // the peer's producer arrives on it too
+    } else {
+      mbar_wait(full_bar(bars, slot), parity);
+    }
+  };
   auto issue_qk = [&](int pair) {
     const int slot = (pair & 1) * 2 + wg;
-    mbar_wait(full_bar(bars, slot), (pair >> 1) & 1);
+    wait_full(slot, (pair >> 1) & 1);
     fence_proxy_async_smem();
     wgmma_fence();
     const uint64_t da0 = wgmma_desc_sw128(sQ, 16, 1024);
@@ -362,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
         po[kk][2] = v.z;
         po[kk][3] = v.w;
       }
-      mbar_wait(full_bar(bars, other_slot), par);
+      wait_full(other_slot, par);
       fence_proxy_async_smem();
     };
     uint32_t po[2][4];
@@ -403,6 +560,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     for (int i = 0; i < 128; ++i) reg_fence(o[i]);
     mbar_arrive(empty_bar(bars, own_slot));  // both tiles of the pair: read for the last time by this warpgroup
     mbar_arrive(empty_bar(bars, other_slot));
+    if constexpr (kPaired) {  // the peer's producer writes these slots of this CTA too, after its own empty wait
+      if (pair + 2 < npairs) {
+        mbar_arrive_remote(cluster_map(empty_bar(bars, own_slot), cluster_cta_rank() ^ 1u));
+        mbar_arrive_remote(cluster_map(empty_bar(bars, other_slot), cluster_cta_rank() ^ 1u));
+      }
+    }
   }
 
   // ---- epilogue ----
@@ -411,17 +574,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
                      m1, smem_part, nh);
   mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, nh);
   mla_peer_merge<64, kThreads, 256>(a, t, h0, smem_part, peer_stage);
+  if constexpr (kPaired) cluster_sync();
 }
 
 }  // namespace
 
 Status launch_sparse_mla_wgmma_ws32(const MlaArgs& args, int groups, const LaunchContext& ctx) {
+  if (args.record_bytes > 0 && args.pair_dequant) {
+    return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<true, true>, "sparse_mla_wgmma_ws32_kernel (fp8_ds_mla, paired)",
+                           args, groups, kThreads, kSmemBytes, ctx.stream);
+  }
   if (args.record_bytes > 0) {
-    return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<true>, "sparse_mla_wgmma_ws32_kernel (fp8_ds_mla)", args,
+    return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<true, false>, "sparse_mla_wgmma_ws32_kernel (fp8_ds_mla)", args,
                            groups, kThreads, kSmemBytes, ctx.stream);
   }
-  return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<false>, "sparse_mla_wgmma_ws32_kernel", args, groups, kThreads,
-                         kSmemBytes, ctx.stream);
+  return launch_mla_grid(sparse_mla_wgmma_ws32_kernel<false, false>, "sparse_mla_wgmma_ws32_kernel", args, groups,
+                         kThreads, kSmemBytes, ctx.stream);
 }
 
 }  // namespace dsacp::cuda
