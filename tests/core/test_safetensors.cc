@@ -14,6 +14,7 @@
 #include "core/json.h"
 #include "dsacp/random.h"
 #include "dsacp/safetensors.h"
+#include "support/scratch_dir.h"
 
 namespace dsacp {
 namespace {
@@ -309,13 +310,6 @@ TEST(SafetensorsFile, MutationsNeverCrash) {
 
 // ---- Issue #30: bad input never crashes, hangs or destroys data --------------------------------------------------
 
-std::string test_dir(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / ("dsacp_st_" + std::to_string(::getpid()) + "_" + name);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
-
 std::string file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -323,7 +317,8 @@ std::string file_bytes(const std::string& path) {
 
 // The writer used the fixed name PATH.tmp: a user's file of that name was overwritten and consumed.
 TEST(SafetensorsWrite, NeverTouchesAnotherFileAndLeavesNoTemporary) {
-  const std::string dir = test_dir("tmpname");
+  const testing::ScratchDir scratch("dsacp_st_tmpname");  // removed when the test ends, passed or failed
+  const std::string dir = scratch.str();
   const std::string path = dir + "/result.safetensors";
   std::ofstream(path + ".tmp") << "the user's own file";
   ASSERT_TRUE(safetensors_write(path, sample_file()).ok());
@@ -341,7 +336,8 @@ TEST(SafetensorsWrite, NeverTouchesAnotherFileAndLeavesNoTemporary) {
 
 // Two writers of one path at once: every read in between sees one writer's whole file, never a mix.
 TEST(SafetensorsWrite, ConcurrentWritersNeverMixTheirFiles) {
-  const std::string path = test_dir("concurrent") + "/out.safetensors";
+  const testing::ScratchDir scratch("dsacp_st_concurrent");
+  const std::string path = scratch.file("out.safetensors");
   SafetensorsFile a = sample_file(), b = sample_file();
   b.tensors["b_f32"] = make_tensor(DType::kF32, {3, 5}, 77);
   b.tensors["big"] = make_tensor(DType::kF32, {4096}, 78);  // a different size as well
@@ -362,7 +358,8 @@ TEST(SafetensorsWrite, ConcurrentWritersNeverMixTheirFiles) {
 
 // A FIFO blocked the open forever; /dev/zero ended in std::bad_alloc.
 TEST(SafetensorsRead, RefusesWhatIsNotARegularFile) {
-  const std::string fifo = test_dir("fifo") + "/case.fifo";
+  const testing::ScratchDir scratch("dsacp_st_fifo");
+  const std::string fifo = scratch.file("case.fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   const auto t0 = std::chrono::steady_clock::now();
   Result<SafetensorsFile> f = safetensors_read(fifo);

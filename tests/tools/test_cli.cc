@@ -16,6 +16,7 @@
 #include "dsacp/case_file.h"
 #include "dsacp/mpi_context.h"
 #include "dsacp/replay.h"
+#include "support/scratch_dir.h"
 
 namespace dsacp {
 namespace {
@@ -38,11 +39,16 @@ CmdResult run_cli(const std::string& args) {
   return r;
 }
 
-std::string temp_path(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / "dsacp_cli_test";
-  std::filesystem::create_directories(dir);
-  return (dir / (std::to_string(::getpid()) + "_" + name)).string();
-}
+constexpr const char* kScratchStem = "dsacp_cli_test";
+
+// Every test gets its scratch directory empty and removes it when it ends, passed or failed.
+class Cli : public ::testing::Test {
+ protected:
+  testing::ScratchDir scratch_{kScratchStem};
+};
+
+// A file in the running test's scratch directory (made by its Cli fixture).
+std::string temp_path(const std::string& name) { return (testing::scratch_dir_path(kScratchStem) / name).string(); }
 
 int count_lines(const std::string& s) {
   int n = 0;
@@ -50,7 +56,7 @@ int count_lines(const std::string& s) {
   return n;
 }
 
-TEST(Cli, HelpForEveryCommand) {
+TEST_F(Cli, HelpForEveryCommand) {
   EXPECT_EQ(run_cli("--help").code, 0);
   for (const char* cmd : {"run", "replay", "make-case"}) {
     CmdResult r = run_cli(std::string(cmd) + " --help");
@@ -62,7 +68,7 @@ TEST(Cli, HelpForEveryCommand) {
   EXPECT_NE(r.output.find("unknown command"), std::string::npos);
 }
 
-TEST(Cli, InvalidLayoutsAreRefusedInOneLine) {
+TEST_F(Cli, InvalidLayoutsAreRefusedInOneLine) {
   const std::string case_path = temp_path("layout_case.safetensors");
   ASSERT_EQ(run_cli("make-case " + case_path + " --heads 4").code, 0);
   const std::string out = temp_path("layout_out.safetensors");
@@ -90,7 +96,7 @@ TEST(Cli, InvalidLayoutsAreRefusedInOneLine) {
 
 // The serving options on the command line: --topk-form slot and --lse-base 2 are recorded in the result file,
 // --topk-from replays with a precomputed top-k (the same result as the indexer's), a slot result is refused there.
-TEST(Cli, ReplayServingOptions) {
+TEST_F(Cli, ReplayServingOptions) {
   const std::string case_path = temp_path("serving_case.safetensors");
   ASSERT_EQ(run_cli("make-case " + case_path + " --query-lens 1,3,9 --context-lens 70,20,0 --heads 4 --topk 16").code, 0);
   const std::string plain = temp_path("serving_plain.safetensors"), forms = temp_path("serving_forms.safetensors"),
@@ -119,7 +125,7 @@ TEST(Cli, ReplayServingOptions) {
   EXPECT_EQ(count_lines(r.output), 1) << r.output;
 }
 
-TEST(Cli, MpiLauncherChecksTheWorldSize) {
+TEST_F(Cli, MpiLauncherChecksTheWorldSize) {
   // Outside mpirun the MPI world is this one process (an MPI singleton): a 2-rank layout is refused in one
   // line. Built without MPI, the launcher is refused as unsupported. Either way nothing waits.
   const char* asan = std::getenv("ASAN_OPTIONS");  // OpenMPI keeps memory until exit: no leak report
@@ -146,7 +152,7 @@ TEST(Cli, MpiLauncherChecksTheWorldSize) {
   EXPECT_EQ(run_cli("replay c.safetensors --out x.safetensors --launcher slurm").code, 2);
 }
 
-TEST(Cli, GpusOptionIsCheckedInOneLine) {
+TEST_F(Cli, GpusOptionIsCheckedInOneLine) {
   CmdResult r = run_cli("run --gpus 2");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--gpus applies to --device cuda only"), std::string::npos) << r.output;
@@ -156,7 +162,7 @@ TEST(Cli, GpusOptionIsCheckedInOneLine) {
   EXPECT_NE(r.output.find("--gpus"), std::string::npos) << r.output;
 }
 
-TEST(Cli, BadOptionValuesAreNamed) {
+TEST_F(Cli, BadOptionValuesAreNamed) {
   CmdResult r = run_cli("run --topk abc");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.output.find("--topk: expected an integer"), std::string::npos) << r.output;
@@ -168,7 +174,7 @@ TEST(Cli, BadOptionValuesAreNamed) {
   EXPECT_NE(r.output.find("expected 1 argument"), std::string::npos) << r.output;
 }
 
-TEST(Cli, MakeCaseThenReplayMatchesTheLibrary) {
+TEST_F(Cli, MakeCaseThenReplayMatchesTheLibrary) {
   const std::string case_path = temp_path("case.safetensors");
   const std::string result_path = temp_path("result.safetensors");
   CmdResult r = run_cli("make-case " + case_path +
@@ -195,7 +201,7 @@ TEST(Cli, MakeCaseThenReplayMatchesTheLibrary) {
 }
 
 // Every layout gives the same top-k rows as one device (issue 3: --pcp 4 as --pcp 1), outputs within fp32 rounding.
-TEST(Cli, ReplayInEveryLayoutMatchesOneDevice) {
+TEST_F(Cli, ReplayInEveryLayoutMatchesOneDevice) {
   const std::string case_path = temp_path("pcp_case.safetensors");
   ASSERT_EQ(run_cli("make-case " + case_path + " --query-lens 2,1,37,9,1 --context-lens 80,300,0,21,0 --topk 32 --seed 5")
                 .code,
@@ -223,7 +229,7 @@ TEST(Cli, ReplayInEveryLayoutMatchesOneDevice) {
   EXPECT_NE(bad.output.find("--pcp"), std::string::npos) << bad.output;
 }
 
-TEST(Cli, MalformedCasesAreRefusedInOneLine) {
+TEST_F(Cli, MalformedCasesAreRefusedInOneLine) {
   const std::string case_path = temp_path("good.safetensors");
   ASSERT_EQ(run_cli("make-case " + case_path).code, 0);
   std::ifstream in(case_path, std::ios::binary);

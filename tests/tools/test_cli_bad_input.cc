@@ -14,6 +14,7 @@
 #include <string>
 
 #include "dsacp/case_file.h"
+#include "support/scratch_dir.h"
 
 namespace dsacp {
 namespace {
@@ -40,11 +41,16 @@ Cmd cli(const std::string& args, const std::string& prefix = "") {
   return r;
 }
 
-std::string dir() {
-  const auto d = std::filesystem::temp_directory_path() / ("dsacp_bad_input_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(d);
-  return d.string();
-}
+constexpr const char* kScratchStem = "dsacp_bad_input";
+
+// Every test gets this directory empty and removes it when it ends, passed or failed.
+class CliBadInput : public ::testing::Test {
+ protected:
+  testing::ScratchDir scratch_{kScratchStem};
+};
+
+// The directory of the running test (made by its CliBadInput fixture).
+std::string dir() { return testing::scratch_dir_path(kScratchStem).string(); }
 
 std::string bytes_of(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -81,7 +87,7 @@ constexpr bool kSanitized =
 #endif
 
 // 1. --out naming the case (same path, ./path, a hard link, a symbolic link) replaced the case with the result.
-TEST(CliBadInput, OutThatIsTheCaseIsRefusedAndTheCaseKept) {
+TEST_F(CliBadInput, OutThatIsTheCaseIsRefusedAndTheCaseKept) {
   const std::string c = small_case("keep.safetensors");
   const std::string before = bytes_of(c);
   const std::string d = dir();
@@ -99,7 +105,7 @@ TEST(CliBadInput, OutThatIsTheCaseIsRefusedAndTheCaseKept) {
 }
 
 // 2. The fixed RESULT.tmp: a user's file of that name was consumed; errors named RESULT.tmp.
-TEST(CliBadInput, ResultTmpOfTheUserIsNeverTouched) {
+TEST_F(CliBadInput, ResultTmpOfTheUserIsNeverTouched) {
   const std::string c = small_case("tmp_case.safetensors");
   const std::string out = dir() + "/tmp_result.safetensors";
   std::ofstream(out + ".tmp") << "mine";
@@ -112,7 +118,7 @@ TEST(CliBadInput, ResultTmpOfTheUserIsNeverTouched) {
 }
 
 // 7. A write cut short by the file-size limit said "write failed: Success" (or SIGXFSZ killed the process).
-TEST(CliBadInput, FileSizeLimitIsReportedByName) {
+TEST_F(CliBadInput, FileSizeLimitIsReportedByName) {
   const std::string c = small_case("fsize_case.safetensors");
   const std::string out = dir() + "/fsize_result.safetensors";
   std::filesystem::remove(out);
@@ -127,7 +133,7 @@ TEST(CliBadInput, FileSizeLimitIsReportedByName) {
 }
 
 // 3. "topk": "100000000" took 23 GB and was killed by the OOM killer; --pcp 1024 took 9 GB first.
-TEST(CliBadInput, MemoryIsCheckedBeforeItIsTaken) {
+TEST_F(CliBadInput, MemoryIsCheckedBeforeItIsTaken) {
   const std::string c = small_case("mem_case.safetensors");
   auto cf = case_read(c);
   ASSERT_TRUE(cf.ok()) << cf.status().to_string();
@@ -179,7 +185,7 @@ int64_t cli_start_vm_kib(const std::string& case_path) {
 
 // 4. With little address space, --pcp 32 hung in RankWorkers, --pcp 8 and --threads 1024 ended in
 // std::terminate. (Not under ASan: its shadow memory needs more address space than the limit leaves.)
-TEST(CliBadInput, ThreadsThatCannotStartNeverAbortOrHang) {
+TEST_F(CliBadInput, ThreadsThatCannotStartNeverAbortOrHang) {
   if (kSanitized) GTEST_SKIP() << "ulimit -v and AddressSanitizer do not mix";
   const std::string c = small_case("thr_case.safetensors");
   const std::string big = dir() + "/thr_big.safetensors";
@@ -204,7 +210,7 @@ TEST(CliBadInput, ThreadsThatCannotStartNeverAbortOrHang) {
 }
 
 // 7. Messages: the real cause, one line, no doubled prefix; strict integers; --samples 0; --json threads.
-TEST(CliBadInput, MessagesNameTheRealCause) {
+TEST_F(CliBadInput, MessagesNameTheRealCause) {
   Cmd r = cli("run --bogus");
   EXPECT_EQ(r.code, 2);
   EXPECT_TRUE(has(r, "dsacp run: error: invalid argument: unknown option \"--bogus\" (see dsacp run --help)"))
@@ -264,7 +270,7 @@ TEST(CliBadInput, MessagesNameTheRealCause) {
 
 // 8. Non-finite inputs: NaN index scores rank below every finite score, the same in every layout; replay warns
 // once. A case whose scale overflows the scores (3e38) warns that its result is not finite.
-TEST(CliBadInput, NonFiniteInputsAreDefinedAndWarnedOnce) {
+TEST_F(CliBadInput, NonFiniteInputsAreDefinedAndWarnedOnce) {
   const std::string c = dir() + "/nan_case.safetensors";
   ASSERT_EQ(cli("make-case " + c + " --query-lens 2,1,9 --context-lens 60,33,0 --topk 16 --seed 3").code, 0);
   auto cf = case_read(c);
