@@ -66,9 +66,11 @@ std::string device_str(int32_t type, int32_t id) {
   return "DLPack device type " + std::to_string(type);
 }
 
-// DLPack 1.2's C exchange table (dlpack.h: DLPackExchangeAPI), which a framework publishes as the integer
-// attribute __c_dlpack_exchange_api__ of its tensor type: a tensor's DLTensor filled in by a C call, without a
-// capsule or a Python-level call (torch from 2.10). Only the members read here are named; the layout is dlpack.h's.
+// DLPack 1.2's C exchange table (dlpack.h: DLPackExchangeAPI), which a framework publishes on its tensor type as
+// __dlpack_c_exchange_api__ (a "dlpack_exchange_api" capsule) or, first spelled, __c_dlpack_exchange_api__ (an
+// integer address): a tensor's DLTensor filled in by a C call, without a capsule or a Python-level call. Stock torch
+// 2.11 publishes neither; torch-c-dlpack-ext (which tvm-ffi, and so FlashInfer, loads) sets both on torch.Tensor.
+// Only the members read here are named; the layout is dlpack.h's (checked against torch 2.11's ATen/dlpack.h).
 struct DlpackExchangeApi {
   struct {
     uint32_t major, minor;  // DLPackVersion
@@ -101,9 +103,9 @@ Torch* torch_api() {
   Py_INCREF(a->tensor);
   nb::object c = mod.attr("_C");
   a->to_dlpack = c.attr("_to_dlpack");
-  if (nb::hasattr(mod.attr("Tensor"), "__c_dlpack_exchange_api__")) {
-    // (an integer address as dlpack.h says, or a "dlpack_exchange_api" capsule as some producers publish it)
-    nb::object ptr = mod.attr("Tensor").attr("__c_dlpack_exchange_api__");
+  for (const char* name : {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"}) {
+    if (!nb::hasattr(mod.attr("Tensor"), name)) continue;
+    nb::object ptr = mod.attr("Tensor").attr(name);
     void* p = PyCapsule_CheckExact(ptr.ptr()) ? PyCapsule_GetPointer(ptr.ptr(), "dlpack_exchange_api")
               : PyLong_Check(ptr.ptr())       ? PyLong_AsVoidPtr(ptr.ptr())
                                               : nullptr;
@@ -112,6 +114,7 @@ Torch* torch_api() {
     if (x != nullptr && x->header.major == 1 && x->dltensor_from_py_object_no_sync != nullptr &&
         x->current_work_stream != nullptr) {
       a->exchange = x;
+      break;
     }
   }
   if (nb::hasattr(c, "_cuda_getCurrentRawStream")) a->current_stream = c.attr("_cuda_getCurrentRawStream");
