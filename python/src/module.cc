@@ -418,6 +418,8 @@ Dr] (f32/bf16: each slot's row gets rows[t], then rope_rows[t]; the values past 
   m.def("_bench_lse_merge", &bench_lse_merge, nb::arg("part_out"), nb::arg("part_lse"), nb::arg("out"), nb::arg("lse"),
         nb::arg("stream").none(), nb::arg("n"),
         "Host seconds per lse_merge call made n times from C++ with the arguments converted once (benchmarks).");
+  m.def("_torch_dlpack_exchange", &torch_dlpack_exchange,
+        "Whether torch tensors are read through DLPack's C exchange table (tests, benchmarks).");
   register_plan(m);
   register_cp(m);
   m.def("check_errors", &check_errors,

@@ -66,9 +66,28 @@ std::string device_str(int32_t type, int32_t id) {
   return "DLPack device type " + std::to_string(type);
 }
 
-// torch, looked up once it is imported: torch.Tensor, torch._C._to_dlpack and _cuda_getCurrentRawStream.
+// DLPack 1.2's C exchange table (dlpack.h: DLPackExchangeAPI), which a framework publishes on its tensor type as
+// __dlpack_c_exchange_api__ (a "dlpack_exchange_api" capsule) or, first spelled, __c_dlpack_exchange_api__ (an
+// integer address): a tensor's DLTensor filled in by a C call, without a capsule or a Python-level call. Stock torch
+// 2.11 publishes neither; torch-c-dlpack-ext (which tvm-ffi, and so FlashInfer, loads) sets both on torch.Tensor.
+// Only the members read here are named; the layout is dlpack.h's (checked against torch 2.11's ATen/dlpack.h).
+struct DlpackExchangeApi {
+  struct {
+    uint32_t major, minor;  // DLPackVersion
+    void* prev_api;
+  } header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);
+  int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
+};
+
+// torch, looked up once it is imported: torch.Tensor, its DLPack exchange table where it has one (else
+// torch._C._to_dlpack), and _cuda_getCurrentRawStream.
 struct Torch {
   PyTypeObject* tensor = nullptr;
+  const DlpackExchangeApi* exchange = nullptr;  // major version 1 with both functions read here, else null
   nb::object to_dlpack, current_stream;
 };
 Torch* torch_api() {
@@ -84,6 +103,20 @@ Torch* torch_api() {
   Py_INCREF(a->tensor);
   nb::object c = mod.attr("_C");
   a->to_dlpack = c.attr("_to_dlpack");
+  for (const char* name : {"__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"}) {
+    if (!nb::hasattr(mod.attr("Tensor"), name)) continue;
+    nb::object ptr = mod.attr("Tensor").attr(name);
+    void* p = PyCapsule_CheckExact(ptr.ptr()) ? PyCapsule_GetPointer(ptr.ptr(), "dlpack_exchange_api")
+              : PyLong_Check(ptr.ptr())       ? PyLong_AsVoidPtr(ptr.ptr())
+                                              : nullptr;
+    if (p == nullptr) PyErr_Clear();
+    const auto* x = static_cast<const DlpackExchangeApi*>(p);
+    if (x != nullptr && x->header.major == 1 && x->dltensor_from_py_object_no_sync != nullptr &&
+        x->current_work_stream != nullptr) {
+      a->exchange = x;
+      break;
+    }
+  }
   if (nb::hasattr(c, "_cuda_getCurrentRawStream")) a->current_stream = c.attr("_cuda_getCurrentRawStream");
   api = a;
   return api;
@@ -157,7 +190,19 @@ struct DlManaged {
 };
 
 bool DlArg::import(nb::handle obj, bool writable) {
-  if (Torch* api = torch_api(); api != nullptr && PyObject_TypeCheck(obj.ptr(), api->tensor)) {
+  Torch* api = torch_api();
+  if (api != nullptr && api->exchange != nullptr && Py_TYPE(obj.ptr()) == api->tensor) {
+    // The exchange table's non-owning DLTensor: its shape and strides are the tensor's own, alive while the
+    // tensor is (held here for the call).
+    if (api->exchange->dltensor_from_py_object_no_sync(obj.ptr(), &view_) == 0) {
+      owner_ = nb::borrow(obj);
+      t_ = &view_;
+      torch_ = true;
+      return true;
+    }
+    PyErr_Clear();  // the capsule path below says what it is not
+  }
+  if (api != nullptr && PyObject_TypeCheck(obj.ptr(), api->tensor)) {
     // torch._C._to_dlpack(t): a "dltensor" capsule that owns a reference to the tensor; its destructor (when
     // capsule_ goes) calls the deleter, as the capsule is never marked consumed.
     PyObject* args[] = {obj.ptr()};
@@ -206,6 +251,11 @@ int64_t DlArg::stride(size_t i) const {
   return s;
 }
 
+bool torch_dlpack_exchange() {
+  Torch* api = torch_api();
+  return api != nullptr && api->exchange != nullptr;
+}
+
 bool is_torch_tensor(nb::handle obj) {
   Torch* api = torch_api();
   return api != nullptr && PyObject_TypeCheck(obj.ptr(), api->tensor);
@@ -213,7 +263,15 @@ bool is_torch_tensor(nb::handle obj) {
 
 std::optional<uintptr_t> torch_current_stream(int device) {
   Torch* api = torch_api();
-  if (api == nullptr || !api->current_stream.is_valid()) return std::nullopt;
+  if (api == nullptr) return std::nullopt;
+  if (api->exchange != nullptr) {
+    void* s = nullptr;
+    if (api->exchange->current_work_stream(nb::device::cuda::value, device, &s) == 0) {
+      return reinterpret_cast<uintptr_t>(s);
+    }
+    PyErr_Clear();
+  }
+  if (!api->current_stream.is_valid()) return std::nullopt;
   return nb::cast<uintptr_t>(api->current_stream(device));
 }
 

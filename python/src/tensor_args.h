@@ -30,8 +30,9 @@ const char* elem_name(Elem e);
 using Arr = nb::ndarray<nb::ro>;  // an input (read-only arrays accepted)
 using WArr = nb::ndarray<>;       // written in place
 
-// A tensor argument's DLPack view, held for the call. torch tensors are read through torch._C._to_dlpack (a C
-// function: ~0.5 us) instead of their Python-level __dlpack__ (~7 us a tensor, most of an op call's overhead);
+// A tensor argument's DLPack view, held for the call. torch tensors are read through DLPack's C exchange table
+// where torch has one (a C call filling a DLTensor), else torch._C._to_dlpack (a C function: ~0.5 us), instead of
+// their Python-level __dlpack__ (~7 us a tensor, most of an op call's overhead);
 // every other object (numpy, cupy, jax, a DLPack capsule) through nanobind's ndarray import.
 class DlArg {
  public:
@@ -52,6 +53,7 @@ class DlArg {
   void view_of(const A& a);
   const nb::dlpack::dltensor* t_ = nullptr;
   nb::object capsule_;  // torch: the capsule, whose destructor releases torch's reference
+  nb::object owner_;    // torch through the DLPack exchange table: the tensor, whose shape view_ points into
   Arr ro_;              // others: the ndarray (read-only or writable import), seen through view_
   WArr rw_;
   nb::dlpack::dltensor view_;
@@ -59,6 +61,8 @@ class DlArg {
   bool torch_ = false;
 };
 
+// Whether torch tensors are read through DLPack's C exchange table (torch imported and publishing one).
+bool torch_dlpack_exchange();
 // Whether torch is imported and `obj` a torch.Tensor (exact type or subclass).
 bool is_torch_tensor(nb::handle obj);
 // torch's current raw CUDA stream on `device` (torch._C._cuda_getCurrentRawStream), or nullopt without torch.

@@ -37,6 +37,18 @@ def test_bf16_inputs_and_torch_outputs_in_place():
     np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_tensors_read_through_the_dlpack_exchange_table_where_torch_has_one():
+    # DLPack's C exchange table, where something published one on torch.Tensor (test_dlpack_exchange.py makes one)
+    published = hasattr(torch.Tensor, "__dlpack_c_exchange_api__") or hasattr(torch.Tensor, "__c_dlpack_exchange_api__")
+    assert dsacp._dsacp._torch_dlpack_exchange() == published
+    # a subclass (nn.Parameter) goes the capsule way and gives the same result
+    args = case(torch.float32)
+    want = dsacp.sparse_mla(*args, 0.2)
+    got = dsacp.sparse_mla(torch.nn.Parameter(args[0], requires_grad=False), *args[1:], 0.2)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_non_contiguous_torch_tensor_refused():
     args = list(case(torch.float32))
     args[0] = torch.randn(4, 3, 32).transpose(0, 1)  # [3, 4, 32], not contiguous
