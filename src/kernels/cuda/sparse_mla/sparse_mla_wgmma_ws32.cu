@@ -28,7 +28,8 @@
 // Paired (MlaArgs::pair_dequant, a cluster of the token's head groups 2i, 2i + 1, which read the same keys): each
 // CTA copies and dequantizes 16 of every tile's 32 rows (its raw bytes in its own row half of slabs 4..7) and hands
 // its 2 KB of each latent slab to the peer by bulk copies (cp.async.bulk shared::cta -> shared::cluster) that
-// complete on the peer's "full" barrier; a slot is refilled once both CTAs' consumers are done with it. The row
+// complete on the peer's "full" barrier; a slot is refilled once both CTAs' consumers are done with it, and the
+// epilogue writes over the slots only after a cluster barrier past the last pair (its bulk copies done). The row
 // loads are split there (entries a pair ahead of their pages), so they stay in flight behind the conversions.
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE). The layout needs the whole
@@ -424,6 +425,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       }
     }
     cp_async_wait<0>();
+    // kPaired: this CTA's last bulk copies read its slots until the peer's consumers have them; the epilogue's rows
+    // (smem_part, the peer merge's stage) go over the slots only after both CTAs are past their last pair.
+    if constexpr (kPaired) cluster_sync();
     mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, kFp8 ? mla_cta_heads(a, 64) : 64);
     mla_peer_merge<64, kThreads, 0>(a, t, h0, smem_part, peer_stage);  // (the consumers sum unstaged rows)
     if constexpr (kPaired) cluster_sync();  // neither CTA exits while the other may still reach its shared memory
@@ -570,6 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
 
   // ---- epilogue ----
   wgmma_wait<0>();  // nothing is in flight here; said so the compiler need not infer it
+  if constexpr (kPaired) cluster_sync();  // (the producer's, above: the slots are free of the bulk copies)
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1, smem_part, nh);
   mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, nh);
