@@ -105,13 +105,16 @@ DSACP_HD bool fp8_scale_ok(float s) { return s > 0.f && s <= 3.4028234663852886e
 DSACP_HD int64_t fp8_index_page_bytes(int32_t page_size, int32_t Di) {
   return static_cast<int64_t>(page_size) * (Di + 4);
 }
-// Byte offsets, from the pool's start, of slot (page, offset)'s values and of its scale.
-DSACP_HD int64_t fp8_index_value_offset(int64_t page, int32_t offset, int32_t page_size, int32_t Di) {
-  return page * fp8_index_page_bytes(page_size, Di) + static_cast<int64_t>(offset) * Di;
+// Byte offsets, from the pool's start, of slot (page, offset)'s values and of its scale; page_stride: bytes from
+// one page to the next (0: dense, fp8_index_page_bytes).
+DSACP_HD int64_t fp8_index_value_offset(int64_t page, int32_t offset, int32_t page_size, int32_t Di,
+                                        int64_t page_stride = 0) {
+  return page * (page_stride > 0 ? page_stride : fp8_index_page_bytes(page_size, Di)) + static_cast<int64_t>(offset) * Di;
 }
-DSACP_HD int64_t fp8_index_scale_offset(int64_t page, int32_t offset, int32_t page_size, int32_t Di) {
-  return page * fp8_index_page_bytes(page_size, Di) + static_cast<int64_t>(page_size) * Di +
-         static_cast<int64_t>(offset) * 4;
+DSACP_HD int64_t fp8_index_scale_offset(int64_t page, int32_t offset, int32_t page_size, int32_t Di,
+                                        int64_t page_stride = 0) {
+  return page * (page_stride > 0 ? page_stride : fp8_index_page_bytes(page_size, Di)) +
+         static_cast<int64_t>(page_size) * Di + static_cast<int64_t>(offset) * 4;
 }
 
 // The fp8_ds_mla latent record (contract section 6; vLLM's / FlashMLA's layout): one record of

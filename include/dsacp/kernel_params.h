@@ -29,15 +29,51 @@ struct PagedPoolView {
   // rope view of one [num_pages, page_size, Dl + Dr] buffer (vLLM's and FlashMLA's bf16 KV layout) both have
   // row_stride Dl + Dr, the rope view starting Dl elements into the buffer.
   int64_t row_stride = 0;
-  bool records() const { return record_bytes > 0; }
+  // Bytes from one page to the next; 0 = dense (a page's rows, records or two planes, the next page right after
+  // them). A larger stride, a multiple of 16, leaves the bytes past a page's dense size unused and never read: an
+  // engine's pages padded to one size for every layer's caches (vLLM's page_size_padded). Both views of one
+  // buffer (the rows' latent and rope, a record pool's parts) have the buffer's page stride.
+  int64_t page_stride = 0;
+  DSACP_HD bool records() const { return record_bytes > 0; }
 };
 
 // Elements from one slot's row of a row pool to the next.
 DSACP_HD int64_t pool_row_stride(const PagedPoolView& v) { return v.row_stride > 0 ? v.row_stride : v.dim; }
 
+// Bytes of one element of a row pool's dtype.
+DSACP_HD int64_t pool_element_bytes(const PagedPoolView& v) {
+  return v.dtype == DType::kBF16 ? 2 : v.dtype == DType::kF8E4M3 ? 1 : 4;
+}
+
+// Bytes of one page laid out densely: page_size rows of row_stride elements, records, or the FP8 page's planes.
+DSACP_HD int64_t pool_dense_page_bytes(const PagedPoolView& v) {
+  if (v.records()) return static_cast<int64_t>(v.page_size) * v.record_bytes;
+  if (v.dtype == DType::kF8E4M3) return fp8_index_page_bytes(v.page_size, v.dim);
+  return static_cast<int64_t>(v.page_size) * pool_row_stride(v) * pool_element_bytes(v);
+}
+
+// Bytes from one page of the pool to the next (page_stride, or the dense size).
+DSACP_HD int64_t pool_page_stride(const PagedPoolView& v) {
+  return v.page_stride > 0 ? v.page_stride : pool_dense_page_bytes(v);
+}
+
+// Bytes past each page's dense size (0 for a dense pool).
+DSACP_HD int64_t pool_page_pad_bytes(const PagedPoolView& v) { return pool_page_stride(v) - pool_dense_page_bytes(v); }
+
+// Bytes a pool of num_pages pages spans from its first byte: the last page needs only its dense size.
+DSACP_HD int64_t pool_span_bytes(const PagedPoolView& v) {
+  return v.num_pages < 1 ? 0 : (v.num_pages - 1) * pool_page_stride(v) + pool_dense_page_bytes(v);
+}
+
+// Element offset of slot `slot`'s row (slot = page * page_size + offset) from a row pool's data.
+DSACP_HD int64_t pool_row_offset(const PagedPoolView& v, int64_t slot) {
+  return (slot / v.page_size) * (pool_page_stride(v) / pool_element_bytes(v)) + (slot % v.page_size) * pool_row_stride(v);
+}
+
 // The first byte of slot `slot`'s part in a record pool: the latent values (dtype kF8E4M3) or the rope (kBF16).
 DSACP_HD int64_t record_part_offset(const PagedPoolView& v, int64_t slot) {
-  return slot * v.record_bytes + (v.dtype == DType::kF8E4M3 ? 0 : v.record_bytes - 2 * v.dim);
+  return (slot / v.page_size) * pool_page_stride(v) + (slot % v.page_size) * v.record_bytes +
+         (v.dtype == DType::kF8E4M3 ? 0 : v.record_bytes - 2 * v.dim);
 }
 
 // The most parts a merge takes as one buffer each (LseMergeParams::part_out_of, TopkMergeParams::part_topk_of):
@@ -300,11 +336,19 @@ struct GatherRowsParams {
   int64_t src_rows = 0;
   int32_t dim = 0;
   int64_t src_stride = 0;  // elements from one source row to the next; 0 = dim
+  // Source rows in pages (a padded pool's rows): src_page_pad elements more after every src_page_rows rows.
+  int64_t src_page_rows = 0, src_page_pad = 0;
   const int64_t* index = nullptr;  // [num_rows], each in [-1, src_rows)
   int64_t num_rows = 0;
   void* dst = nullptr;  // [num_rows, dim], f32 or bf16
   DType dst_dtype = DType::kBF16;
 };
+
+// Element offset of source row r of a gather.
+DSACP_HD int64_t gather_src_offset(const GatherRowsParams& p, int64_t r) {
+  const int64_t stride = p.src_stride > 0 ? p.src_stride : p.dim;
+  return r * stride + (p.src_page_pad > 0 ? (r / p.src_page_rows) * p.src_page_pad : 0);
+}
 
 // Global top-k positions to this rank's local positions (reference-design 4.4 step 3), in exact integer
 // arithmetic: with KV sharded over Pt ranks by interleave I, entry e is kept iff e >= 0 and

@@ -105,6 +105,11 @@ struct ExternalPools {
   void* kv = nullptr;
   size_t kv_bytes = 0;
   int32_t kv_row = 0;
+  // Bytes from one page to the next in each pool (kv: the combined buffer); 0 = dense, the page's rows or records
+  // back to back. A larger stride, a multiple of 16, leaves each page's tail unused and never read or written: an
+  // engine's pages padded to one size (vLLM's page_size_padded; a torch tensor's stride(0) times its item size).
+  // A pool then needs (pages - 1) * stride + the dense page's bytes.
+  int64_t latent_page_stride = 0, rope_page_stride = 0, index_keys_page_stride = 0, kv_page_stride = 0;
 };
 
 // The three pools of one layer, in a backend's memory.
@@ -122,6 +127,11 @@ class PagedKvCache {
   static size_t rope_bytes(const PagedCacheConfig& config);
   static size_t index_keys_bytes(const PagedCacheConfig& config);
   static size_t kv_bytes(const PagedCacheConfig& config, int32_t kv_row);
+  // Bytes of one page of each pool laid out densely (the stride of a dense pool; rope 0 with fp8_ds_mla).
+  static int64_t latent_page_bytes(const PagedCacheConfig& config);
+  static int64_t rope_page_bytes(const PagedCacheConfig& config);
+  static int64_t index_keys_page_bytes(const PagedCacheConfig& config);
+  static int64_t kv_page_bytes(const PagedCacheConfig& config, int32_t kv_row);
 
   const PagedCacheConfig& config() const { return config_; }
   // With fp8_ds_mla both are views of the one record pool (PagedPoolView::record_bytes).
@@ -139,6 +149,8 @@ class PagedKvCache {
   PagedCacheConfig config_;
   DeviceBuffer latent_, rope_, index_keys_;
   int64_t kv_row_ = 0;  // > 0: latent_ and rope_ are views of one buffer of rows this many elements apart
+  // Page strides of the caller's pools (PagedPoolView::page_stride; 0 = dense).
+  int64_t latent_page_stride_ = 0, rope_page_stride_ = 0, index_page_stride_ = 0;
 };
 
 }  // namespace dsacp

@@ -26,7 +26,8 @@ def indexer_topk(q: object, w: object, keys: object, block_table: object, reques
     the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
-    dtype, device, contiguity) raise ValueError at the call.
+    dtype, device, contiguity) raise ValueError at the call. Cache pools may have padded pages (a dim-0 stride wider
+than a page, a multiple of 16 bytes: an engine's pages padded to one size); every other tensor is contiguous.
     """
 
 def sparse_mla(q_nope: object, q_rope: object, latent: object, rope: object | None, block_table: object, request: object, key_len: object, topk: object, scale: float, *, out: object | None = None, lse: object | None = None, stream: int | None = None, threads: int = 0) -> tuple:
@@ -46,7 +47,8 @@ def sparse_mla(q_nope: object, q_rope: object, latent: object, rope: object | No
     the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
-    dtype, device, contiguity) raise ValueError at the call.
+    dtype, device, contiguity) raise ValueError at the call. Cache pools may have padded pages (a dim-0 stride wider
+than a page, a multiple of 16 bytes: an engine's pages padded to one size); every other tensor is contiguous.
     """
 
 def lse_merge(part_out: object, part_lse: object, *, out: object | None = None, lse: object | None = None, stream: int | None = None, threads: int = 0) -> tuple:
@@ -61,7 +63,8 @@ def lse_merge(part_out: object, part_lse: object, *, out: object | None = None, 
     the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
-    dtype, device, contiguity) raise ValueError at the call.
+    dtype, device, contiguity) raise ValueError at the call. Cache pools may have padded pages (a dim-0 stride wider
+than a page, a multiple of 16 bytes: an engine's pages padded to one size); every other tensor is contiguous.
     """
 
 def cache_write(rows: object, slots: object, pool: object, *, rope_rows: object | None = None, row_scales: object | None = None, scale_mode: str = 'fp32', stream: int | None = None, threads: int = 0) -> None:
@@ -80,7 +83,8 @@ def cache_write(rows: object, slots: object, pool: object, *, rope_rows: object 
     the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
     wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
     the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
-    dtype, device, contiguity) raise ValueError at the call.
+    dtype, device, contiguity) raise ValueError at the call. Cache pools may have padded pages (a dim-0 stride wider
+than a page, a multiple of 16 bytes: an engine's pages padded to one size); every other tensor is contiguous.
     """
 
 class StepPlan:

@@ -366,7 +366,8 @@ calls run on the stream `stream` (a cudaStream_t as an int; None: torch's curren
 the legacy default stream, as 0 is), write into the caller's outputs (out=, lse=, scores=: the package
 wrappers allocate them on the inputs' device when not given) and return without waiting for the GPU: a data error
 the device finds (a bad page id, slot or index) is raised by the next check_errors(). Argument errors (shape,
-dtype, device, contiguity) raise ValueError at the call.)";
+dtype, device, contiguity) raise ValueError at the call. Cache pools may have padded pages (a dim-0 stride wider
+than a page, a multiple of 16 bytes: an engine's pages padded to one size); every other tensor is contiguous.)";
   m.def("indexer_topk", &indexer_topk, nb::arg("q"), nb::arg("w"), nb::arg("keys"), nb::arg("block_table"),
         nb::arg("request"), nb::arg("key_len"), nb::arg("K"), nb::kw_only(), nb::arg("q_scale") = nb::none(),
         nb::arg("out") = nb::none(), nb::arg("return_scores") = false, nb::arg("scores") = nb::none(),

@@ -209,9 +209,11 @@ std::unique_ptr<PagedKvCache> layer_caches(Placement& pl, const PagedCacheConfig
     pages = lv.num_pages;
     pools.kv = lv.data;
     pools.kv_row = static_cast<int32_t>(lv.row_stride);
+    pools.kv_page_stride = lv.page_stride;
   } else {
     pages = check_pool(pl, cc, pages_needed, "latent", latent, cc.Dl, records ? DType::kF8E4M3 : cc.dtype, records, 1, &lv);
     pools.latent = lv.data;
+    pools.latent_page_stride = lv.page_stride;
     if (records) {
       if (!no_rope) {
         plan_value_error(op + ": cache 'rope' given, but the plan's latent cache is fp8_ds_mla records (they hold "
@@ -220,20 +222,23 @@ std::unique_ptr<PagedKvCache> layer_caches(Placement& pl, const PagedCacheConfig
     } else {
       pages = std::min(pages, check_pool(pl, cc, pages_needed, "rope", *rope, cc.Dr, cc.dtype, false, 1, &rv));
       pools.rope = rv.data;
+      pools.rope_page_stride = rv.page_stride;
     }
   }
   pages = std::min(pages, check_pool(pl, cc, pages_needed, "index_keys", index_keys, cc.Di, cc.index_key_dtype(),
                                      false, cc.index_page_factor, &kv));
   pools.index_keys = kv.data;
+  pools.index_keys_page_stride = kv.page_stride;
   PagedCacheConfig layer = cc;
   layer.num_pages = pages;
+  // Each tensor's own span (its pages, page_stride apart); wrap checks it against the layer's pages.
   if (pools.kv != nullptr) {
-    pools.kv_bytes = PagedKvCache::kv_bytes(layer, pools.kv_row);
+    pools.kv_bytes = static_cast<size_t>(pool_span_bytes(lv));
   } else {
-    pools.latent_bytes = PagedKvCache::latent_bytes(layer);
-    pools.rope_bytes = records ? 0 : PagedKvCache::rope_bytes(layer);
+    pools.latent_bytes = static_cast<size_t>(pool_span_bytes(lv));
+    pools.rope_bytes = records ? 0 : static_cast<size_t>(pool_span_bytes(rv));
   }
-  pools.index_keys_bytes = PagedKvCache::index_keys_bytes(layer);
+  pools.index_keys_bytes = static_cast<size_t>(pool_span_bytes(kv));
   Result<PagedKvCache> cache = PagedKvCache::wrap(layer, pools);
   raise_if_error(cache.status());
   return std::make_unique<PagedKvCache>(std::move(cache).value());

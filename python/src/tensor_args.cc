@@ -125,7 +125,7 @@ Torch* torch_api() {
 // The caller's tensor with its checks: device (the call's placement; a host tensor: pl null, the CPU), contiguity
 // and dtype; returns its data, element type and shape.
 TensorArg checked(const char* op, Placement* pl, const char* name, nb::handle obj, std::initializer_list<Elem> elems,
-                  bool writable) {
+                  bool writable, bool paged = false) {
   auto keep = std::make_shared<DlArg>();
   if (!keep->import(obj, writable)) {
     // Not a tensor at all: a TypeError, as a call with the wrong kind of argument gets from the binding itself.
@@ -161,13 +161,18 @@ TensorArg checked(const char* op, Placement* pl, const char* name, nb::handle ob
   if (!ok) value_error(what + " has dtype " + dtype_str(a.dtype()) + ", expected " + allowed_str(elems));
   int64_t expect = 1;
   for (size_t k = a.ndim(); k-- > 0;) {
+    if (paged && k == 0 && a.ndim() > 1 && a.shape(0) > 1 && a.stride(0) > expect) {
+      t.page_stride = a.stride(0);  // pages padded past their own elements
+      continue;
+    }
     if (a.shape(k) != 1 && a.stride(k) != expect) {
       std::vector<int64_t> strides, want(a.ndim());
       int64_t w = 1;
       for (size_t i = a.ndim(); i-- > 0;) want[i] = w, w *= a.shape(i);
       for (size_t i = 0; i < a.ndim(); ++i) strides.push_back(a.stride(i));
       value_error(what + " is not contiguous (strides " + shape_str(strides) + " elements, expected " +
-                  shape_str(want) + "): pass a contiguous tensor (.contiguous())");
+                  shape_str(want) + (paged ? ", or a wider stride of dim 0 only: padded pages" : "") +
+                  "): pass a contiguous tensor (.contiguous())");
     }
     expect *= a.shape(k);
   }
@@ -327,10 +332,11 @@ TensorArg host_tensor_arg(const char* op, const char* name, nb::handle a, std::i
 PagedPoolView paged_pool_arg(Placement& pl, const char* name, const nb::handle& obj, int64_t dim, bool writable,
                              int64_t fp8_page_size, bool records_ok, int32_t* record_dr) {
   const char* op = pl.op;
-  TensorArg t = checked(op, &pl, name, obj, {Elem::kF32, Elem::kBF16, Elem::kU8}, writable);
+  TensorArg t = checked(op, &pl, name, obj, {Elem::kF32, Elem::kBF16, Elem::kU8}, writable, /*paged=*/true);
   PagedPoolView v;
   v.data = const_cast<void*>(t.data);
   v.dim = static_cast<int32_t>(dim);
+  v.page_stride = t.page_stride * static_cast<int64_t>(t.elem == Elem::kU8 ? 1 : t.elem == Elem::kBF16 ? 2 : 4);
   if (t.elem == Elem::kU8) {
     // fp8_ds_mla records: [num_pages, page_size, dim + 4 * dim / 128 + 2 * Dr] (never dim + 4: Dr > 0).
     const int64_t head = dim + 4 * (dim / kFp8DsMlaTile);
@@ -379,7 +385,7 @@ PagedPoolView record_rope_view(const PagedPoolView& latent, int32_t Dr) {
 PagedPoolView kv_rows_arg(Placement& pl, const char* name, const nb::handle& obj, int64_t Dl, int64_t Dr,
                           bool writable, const char* because) {
   const char* op = pl.op;
-  TensorArg t = checked(op, &pl, name, obj, {Elem::kF32, Elem::kBF16}, writable);
+  TensorArg t = checked(op, &pl, name, obj, {Elem::kF32, Elem::kBF16}, writable, /*paged=*/true);
   const size_t esize = t.elem == Elem::kBF16 ? 2 : 4;
   const std::string want = "the combined KV cache [num_pages, page_size, kv_row] with kv_row >= Dl + Dr = " +
                            std::to_string(Dl) + " + " + std::to_string(Dr) +
@@ -401,6 +407,7 @@ PagedPoolView kv_rows_arg(Placement& pl, const char* name, const nb::handle& obj
   v.page_size = static_cast<int32_t>(t.shape[1]);
   v.dim = static_cast<int32_t>(Dl);
   v.row_stride = t.shape[2];
+  v.page_stride = t.page_stride * static_cast<int64_t>(esize);
   return v;
 }
 

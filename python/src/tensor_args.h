@@ -73,6 +73,9 @@ struct TensorArg {
   Elem elem = Elem::kF32;
   DType dtype = DType::kF32;  // for the float element types
   std::vector<int64_t> shape;
+  // A paged pool's outer stride (elements from one page to the next) where it is larger than the page's own
+  // elements (pages padded to a common size); 0 when the tensor is contiguous.
+  int64_t page_stride = 0;
   std::shared_ptr<DlArg> keep;  // the exporter's reference (the caller's tensor stays alive for the call)
 };
 
@@ -104,6 +107,9 @@ TensorArg host_tensor_arg(const char* op, const char* name, nb::handle a, std::i
                           std::initializer_list<Dim> dims);
 void check_dims(const char* op, const char* name, const TensorArg& t, std::initializer_list<Dim> dims);
 
+// A paged pool's dim 0 (its pages) may be strided wider than a page (an engine's pages padded to one size:
+// vLLM's page_size_padded), the rest contiguous: the view's page_stride, in bytes (a multiple of 16, checked by
+// the op), else every tensor is contiguous.
 // A paged pool [num_pages, page_size, dim] (f32 / bf16), or FP8 two-plane pages as uint8 [num_pages,
 // page_size * (dim + 4)] or [num_pages, page_size, dim + 4] (vLLM's and DeepGEMM's indexer-key layout), or, with
 // records_ok, fp8_ds_mla records as uint8 [num_pages, page_size, record_bytes] (vLLM's FP8 latent cache:

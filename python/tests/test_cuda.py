@@ -495,3 +495,35 @@ def test_cp_group_of_one_nccl_rank_runs_the_cp_step():
         assert rel < 1e-2
     finally:
         dist.destroy_process_group()
+
+
+def padded_pages(pool, pad_bytes, fill):
+    """pool's pages in a CUDA buffer with pad_bytes more a page (`fill` there): a view whose dim 0 is strided."""
+    n, page = pool.shape[0], pool[0].numel()
+    extra = pad_bytes // pool.element_size()
+    buf = torch.full((n, page + extra), fill, dtype=pool.dtype, device=pool.device)
+    buf[:, :page] = pool.reshape(n, page)
+    strides = (page + extra,) + tuple(pool.stride()[1:])
+    return buf, buf.as_strided(pool.shape, strides)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_padded_pages_on_cuda_equal_dense_pools(fp8):
+    """Pages padded to a larger size (vLLM's page_size_padded: a dim-0 stride wider than a page) on the GPU:
+    run_layer's results and the pages it writes equal the dense pools' bit for bit; the padding stays."""
+    (ql, cl, bt), kw, caches, x, idx = plan_case(fp8)
+    gc, gx, gi = on(DEV, caches, x, idx)
+    dense = [None if c is None else c.clone() for c in gc]
+    padded = [None if c is None else padded_pages(c, 16 * (k + 3), 7 if fp8 else 3.0) for k, c in enumerate(gc)]
+    p = dsacp.plan(ql, cl, bt, device=DEV, device_block_table=bt.to(DEV), **kw)
+    ref = dsacp.run_layer(p, dense, *gx, **gi)
+    got = dsacp.run_layer(p, [None if v is None else v[1] for v in padded], *gx, **gi)
+    dsacp.check_errors()
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    for d, v in zip(dense, padded):
+        if d is None:
+            continue
+        buf, view = v
+        assert torch.equal(view, d)
+        assert bool((buf[:, d[0].numel():] == (7 if fp8 else 3.0)).all())

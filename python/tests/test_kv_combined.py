@@ -78,7 +78,7 @@ def test_combined_kv_refusals(case):  # noqa: F811
         dsacp.run_layer(p, (odd, None, keys), *x)
     strided = np.zeros((n, 8, 2 * (DL + DR)), np.float32)[..., :DL + DR]  # rows 96 apart: not contiguous
     with pytest.raises(ValueError, match=r"tensor 'latent' is not contiguous \(strides \[768, 96, 1\] elements, "
-                                         r"expected \[384, 48, 1\]\)"):
+                                         r"expected \[384, 48, 1\], or a wider stride of dim 0 only"):
         dsacp.run_layer(p, (strided, None, keys), *x)
     with pytest.raises(ValueError, match=r"cache 'latent' \(the combined KV, rope=None\) holds float32 in pages of 4"):
         dsacp.run_layer(p, (np.zeros((2 * n, 4, DL + DR), np.float32), None, keys), *x)

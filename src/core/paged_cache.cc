@@ -166,6 +166,26 @@ size_t PagedKvCache::kv_bytes(const PagedCacheConfig& config, int32_t kv_row) {
          dtype_size(config.dtype);
 }
 
+int64_t PagedKvCache::latent_page_bytes(const PagedCacheConfig& config) {
+  return config.fp8_latent() ? int64_t{config.page_size} * fp8_ds_mla_record_bytes(config.Dl, config.Dr)
+                             : int64_t{config.page_size} * config.Dl * static_cast<int64_t>(dtype_size(config.dtype));
+}
+
+int64_t PagedKvCache::rope_page_bytes(const PagedCacheConfig& config) {
+  return config.fp8_latent() ? 0 : int64_t{config.page_size} * config.Dr * static_cast<int64_t>(dtype_size(config.dtype));
+}
+
+int64_t PagedKvCache::index_keys_page_bytes(const PagedCacheConfig& config) {
+  return config.index_key_dtype() == DType::kF8E4M3
+             ? fp8_index_page_bytes(config.page_size, config.Di)
+             : int64_t{config.page_size} * config.Di * static_cast<int64_t>(dtype_size(config.index_key_dtype()));
+}
+
+int64_t PagedKvCache::kv_page_bytes(const PagedCacheConfig& config, int32_t kv_row) {
+  if (config.fp8_latent() || kv_row <= 0) return 0;
+  return int64_t{config.page_size} * kv_row * static_cast<int64_t>(dtype_size(config.dtype));
+}
+
 size_t PagedKvCache::index_keys_bytes(const PagedCacheConfig& config) {
   return static_cast<size_t>(index_elements(config)) * dtype_size(config.index_key_dtype());
 }
@@ -196,6 +216,19 @@ Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConf
 
 Result<PagedKvCache> PagedKvCache::wrap(const PagedCacheConfig& config, const ExternalPools& pools) {
   DSACP_RETURN_IF_ERROR(check_cache_config(config));
+  // A pool of `pages` pages, dense_page bytes each, page_stride apart (0: dense): its stride and the bytes it needs.
+  auto check_stride = [&](const char* name, int64_t page_stride, int64_t dense_page) -> Status {
+    if (page_stride == 0) return Status();
+    if (page_stride < dense_page || page_stride % 16 != 0) {
+      return invalid_argument(std::string("external KV cache: the ") + name + " pool's page stride " +
+                              std::to_string(page_stride) + " must be 0 (dense) or a multiple of 16 bytes of at " +
+                              "least a page's " + std::to_string(dense_page) + " bytes");
+    }
+    return Status();
+  };
+  auto span = [](int64_t pages, int64_t page_stride, int64_t dense_page) -> size_t {
+    return static_cast<size_t>((pages - 1) * (page_stride > 0 ? page_stride : dense_page) + dense_page);
+  };
   auto check = [&](const char* name, void* data, size_t given, size_t need) -> Status {
     if (data == nullptr) return invalid_argument(std::string("external KV cache: the ") + name + " pool is null");
     if (reinterpret_cast<uintptr_t>(data) % 16 != 0) {
@@ -209,6 +242,9 @@ Result<PagedKvCache> PagedKvCache::wrap(const PagedCacheConfig& config, const Ex
     }
     return Status();
   };
+  const int64_t index_pages = config.num_pages * config.index_page_factor;
+  DSACP_RETURN_IF_ERROR(check_stride("indexer-key", pools.index_keys_page_stride, index_keys_page_bytes(config)));
+  const size_t index_need = span(index_pages, pools.index_keys_page_stride, index_keys_page_bytes(config));
   if (pools.kv != nullptr) {
     // One buffer of latent-then-rope rows.
     if (config.fp8_latent()) {
@@ -229,33 +265,55 @@ Result<PagedKvCache> PagedKvCache::wrap(const PagedCacheConfig& config, const Ex
                               std::to_string(16 / dtype_size(config.dtype)) + " " + dtype_name(config.dtype) +
                               " elements: the GPU kernels load 16 bytes at a time)");
     }
-    DSACP_RETURN_IF_ERROR(check("kv", pools.kv, pools.kv_bytes, kv_bytes(config, pools.kv_row)));
-    DSACP_RETURN_IF_ERROR(check("indexer-key", pools.index_keys, pools.index_keys_bytes, index_keys_bytes(config)));
+    if (pools.latent_page_stride != 0 || pools.rope_page_stride != 0) {
+      return invalid_argument("external KV cache: with a combined kv buffer its page stride is kv_page_stride "
+                              "(latent_page_stride and rope_page_stride must be 0)");
+    }
+    const int64_t kv_page = kv_page_bytes(config, pools.kv_row);
+    DSACP_RETURN_IF_ERROR(check_stride("kv", pools.kv_page_stride, kv_page));
+    const size_t kv_need = span(config.num_pages, pools.kv_page_stride, kv_page);
+    DSACP_RETURN_IF_ERROR(check("kv", pools.kv, pools.kv_bytes, kv_need));
+    DSACP_RETURN_IF_ERROR(check("indexer-key", pools.index_keys, pools.index_keys_bytes, index_need));
     PagedKvCache c;
     c.config_ = config;
     c.kv_row_ = pools.kv_row;
+    c.latent_page_stride_ = c.rope_page_stride_ = pools.kv_page_stride;
+    c.index_page_stride_ = pools.index_keys_page_stride;
     const size_t row0 = static_cast<size_t>(config.Dl) * dtype_size(config.dtype);
-    c.latent_ = DeviceBuffer(pools.kv, kv_bytes(config, pools.kv_row), nullptr);
-    c.rope_ = DeviceBuffer(static_cast<char*>(pools.kv) + row0, kv_bytes(config, pools.kv_row) - row0, nullptr);
-    c.index_keys_ = DeviceBuffer(pools.index_keys, index_keys_bytes(config), nullptr);
+    c.latent_ = DeviceBuffer(pools.kv, kv_need, nullptr);
+    c.rope_ = DeviceBuffer(static_cast<char*>(pools.kv) + row0, kv_need - row0, nullptr);
+    c.index_keys_ = DeviceBuffer(pools.index_keys, index_need, nullptr);
     return c;
   }
+  if (pools.kv_page_stride != 0) {
+    return invalid_argument("external KV cache: kv_page_stride was given without a combined kv buffer");
+  }
+  DSACP_RETURN_IF_ERROR(check_stride(config.fp8_latent() ? "latent (fp8_ds_mla records)" : "latent",
+                                     pools.latent_page_stride, latent_page_bytes(config)));
+  const size_t latent_need = span(config.num_pages, pools.latent_page_stride, latent_page_bytes(config));
   DSACP_RETURN_IF_ERROR(check(config.fp8_latent() ? "latent (fp8_ds_mla records)" : "latent", pools.latent,
-                              pools.latent_bytes, latent_bytes(config)));
+                              pools.latent_bytes, latent_need));
+  size_t rope_need = 0;
   if (config.fp8_latent()) {
-    if (pools.rope != nullptr) {
-      return invalid_argument("external KV cache: a rope pool was given, but fp8_ds_mla records hold the rope (pass none)");
+    if (pools.rope != nullptr || pools.rope_page_stride != 0) {
+      return invalid_argument("external KV cache: a rope pool (or its page stride) was given, but fp8_ds_mla records "
+                              "hold the rope (pass none)");
     }
   } else {
-    DSACP_RETURN_IF_ERROR(check("rope", pools.rope, pools.rope_bytes, rope_bytes(config)));
+    DSACP_RETURN_IF_ERROR(check_stride("rope", pools.rope_page_stride, rope_page_bytes(config)));
+    rope_need = span(config.num_pages, pools.rope_page_stride, rope_page_bytes(config));
+    DSACP_RETURN_IF_ERROR(check("rope", pools.rope, pools.rope_bytes, rope_need));
   }
-  DSACP_RETURN_IF_ERROR(check("indexer-key", pools.index_keys, pools.index_keys_bytes, index_keys_bytes(config)));
+  DSACP_RETURN_IF_ERROR(check("indexer-key", pools.index_keys, pools.index_keys_bytes, index_need));
   PagedKvCache c;
   c.config_ = config;
+  c.latent_page_stride_ = pools.latent_page_stride;
+  c.rope_page_stride_ = pools.rope_page_stride;
+  c.index_page_stride_ = pools.index_keys_page_stride;
   // Views of the caller's memory: no deleter, the caller frees it.
-  c.latent_ = DeviceBuffer(pools.latent, latent_bytes(config), nullptr);
-  if (!config.fp8_latent()) c.rope_ = DeviceBuffer(pools.rope, rope_bytes(config), nullptr);
-  c.index_keys_ = DeviceBuffer(pools.index_keys, index_keys_bytes(config), nullptr);
+  c.latent_ = DeviceBuffer(pools.latent, latent_need, nullptr);
+  if (!config.fp8_latent()) c.rope_ = DeviceBuffer(pools.rope, rope_need, nullptr);
+  c.index_keys_ = DeviceBuffer(pools.index_keys, index_need, nullptr);
   return c;
 }
 
@@ -283,6 +341,7 @@ PagedPoolView PagedKvCache::view(const DeviceBuffer& b, int32_t dim, DType dtype
   v.page_size = config_.page_size;
   v.dim = dim;
   if (&b != &index_keys_) v.row_stride = kv_row_;
+  v.page_stride = &b == &index_keys_ ? index_page_stride_ : &b == &rope_ ? rope_page_stride_ : latent_page_stride_;
   return v;
 }
 

@@ -72,6 +72,23 @@ Status check_record_pool(const char* kernel, const std::string& n, const PagedPo
   return Status::ok_status();
 }
 
+// A page stride of 0 (dense) or a multiple of 16 bytes of at least a page's dense bytes, the pool's span fitting
+// int64 (after the pool's own checks: its dense page size is known to fit).
+Status check_page_stride(const char* kernel, const std::string& n, const PagedPoolView& pool) {
+  if (pool.page_stride == 0) return Status::ok_status();
+  const int64_t dense = pool_dense_page_bytes(pool);
+  if (pool.page_stride < dense || pool.page_stride % 16 != 0) {
+    return invalid_argument(std::string(kernel) + ": " + n + ".page_stride " + str(pool.page_stride) +
+                            " must be 0 (dense) or a multiple of 16 bytes of at least a page's " + str(dense) +
+                            " bytes");
+  }
+  if (pool.num_pages > std::numeric_limits<int64_t>::max() / pool.page_stride) {
+    return invalid_argument(std::string(kernel) + ": " + n + " spans too many bytes: num_pages=" + str(pool.num_pages) +
+                            " x page_stride=" + str(pool.page_stride) + " overflows int64");
+  }
+  return Status::ok_status();
+}
+
 // A pool must be non-empty and its element count must fit int64 (slots and offsets are int64). fp8_ok: the pool
 // may hold FP8 two-plane pages (the indexer keys); records_ok: it may be a view of fp8_ds_mla records.
 Status check_pool(const char* kernel, const char* name, const PagedPoolView& pool, bool fp8_ok = false,
@@ -96,7 +113,10 @@ Status check_pool(const char* kernel, const char* name, const PagedPoolView& poo
     return invalid_argument(std::string(kernel) + ": " + n + ".record_bytes must be 0 here (fp8_ds_mla records are " +
                             "the latent cache's format only), got " + str(pool.record_bytes));
   }
-  if (pool.records()) return check_record_pool(kernel, n, pool);
+  if (pool.records()) {
+    DSACP_RETURN_IF_ERROR(check_record_pool(kernel, n, pool));
+    return check_page_stride(kernel, n, pool);
+  }
   if (!fp8_ok && pool.dtype == DType::kF8E4M3) {
     return invalid_argument(std::string(kernel) + ": " + n + ".dtype must be F32 or BF16, got F8_E4M3 (FP8 pages " +
                             "are the indexer keys' format only)");
@@ -109,7 +129,7 @@ Status check_pool(const char* kernel, const char* name, const PagedPoolView& poo
                             " has too many elements: num_pages=" + str(pool.num_pages) +
                             " x page_size=" + str(pool.page_size) + " x dim=" + str(pool.dim) + " overflows int64");
   }
-  return Status::ok_status();
+  return check_page_stride(kernel, n, pool);
 }
 
 Status check_block_table(const char* kernel, const BlockTableView& bt) {
@@ -305,6 +325,10 @@ Status validate(const GatherRowsParams& p) {
   DSACP_RETURN_IF_ERROR(check_positive(k, "dim", p.dim));
   if (p.src_stride != 0 && p.src_stride < p.dim) {
     return invalid_argument(std::string(k) + ": src_stride " + str(p.src_stride) + " is less than dim " + str(p.dim));
+  }
+  if (p.src_page_pad < 0 || (p.src_page_pad > 0 && p.src_page_rows < 1)) {
+    return invalid_argument(std::string(k) + ": src_page_pad " + str(p.src_page_pad) + " needs src_page_pad >= 0 and " +
+                            "src_page_rows >= 1 (got " + str(p.src_page_rows) + ")");
   }
   DSACP_RETURN_IF_ERROR(check_non_negative(k, "num_rows", p.num_rows));
   DSACP_RETURN_IF_ERROR(check_float_dtype(k, "src_dtype", p.src_dtype));

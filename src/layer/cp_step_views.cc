@@ -52,9 +52,19 @@ Result<PendingView> pack_view(RankStep& s, Communicator& comm, const PagedPoolVi
   const int64_t n = v.host.rows_per_rank;
   if (n < 1) return internal_error("gathered view with no rows");
   DSACP_ASSIGN_OR_RETURN(pv.pack, s.take(n * u.row_bytes()));
-  DSACP_RETURN_IF_ERROR(gather_dev(backend, own.data, u.dtype, own.num_pages * own.page_size, u.dim, v.pack_slots, n,
-                                   pv.pack.get(), u.dtype, "pack for a gathered view",
-                                   own.records() ? 0 : own.row_stride));
+  GatherRowsParams g;
+  g.src = own.data;
+  g.src_dtype = u.dtype;
+  g.src_rows = own.num_pages * own.page_size;
+  g.dim = u.dim;
+  g.src_stride = own.records() ? 0 : own.row_stride;
+  g.src_page_rows = own.page_size;
+  g.src_page_pad = pool_page_pad_bytes(own) / static_cast<int64_t>(dtype_size(u.dtype));
+  g.index = v.pack_slots;
+  g.num_rows = n;
+  g.dst = pv.pack.get();
+  g.dst_dtype = u.dtype;
+  DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("pack for a gathered view"));
   DSACP_ASSIGN_OR_RETURN(pv.gathered, s.take(pv.ranks * n * u.row_bytes()));
   return pv;
 }
@@ -82,7 +92,8 @@ Result<View> finish_view(RankStep& s, PendingView& pv) {
   View out;
   out.pool = pv.own;
   out.pool.num_pages = v.view_num_pages;
-  out.pool.row_stride = 0;  // the gathered rows are dense, whatever the own pool's stride
+  out.pool.row_stride = 0;  // the gathered rows are dense, whatever the own pool's strides
+  out.pool.page_stride = 0;
   if (v.direct) {
     out.storage = std::move(pv.gathered);
   } else {
@@ -119,6 +130,7 @@ Status gathered_attention(RankStep& s, int64_t first, int64_t n, PendingKvView& 
     rope.pool = s.cache.rope();  // the rope view of the gathered records
     rope.pool.data = lat.pool.data;
     rope.pool.num_pages = lat.pool.num_pages;
+    rope.pool.page_stride = 0;
   } else {
     DSACP_ASSIGN_OR_RETURN(rope, finish_view(s, kv.rope));
   }

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -96,8 +97,8 @@ PlannedBatch planned_batch(const PlannedLayout& pl, uint64_t seed) {
   return b;
 }
 
-// Two layers (two caches per rank, different inputs and contexts; the second in the caller's memory with latent
-// and rope in one padded row) under one plan per rank: each layer's assembled result is the one-shot cluster
+// Two layers (two caches per rank, different inputs and contexts; the second in the caller's memory, its pages
+// padded, with latent and rope in one padded row) under one plan per rank: each layer's assembled result is the one-shot cluster
 // step's, bit for bit.
 TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
   const PlannedLayout& pl = GetParam();
@@ -154,19 +155,24 @@ TEST_P(CpStepPlanTest, LayersUnderOnePlanEqualOneShotSteps) {
       for (size_t k = 0; k < layers.size() && st.ok(); ++k) {
         const CaseFile& c = layers[k];
         // Layer 1's cache is the caller's memory in the combined layout (latent then rope in each token's row,
-        // padded): the gathered views pack its strided rows.
+        // padded) with padded pages (NaN between pages): the gathered views pack its strided rows.
         std::vector<float> kv, keys;
         Result<PagedKvCache> cache = Status(StatusCode::kInternal, "unset");
         if (k == 1) {
           const int32_t kv_row = rank_cc.Dl + rank_cc.Dr + 8;
-          kv.assign(PagedKvCache::kv_bytes(rank_cc, kv_row) / 4, 0.f);
-          keys.assign(PagedKvCache::index_keys_bytes(rank_cc) / 4, 0.f);
+          const int64_t kv_stride = PagedKvCache::kv_page_bytes(rank_cc, kv_row) + 64;
+          const int64_t key_stride = PagedKvCache::index_keys_page_bytes(rank_cc) + 32;
+          const int64_t key_pages = rank_cc.num_pages * rank_cc.index_page_factor;
+          kv.assign(static_cast<size_t>(rank_cc.num_pages * kv_stride / 4), std::nanf(""));
+          keys.assign(static_cast<size_t>(key_pages * key_stride / 4), std::nanf(""));
           ExternalPools pools;
           pools.kv = kv.data();
           pools.kv_bytes = kv.size() * 4;
           pools.kv_row = kv_row;
+          pools.kv_page_stride = kv_stride;
           pools.index_keys = keys.data();
           pools.index_keys_bytes = keys.size() * 4;
+          pools.index_keys_page_stride = key_stride;
           cache = PagedKvCache::wrap(rank_cc, pools);
         } else {
           cache = PagedKvCache::create(*cpu, rank_cc);

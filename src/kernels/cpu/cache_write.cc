@@ -16,7 +16,8 @@ namespace {
 void write_fp8_row(const CacheWriteParams& p, int64_t t, int64_t slot, std::vector<float>& row) {
   const int32_t dim = p.pool.dim, ps = p.pool.page_size;
   uint8_t* base = static_cast<uint8_t*>(p.pool.data);
-  uint8_t* values = base + fp8_index_value_offset(slot / ps, static_cast<int32_t>(slot % ps), ps, dim);
+  const int64_t stride = pool_page_stride(p.pool);
+  uint8_t* values = base + fp8_index_value_offset(slot / ps, static_cast<int32_t>(slot % ps), ps, dim, stride);
   float scale;
   if (p.rows_dtype == DType::kF8E4M3) {
     std::memcpy(values, static_cast<const uint8_t*>(p.rows) + t * dim, static_cast<size_t>(dim));
@@ -29,7 +30,8 @@ void write_fp8_row(const CacheWriteParams& p, int64_t t, int64_t slot, std::vect
     scale = fp8_scale_from_amax(amax, p.fp8_scale_mode);
     for (int32_t d = 0; d < dim; ++d) values[d] = fp8_quantize(row[static_cast<size_t>(d)], scale);
   }
-  std::memcpy(base + fp8_index_scale_offset(slot / ps, static_cast<int32_t>(slot % ps), ps, dim), &scale, sizeof scale);
+  std::memcpy(base + fp8_index_scale_offset(slot / ps, static_cast<int32_t>(slot % ps), ps, dim, stride), &scale,
+              sizeof scale);
 }
 
 // Into a view of fp8_ds_mla records (dsacp/fp8.h). The latent view: e4m3 rows as they are with their tiles'
@@ -75,7 +77,7 @@ void write_row(const CacheWriteParams& p, int64_t t, std::vector<float>& scratch
   if (p.pool.dtype == DType::kF8E4M3) return write_fp8_row(p, t, slot, scratch);
   const int64_t dim = p.pool.dim;
   const int64_t src = t * dim;
-  const int64_t dst = slot * pool_row_stride(p.pool);  // slot = page * page_size + offset
+  const int64_t dst = pool_row_offset(p.pool, slot);  // slot = page * page_size + offset
   if (p.rows_dtype == p.pool.dtype) {
     const size_t esz = dtype_size(p.rows_dtype);
     std::memcpy(static_cast<char*>(p.pool.data) + dst * esz, static_cast<const char*>(p.rows) + src * esz,

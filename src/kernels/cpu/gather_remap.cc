@@ -19,18 +19,18 @@ Status gather_rows(const GatherRowsParams& p, int num_threads) {
     }
   }
   const int64_t dim = p.dim;
-  const int64_t stride = p.src_stride > 0 ? p.src_stride : dim;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   parallel_for(p.num_rows, num_threads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t src = p.index[i];
       if (src >= 0 && p.src_dtype == p.dst_dtype) {  // bytes as they are (packed fp8_ds_mla records too)
         const size_t row = static_cast<size_t>(dim) * dtype_size(p.src_dtype);
-        std::memcpy(static_cast<char*>(p.dst) + i * row, static_cast<const char*>(p.src) + src * stride * dtype_size(p.src_dtype), row);
+        std::memcpy(static_cast<char*>(p.dst) + i * row, static_cast<const char*>(p.src) + gather_src_offset(p, src) * dtype_size(p.src_dtype),
+                    row);
         continue;
       }
       for (int64_t d = 0; d < dim; ++d) {
-        const float v = src < 0 ? nan : load_as_f32(p.src, p.src_dtype, src * stride + d);
+        const float v = src < 0 ? nan : load_as_f32(p.src, p.src_dtype, gather_src_offset(p, src) + d);
         store_from_f32(p.dst, p.dst_dtype, i * dim + d, v);
       }
     }

@@ -87,9 +87,10 @@ void load_fp8_key(const PagedPoolView& keys, const BlockTableView& bt, int32_t b
   const int64_t page = bt.data[static_cast<int64_t>(b) * bt.max_pages + j / keys.page_size];
   const int32_t off = static_cast<int32_t>(j % keys.page_size);
   const uint8_t* base = static_cast<const uint8_t*>(keys.data);
-  const uint8_t* v = base + fp8_index_value_offset(page, off, keys.page_size, keys.dim);
+  const int64_t stride = pool_page_stride(keys);
+  const uint8_t* v = base + fp8_index_value_offset(page, off, keys.page_size, keys.dim, stride);
   for (int32_t d = 0; d < keys.dim; ++d) values[d] = e4m3_to_f32(v[d]);
-  std::memcpy(scale, base + fp8_index_scale_offset(page, off, keys.page_size, keys.dim), sizeof(float));
+  std::memcpy(scale, base + fp8_index_scale_offset(page, off, keys.page_size, keys.dim, stride), sizeof(float));
 }
 
 // Canonical top-k row from n scores: K best by rank_key, ascending positions, -1 padded. With row_scores,
@@ -208,8 +209,8 @@ Status indexer_topk(const IndexerTopkParams& p, int num_threads) {
                 load_fp8_key(p.keys, p.block_table, b, j0 + jj, key_row.data(), &sk[jj]);
               } else {
                 load_row_f32(p.keys.data, p.keys.dtype,
-                             key_row_offset(p.block_table, b, j0 + jj, p.keys.page_size, p.keys.dim), di,
-                             key_row.data());
+                             pool_row_offset(p.keys, key_row_offset(p.block_table, b, j0 + jj, p.keys.page_size, 1)),
+                             di, key_row.data());
               }
               for (int64_t d = 0; d < di; ++d) kt[d * kTileKeys + jj] = key_row[d];
             } else {

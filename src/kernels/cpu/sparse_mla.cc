@@ -75,7 +75,7 @@ void logits_heads(const float* qn, const float* qr, const float* lat, const floa
 // dequantized as scale * value in f32, each tile of 128 values with its own scale; the rope bf16 as stored).
 void load_key(const PagedPoolView& v, const BlockTableView& bt, int32_t b, int64_t j, float* dst) {
   if (!v.records()) {
-    load_row_f32(v.data, v.dtype, key_row_offset(bt, b, j, v.page_size, 1) * pool_row_stride(v), v.dim, dst);
+    load_row_f32(v.data, v.dtype, pool_row_offset(v, key_row_offset(bt, b, j, v.page_size, 1)), v.dim, dst);
     return;
   }
   const int64_t slot = key_row_offset(bt, b, j, v.page_size, 1);

@@ -31,6 +31,8 @@ struct WritePools {
   void* pool[3];
   int dim[3];
   int64_t stride[3];  // elements from one slot's row to the next
+  int64_t page_pad[3];  // elements past each page's rows (a padded pool's page stride)
+  int32_t page_size[3];
   int64_t num_slots[3];
 };
 
@@ -85,7 +87,7 @@ __global__ void cache_write_kernel(const WritePools w, int64_t n, DeviceErrorWor
     return;
   }
   const SrcT* src = rows + t * dim;
-  DstT* dst = pool + slot * w.stride[y];
+  DstT* dst = pool + slot * w.stride[y] + (w.page_pad[y] != 0 ? slot / w.page_size[y] * w.page_pad[y] : 0);
   for (int d = lane; d < dim; d += 32) store_f(dst, d, load_f(src, d));
 }
 
@@ -93,8 +95,8 @@ __global__ void cache_write_kernel(const WritePools w, int64_t n, DeviceErrorWor
 template <typename SrcT>
 __global__ void cache_write_fp8_kernel(const SrcT* __restrict__ rows, const float* __restrict__ row_scales,
                                        const int64_t* __restrict__ slots, unsigned char* __restrict__ pool,
-                                       int32_t page_size, int32_t dim, int64_t num_slots, int64_t n,
-                                       Fp8ScaleMode mode, DeviceErrorWord err) {
+                                       int32_t page_size, int64_t page_stride, int32_t dim, int64_t num_slots,
+                                       int64_t n, Fp8ScaleMode mode, DeviceErrorWord err) {
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (t >= n) return;
@@ -106,8 +108,9 @@ __global__ void cache_write_fp8_kernel(const SrcT* __restrict__ rows, const floa
   }
   const int64_t page = slot / page_size;
   const int32_t in_page = static_cast<int32_t>(slot % page_size);
-  unsigned char* dst = pool + fp8_index_value_offset(page, in_page, page_size, dim);
-  float* dst_scale = reinterpret_cast<float*>(pool + fp8_index_scale_offset(page, in_page, page_size, dim));
+  unsigned char* dst = pool + fp8_index_value_offset(page, in_page, page_size, dim, page_stride);
+  float* dst_scale =
+      reinterpret_cast<float*>(pool + fp8_index_scale_offset(page, in_page, page_size, dim, page_stride));
   const SrcT* src = rows + t * dim;
   if constexpr (sizeof(SrcT) == 1) {
     for (int d = lane; d < dim; d += 32) dst[d] = src[d];
@@ -129,8 +132,8 @@ __global__ void cache_write_fp8_kernel(const SrcT* __restrict__ rows, const floa
 template <typename SrcT, bool kRope>
 __global__ void cache_write_record_kernel(const SrcT* __restrict__ rows, const float* __restrict__ row_scales,
                                           const int64_t* __restrict__ slots, unsigned char* __restrict__ pool,
-                                          int32_t record_bytes, int32_t dim, int64_t num_slots, int64_t n,
-                                          Fp8ScaleMode mode, DeviceErrorWord err) {
+                                          int32_t record_bytes, int32_t page_size, int64_t page_stride, int32_t dim,
+                                          int64_t num_slots, int64_t n, Fp8ScaleMode mode, DeviceErrorWord err) {
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (t >= n) return;
@@ -140,7 +143,7 @@ __global__ void cache_write_record_kernel(const SrcT* __restrict__ rows, const f
     if (lane == 0) report_device_error(err, kDevBadSlot, t);
     return;
   }
-  unsigned char* rec = pool + slot * record_bytes;
+  unsigned char* rec = pool + slot / page_size * page_stride + slot % page_size * record_bytes;
   const SrcT* src = rows + t * dim;
   if constexpr (kRope) {
     __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(rec + record_bytes - 2 * dim);
@@ -185,13 +188,13 @@ Status launch_cw_record(const CacheWriteParams& p, const LaunchContext& ctx) {
     if (p.pool.dtype == DType::kBF16) return internal_error("cache_write: e4m3 rows into a rope view");
   } else if (p.pool.dtype == DType::kBF16) {
     cache_write_record_kernel<SrcT, true><<<blocks, 256, 0, ctx.stream>>>(
-        static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, pool, p.pool.record_bytes, p.pool.dim, num_slots,
-        p.num_rows, p.record_scale_mode, ctx.error);
+        static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, pool, p.pool.record_bytes, p.pool.page_size,
+        pool_page_stride(p.pool), p.pool.dim, num_slots, p.num_rows, p.record_scale_mode, ctx.error);
   }
   if (p.pool.dtype != DType::kBF16) {
     cache_write_record_kernel<SrcT, false><<<blocks, 256, 0, ctx.stream>>>(
-        static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, pool, p.pool.record_bytes, p.pool.dim, num_slots,
-        p.num_rows, p.record_scale_mode, ctx.error);
+        static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, pool, p.pool.record_bytes, p.pool.page_size,
+        pool_page_stride(p.pool), p.pool.dim, num_slots, p.num_rows, p.record_scale_mode, ctx.error);
   }
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_record_kernel");
   return Status::ok_status();
@@ -202,7 +205,8 @@ Status launch_cw_fp8(const CacheWriteParams& p, const LaunchContext& ctx) {
   const int64_t threads = p.num_rows * 32;
   cache_write_fp8_kernel<SrcT><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, ctx.stream>>>(
       static_cast<const SrcT*>(p.rows), p.row_scales, p.slots, static_cast<unsigned char*>(p.pool.data),
-      p.pool.page_size, p.pool.dim, p.pool.num_pages * p.pool.page_size, p.num_rows, p.fp8_scale_mode, ctx.error);
+      p.pool.page_size, pool_page_stride(p.pool), p.pool.dim, p.pool.num_pages * p.pool.page_size, p.num_rows,
+      p.fp8_scale_mode, ctx.error);
   DSACP_CUDA_RETURN_IF_LAUNCH_ERROR("cache_write_fp8_kernel");
   return Status::ok_status();
 }
@@ -226,6 +230,8 @@ Status launch_cw_pools(const CacheWriteParams& p, int count, const LaunchContext
     w.pool[i] = one.pool.data;
     w.dim[i] = one.pool.dim;
     w.stride[i] = pool_row_stride(one.pool);
+    w.page_pad[i] = pool_page_pad_bytes(one.pool) / pool_element_bytes(one.pool);
+    w.page_size[i] = one.pool.page_size;
     w.num_slots[i] = one.pool.num_pages * one.pool.page_size;
   }
   const int64_t threads = p.num_rows * 32;

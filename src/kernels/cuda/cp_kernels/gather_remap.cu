@@ -33,9 +33,9 @@ __global__ void gather_rows_kernel(const GatherRowsParams p, bool src_bf, bool d
     if (lane == 0) report_device_error(err, kDevBadIndex, r);
     return;
   }
-  const int64_t stride = p.src_stride > 0 ? p.src_stride : p.dim;
+  const int64_t at = src < 0 ? 0 : gather_src_offset(p, src);
   for (int d = lane; d < p.dim; d += 32) {
-    st(p.dst, dst_bf, r * p.dim + d, src < 0 ? __int_as_float(0x7fc00000) : ld(p.src, src_bf, src * stride + d));
+    st(p.dst, dst_bf, r * p.dim + d, src < 0 ? __int_as_float(0x7fc00000) : ld(p.src, src_bf, at + d));
   }
 }
 

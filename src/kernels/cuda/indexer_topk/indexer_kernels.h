@@ -32,6 +32,7 @@ struct ScoreKernelArgs {
   const int32_t* block_table;
   int32_t page_size, max_pages;
   int64_t num_pages;
+  int64_t page_stride;          // bytes from one page of keys to the next
   const int64_t* score_offset;  // [T]
   float* scores;
   DeviceErrorWord err;
@@ -53,6 +54,7 @@ inline void fill_score_kernel_args(ScoreKernelArgs& a, const IndexerTopkParams& 
   a.page_size = p.keys.page_size;
   a.max_pages = p.block_table.max_pages;
   a.num_pages = p.keys.num_pages;
+  a.page_stride = pool_page_stride(p.keys);
   a.score_offset = score_offset;
   a.scores = scores;
   a.err = ctx.error;

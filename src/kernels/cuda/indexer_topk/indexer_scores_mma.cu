@@ -121,10 +121,11 @@ __global__ void __launch_bounds__(kThreads, kFp8 && kHi == 64 ? 3 : 2)
       if (page >= 0 && page < a.num_pages) {
         const int32_t in_page = key % a.page_size;
         if constexpr (kFp8) {
-          off = fp8_index_value_offset(page, in_page, a.page_size, kDi);
-          sk = *reinterpret_cast<const float*>(a.keys + fp8_index_scale_offset(page, in_page, a.page_size, kDi));
+          off = fp8_index_value_offset(page, in_page, a.page_size, kDi, a.page_stride);
+          sk = *reinterpret_cast<const float*>(
+              a.keys + fp8_index_scale_offset(page, in_page, a.page_size, kDi, a.page_stride));
         } else {
-          off = (static_cast<int64_t>(page) * a.page_size + in_page) * kRB;
+          off = static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(in_page) * kRB;
         }
       } else {
         report_device_error(a.err, kDevBadPage, item.t0);
@@ -286,7 +287,7 @@ Status launch_indexer_scores(const IndexerTopkParams& p, const ScoreItem* items,
   ScoreArgs a{};
   fill_score_kernel_args(a, p, items, num_items, score_offset, scores, inl, ctx);
   const bool fp8 = p.keys.dtype == DType::kF8E4M3;
-  a.rows16 = !fp8 || (fp8_index_page_bytes(p.keys.page_size, kDi) % 16 == 0 &&
+  a.rows16 = !fp8 || (pool_page_stride(p.keys) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(p.keys.data) % 16 == 0);
   if (p.Hi == 32) {
     return fp8 ? launch_variant<32, true>(a, num_items, max_group_tokens, ctx)

@@ -383,11 +383,11 @@ EncodeTiledFn encode_tiled_fn() {
   }();
   return fn;
 }
-bool make_key_tensor_map(CUtensorMap* map, void* keys, int64_t num_pages, int32_t page_size) {
+bool make_key_tensor_map(CUtensorMap* map, void* keys, int64_t num_pages, int32_t page_size, int64_t page_stride) {
   const EncodeTiledFn fn = encode_tiled_fn();
   if (fn == nullptr || num_pages < 1 || num_pages > (int64_t{1} << 31) || page_size % kBK != 0) return false;
   const cuuint64_t dims[3] = {kDi, static_cast<cuuint64_t>(page_size), static_cast<cuuint64_t>(num_pages)};
-  const cuuint64_t strides[2] = {kDi, static_cast<cuuint64_t>(page_size) * (kDi + 4)};
+  const cuuint64_t strides[2] = {kDi, static_cast<cuuint64_t>(page_stride)};
   const cuuint32_t box[3] = {kDi, kBK, 1}, estr[3] = {1, 1, 1};
   return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, keys, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -467,7 +467,7 @@ Status launch_indexer_scores_wgmma(const IndexerTopkParams& p, const ScoreItem* 
   fill_score_kernel_args(a, p, items, num_items, score_offset, scores, inl, ctx);
   // v7's swizzled stage: page sizes that are multiples of 64 and a tensor map (else v7 with bulk copies)
   const bool tma = v.version == 7 && v.tma_stage && p.keys.page_size % kBK == 0 &&
-                   make_key_tensor_map(&a.kmap, p.keys.data, p.keys.num_pages, p.keys.page_size);
+                   make_key_tensor_map(&a.kmap, p.keys.data, p.keys.num_pages, p.keys.page_size, a.page_stride);
   const int nt = max_group_tokens <= 1 ? 1 : max_group_tokens <= 2 ? 2 : 4;
   if (p.Hi == 32) {
     return nt == 1   ? launch_wg_variant<32, 1>(a, ctx, v, tma)

@@ -29,7 +29,7 @@ constexpr int kPassN = 128;        // wgmma columns a pass (accumulators: kPassN
 struct WgArgs : ScoreKernelArgs {
   int32_t stages;  // a ring's (kMW rings)
   // v7 at page sizes that are multiples of 64: the key rows of the pool as a 3-D tensor (128 B x page_size rows x
-  // num_pages, page stride page_size x 132 B), boxes of 128 B x 64 rows x 1 page, 128B-swizzled into the stage
+  // num_pages, page stride page_size x 132 B or the pool's padded stride), boxes of 128 B x 64 rows x 1 page, 128B-swizzled into the stage
   CUtensorMap kmap;
 };
 static_assert(sizeof(WgArgs) <= 4096, "the wgmma score kernel's parameters past 4 KB");
@@ -185,7 +185,7 @@ template <bool kTma>
 __device__ __forceinline__ void produce_paged64(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
                                                 int64_t first, int64_t stride, int64_t nc) {
   const int32_t P = a.page_size, bpp = P / kBK;
-  const int64_t page_bytes = static_cast<int64_t>(P) * (kDi + 4);
+  const int64_t page_bytes = a.page_stride;
   Batch cur = resolve_batch(a, first + stride * lane, lane < nc, bpp);
   for (int64_t nb = 0; nb < nc; nb += 32) {
     const Batch nxt = resolve_batch(a, first + stride * (nb + 32 + lane), nb + 32 + lane < nc, bpp);
@@ -263,7 +263,7 @@ __device__ __forceinline__ ItemRes resolve_item(const WgArgs& a, int64_t it, int
 __device__ __forceinline__ void produce_segments(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
                                                  int64_t first, int64_t stride, int64_t nc) {
   const int32_t P = a.page_size;
-  const int64_t page_bytes = static_cast<int64_t>(P) * (kDi + 4);
+  const int64_t page_bytes = a.page_stride;
   int32_t seg_t0 = -1, seg_b = 0, seg_len = 0;
   ItemRes cur{};
   if (nc > 0) cur = resolve_item(a, first, lane, seg_t0, seg_b, seg_len);

@@ -31,6 +31,11 @@ struct MlaArgs {
   const __nv_bfloat16* latent;  // [num_pages * page_size, 512]
   const __nv_bfloat16* rope;    // [num_pages * page_size, 64]
   int64_t latent_stride, rope_stride;  // elements from one key row to the next (512 / 64 when dense)
+  // Key rows as the kernels address them (MlaRowUnits, mla_entry_row): row = page * page_units + offset *
+  // key_units; the latent row at latent + row * latent_unit elements, the rope at rope + row * rope_unit, a record
+  // at records + row * record_unit bytes.
+  int32_t page_units, key_units;
+  int64_t latent_unit, rope_unit, record_unit;
   const int32_t* block_table;   // [num_requests, max_pages]
   const int32_t* topk;          // [T, K]
   void* out;                    // [T, H, 512] f32 or bf16 (splits == 1)
@@ -57,6 +62,30 @@ struct MlaArgs {
   const unsigned char* records;
   int32_t record_bytes;
 };
+
+// How the kernels count key rows (MlaArgs::page_units ...): a dense pool in its rows (page_size rows a page, units
+// the row strides); a padded pool (PagedPoolView::page_stride) in its rows where a page stride is a whole number
+// of them (the latent's and the rope's the same number), else in 16-byte units (one pool of records, or the latent
+// and rope rows of one combined buffer: one stride). So a key's address is one multiply, as for a dense pool (a
+// division by page_size per copy, even behind a uniform branch, cost the FP8 producers 3-15%). Separate latent
+// and rope pools padded by different numbers of rows have no common count: refused (false, with why).
+struct MlaRowUnits {
+  int32_t page_units = 0, key_units = 1;
+  int64_t latent_unit = 0, rope_unit = 0, record_unit = 0;
+};
+bool mla_row_units(const SparseMlaParams& p, MlaRowUnits* u, std::string* why);
+
+// Key row `row`'s latent row, rope row, or record (row 0's for an absent key, row < 0, whose copies are
+// zero-filled). 64-bit: num_pages * page_size * 656 passes 2^31 from 3.3M keys.
+__device__ __forceinline__ const __nv_bfloat16* mla_latent_row(const MlaArgs& a, int32_t row) {
+  return a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * a.latent_unit;
+}
+__device__ __forceinline__ const __nv_bfloat16* mla_rope_row(const MlaArgs& a, int32_t row) {
+  return a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * a.rope_unit;
+}
+__device__ __forceinline__ const unsigned char* mla_record(const MlaArgs& a, int32_t row) {
+  return a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_unit;
+}
 
 // Eight e4m3 values (two 32-bit words, value 0 in the low byte) dequantized as scale * value in f32 and rounded to
 // bf16 once (the contract's bf16 bound; e4m3 -> f32 is exact), as four packed bf16 pairs.
@@ -204,7 +233,7 @@ __device__ __forceinline__ int32_t mla_entry_row(const MlaArgs& a, int64_t t, in
     report_device_error(a.err, kDevBadPage, t);
     return -1;
   }
-  return page * a.page_size + e % a.page_size;
+  return page * a.page_units + e % a.page_size * a.key_units;
 }
 __device__ __forceinline__ int32_t mla_cache_row(const MlaArgs& a, const MlaSplitKeys& keys, int64_t t, int key) {
   const int32_t e = mla_key_entry(keys, key);

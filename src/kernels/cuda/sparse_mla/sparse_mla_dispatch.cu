@@ -3,6 +3,7 @@
 // it supports (sparse_mla_supported, answered with what is), and how split-K is done (sparse_mla_num_splits,
 // sparse_mla_cluster_merge, sparse_mla_workspace_floats). launch_sparse_mla (sparse_mla_mma.cu) follows them.
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "kernels/cuda/cuda_kernels.h"
@@ -129,6 +130,9 @@ Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& 
     return unsupported("sparse_mla: num_pages * page_size=" + std::to_string(p.latent.num_pages * p.latent.page_size) +
                        supported);
   }
+  MlaRowUnits units;
+  std::string why;
+  if (!mla_row_units(p, &units, &why)) return unsupported("sparse_mla: " + why);
   const MlaShape shape = sparse_mla_shape(p, o);
   if (p.rows.num_tokens * shape.groups >= (int64_t{1} << 31)) {
     return unsupported("sparse_mla: T * head groups >= 2^31 (CUDA grid limit)" + supported);
@@ -159,6 +163,48 @@ Status sparse_mla_supported(const SparseMlaParams& p, const CudaBackendOptions& 
     }
   }
   return Status::ok_status();
+}
+
+bool mla_row_units(const SparseMlaParams& p, MlaRowUnits* u, std::string* why) {
+  const int64_t ps = p.latent.page_size;
+  const int64_t pages = p.latent.num_pages;
+  if (ps < 1 || pool_row_stride(p.latent) < 1 || pool_row_stride(p.rope) < 1 || (p.latent.records() && p.latent.record_bytes < 16)) {
+    *why = "empty pools (page_size " + std::to_string(ps) + ")";
+    return false;
+  }
+  if (p.latent.records()) {
+    const int64_t rec = p.latent.record_bytes, stride = pool_page_stride(p.latent);
+    const bool rows = stride % rec == 0;  // dense, or padded by whole records
+    u->record_unit = rows ? rec : 16;
+    u->page_units = static_cast<int32_t>(std::min<int64_t>(stride / u->record_unit, INT32_MAX));
+    u->key_units = static_cast<int32_t>(rows ? 1 : rec / 16);
+  } else {
+    const int64_t ls = pool_row_stride(p.latent) * 2, rs = pool_row_stride(p.rope) * 2;  // bytes a row
+    const int64_t lp = pool_page_stride(p.latent), rp = pool_page_stride(p.rope);
+    if (lp % ls == 0 && rp % rs == 0 && lp / ls == rp / rs) {  // dense, or both padded by as many whole rows
+      u->latent_unit = ls / 2;
+      u->rope_unit = rs / 2;
+      u->page_units = static_cast<int32_t>(std::min<int64_t>(lp / ls, INT32_MAX));
+      u->key_units = 1;
+    } else if (lp == rp && ls == rs) {  // one combined buffer (or pools alike): 16-byte units
+      u->latent_unit = u->rope_unit = 8;
+      u->page_units = static_cast<int32_t>(std::min<int64_t>(lp / 16, INT32_MAX));
+      u->key_units = static_cast<int32_t>(ls / 16);
+    } else {
+      *why = "the latent and rope pools' pages are padded unlike (page strides " + std::to_string(lp) + " and " +
+             std::to_string(rp) + " bytes: " + std::to_string(static_cast<double>(lp) / ls) + " and " +
+             std::to_string(static_cast<double>(rp) / rs) + " rows); the CUDA kernels take separate pools padded by " +
+             "the same number of rows, or one combined latent + rope buffer";
+      return false;
+    }
+  }
+  // Rows counted in int32: the last page's last row.
+  if ((pages - 1) * u->page_units + (ps - 1) * u->key_units >= (int64_t{1} << 31)) {
+    *why = "the pool spans " + std::to_string(pages) + " pages of " + std::to_string(u->page_units) +
+           " row units: past the 2^31 rows the CUDA kernels count";
+    return false;
+  }
+  return true;
 }
 
 int sparse_mla_num_splits(const SparseMlaParams& p, const LaunchContext& ctx) {

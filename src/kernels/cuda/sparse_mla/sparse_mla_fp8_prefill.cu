@@ -31,6 +31,7 @@ int64_t bt_offset_bytes(const SparseMlaParams& p) { return (scratch_rows(p) * (k
 // b * max_pages + c, the page's own -1 where the request has no page there, and an id past the scratch for a page
 // outside the cache (the attention then reports it as it would over the records).
 __global__ void fp8_records_to_bf16_kernel(const unsigned char* __restrict__ records, int32_t record_bytes,
+                                           int64_t page_stride,
                                            const int32_t* __restrict__ bt, int32_t max_pages, int32_t page_size,
                                            int64_t num_pages, int64_t rows, __nv_bfloat16* __restrict__ latent,
                                            __nv_bfloat16* __restrict__ rope, int32_t* __restrict__ bt_out) {
@@ -45,7 +46,7 @@ __global__ void fp8_records_to_bf16_kernel(const unsigned char* __restrict__ rec
     bt_out[bc] = page < 0 ? page : ok ? static_cast<int32_t>(bc) : static_cast<int32_t>(rows / page_size);
   }
   if (!ok) return;
-  const unsigned char* rec = records + (static_cast<int64_t>(page) * page_size + o) * record_bytes;
+  const unsigned char* rec = records + static_cast<int64_t>(page) * page_stride + static_cast<int64_t>(o) * record_bytes;
   const uint4 v = __ldg(reinterpret_cast<const uint4*>(rec) + lane);
   const float scale = __ldg(reinterpret_cast<const float*>(rec + kDl) + lane / 8);
   uint4* dst = reinterpret_cast<uint4*>(latent + r * kDl) + 2 * lane;
@@ -85,7 +86,8 @@ Status launch_fp8_records_to_bf16(const SparseMlaParams& p, void* scratch, const
   const SparseMlaParams q = sparse_mla_fp8_bf16_view(p, scratch);
   const int64_t threads = rows * 32;
   fp8_records_to_bf16_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, ctx.stream>>>(
-      static_cast<const unsigned char*>(p.latent.data), p.latent.record_bytes, p.block_table.data,
+      static_cast<const unsigned char*>(p.latent.data), p.latent.record_bytes, pool_page_stride(p.latent),
+      p.block_table.data,
       p.block_table.max_pages, p.latent.page_size, p.latent.num_pages, rows,
       static_cast<__nv_bfloat16*>(q.latent.data), static_cast<__nv_bfloat16*>(q.rope.data),
       const_cast<int32_t*>(q.block_table.data));

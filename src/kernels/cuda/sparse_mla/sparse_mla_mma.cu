@@ -144,8 +144,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
     const int j = tid >> 3, c0 = tid & 7;
     const int key = tile * kBN + j;
     const int32_t row = key < nkeys ? sRow[key] : -1;
-    const __nv_bfloat16* lat = a.latent + static_cast<int64_t>(row < 0 ? 0 : row) * a.latent_stride;
-    const __nv_bfloat16* rop = a.rope + static_cast<int64_t>(row < 0 ? 0 : row) * a.rope_stride;
+    const __nv_bfloat16* lat = mla_latent_row(a, row);
+    const __nv_bfloat16* rop = mla_rope_row(a, row);
     const int bytes = row >= 0 ? 16 : 0;
 #pragma unroll
     for (int k = 0; k < 9; ++k) {
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm_for<HG>()) sparse_mla_mm
     const int j = tid >> 3, c0 = tid & 7;
     const int key = tile * kBN + j;
     const int32_t row = key < nkeys ? sRow[key] : -1;
-    const unsigned char* rec = a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_bytes;
+    const unsigned char* rec = mla_record(a, row);
     cp_async_16(base + swz(j, 64 + c0), rec + a.record_bytes - 128 + c0 * 16, row >= 0 ? 16 : 0);
     if (row >= 0) {
 #pragma unroll
@@ -435,6 +435,14 @@ Status launch_sparse_mla(const SparseMlaParams& p, int splits, float* workspace,
     a.records = static_cast<const unsigned char*>(p.latent.data);
     a.record_bytes = p.latent.record_bytes;
   }
+  MlaRowUnits units;
+  std::string why;
+  if (!mla_row_units(p, &units, &why)) return internal_error("sparse_mla: " + why);  // (sparse_mla_supported)
+  a.page_units = units.page_units;
+  a.key_units = units.key_units;
+  a.latent_unit = units.latent_unit;
+  a.rope_unit = units.rope_unit;
+  a.record_unit = units.record_unit;
   a.block_table = p.block_table.data;
   a.topk = p.topk;
   a.out = p.out;

@@ -166,7 +166,8 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_mla_small_heads_kernel(con
   if (warp == kMathWarps) {
     // ---- producer: one key row a lane, bulk copies into the ring ----
     // bf16 latent then rope in one row (ExternalPools::kv, vLLM's 576-wide layout): one 1152-byte copy a key.
-    const bool one_row = !kFp8 && a.rope == a.latent + 512 && a.rope_stride == a.latent_stride;
+    const bool one_row =
+        !kFp8 && a.rope == a.latent + 512 && a.rope_unit == a.latent_unit && a.rope_stride == a.latent_stride;
     for (int tile = 0; tile < ntiles; ++tile) {
       const int s = tile % kStages;
       if (tile >= kStages) mbar_wait(empty(s), ((tile / kStages) - 1) & 1);
@@ -176,14 +177,14 @@ __global__ void __launch_bounds__(kThreads, 2) sparse_mla_small_heads_kernel(con
       if (row >= 0) {
         if constexpr (kFp8) {
           mbar_arrive_expect_tx(full(s), kRecRow);
-          bulk_g2s(dst, a.records + static_cast<int64_t>(row) * kRecRow, kRecRow, full(s));
+          bulk_g2s(dst, mla_record(a, row), kRecRow, full(s));
         } else {
           mbar_arrive_expect_tx(full(s), 1152);
           if (one_row) {
-            bulk_g2s(dst, a.latent + static_cast<int64_t>(row) * a.latent_stride, 1152, full(s));
+            bulk_g2s(dst, mla_latent_row(a, row), 1152, full(s));
           } else {
-            bulk_g2s(dst, a.latent + static_cast<int64_t>(row) * a.latent_stride, 1024, full(s));
-            bulk_g2s(dst + 1024, a.rope + static_cast<int64_t>(row) * a.rope_stride, 128, full(s));
+            bulk_g2s(dst, mla_latent_row(a, row), 1024, full(s));
+            bulk_g2s(dst + 1024, mla_rope_row(a, row), 128, full(s));
           }
         }
       } else {

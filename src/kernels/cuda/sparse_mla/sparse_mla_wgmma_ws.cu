@@ -136,14 +136,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws_kernel(const 
         const int64_t row_ok = row < 0 ? 0 : row;
         const int bytes = row >= 0 ? 16 : 0;
         if (latent) {
-          const __nv_bfloat16* lat = a.latent + row_ok * a.latent_stride + (p & 7) * 8;
+          const __nv_bfloat16* lat = a.latent + row_ok * a.latent_unit + (p & 7) * 8;
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const int slab = lat0 + k;
             cp_async_16(base + tile_off(r, (p & 7) + 8 * slab), lat + slab * 64, bytes);
           }
         }
-        if (rope) cp_async_16(base + tile_off(r, (p & 7) + 64), a.rope + row_ok * a.rope_stride + (p & 7) * 8, bytes);
+        if (rope) cp_async_16(base + tile_off(r, (p & 7) + 64), a.rope + row_ok * a.rope_unit + (p & 7) * 8, bytes);
       }
       cp_async_mbar_arrive_noinc(full_bar(bars, part));
       mbar_arrive(full_bar(bars, part));

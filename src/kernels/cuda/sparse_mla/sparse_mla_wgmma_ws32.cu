@@ -101,12 +101,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 constexpr int kRawOff = 4 * kSlabBytes;
 static_assert(kRawOff + kBN * 512 == 8 * kSlabBytes, "the raw rows fill latent slabs 4..7 exactly");
 
-// Key row `row`'s record (row 0's for an absent key, whose copies are zero-filled), its byte offset in 64 bits
-// (num_pages * page_size * 656 passes 2^31 from 3.3M keys).
-__device__ __forceinline__ const unsigned char* mla_record(const MlaArgs& a, int32_t row) {
-  return a.records + static_cast<int64_t>(row < 0 ? 0 : row) * a.record_bytes;
-}
-
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -185,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
         if (p >= 64) return;
         const int32_t row = mla_cache_row(a, keys, t, pair * 2 * kBN + p);
         sRing[(pair & 3) * 64 + p] = row;
-        if (row >= 0) prefetch_l2(a.records + static_cast<int64_t>(row) * a.record_bytes, a.record_bytes);
+        if (row >= 0) prefetch_l2(mla_record(a, row), a.record_bytes);
       };
       resolve_pair(0);
       if (npairs > 1) resolve_pair(1);
@@ -276,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       auto publish_row = [&](int pair, int32_t row) {
         sRing[(pair & 3) * 64 + p] = row;
         const bool own = ((p & 31) >> 4) == static_cast<int>(crank);
-        if (row >= 0 && own) prefetch_l2(a.records + static_cast<int64_t>(row) * a.record_bytes, a.record_bytes);
+        if (row >= 0 && own) prefetch_l2(mla_record(a, row), a.record_bytes);
       };
       auto entry_of = [&](int pair) { return pair < npairs ? mla_key_entry(keys, pair * 2 * kBN + p) : -1; };
       int32_t e_ahead = -1;  // threads 0..63: the entry of pair + 2 (loaded during pair - 1)
@@ -407,14 +401,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
             const int r = (p >> 3) + 16 * pass;
             const int32_t row = ring[r];
             const int64_t row_ok = row < 0 ? 0 : row;
-            const __nv_bfloat16* lat = a.latent + row_ok * a.latent_stride + (p & 7) * 8;
+            const __nv_bfloat16* lat = a.latent + row_ok * a.latent_unit + (p & 7) * 8;
             const int bytes = row >= 0 ? 16 : 0;
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
               cp_async_16(base + sw128_chunk_off(r, (p & 7) + 8 * k, kSlabBytes), lat + k * 64, bytes);
             }
             cp_async_16(base + sw128_chunk_off(r, (p & 7) + 64, kSlabBytes),
-                        a.rope + row_ok * a.rope_stride + (p & 7) * 8, bytes);
+                        a.rope + row_ok * a.rope_unit + (p & 7) * 8, bytes);
           }
           cp_async_mbar_arrive_noinc(full_bar(bars, slot));
           mbar_arrive(full_bar(bars, slot));
