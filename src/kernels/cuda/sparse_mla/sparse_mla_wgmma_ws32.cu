@@ -26,11 +26,12 @@
 // (cp.async.bulk.prefetch) when its rows are resolved. A partial head group (block_heads < 64) runs on zero query
 // rows that are never stored (sparse_mla_shape picks this kernel for 64-head groups).
 // Paired (MlaArgs::pair_dequant, a cluster of the token's head groups 2i, 2i + 1, which read the same keys): each
-// CTA copies and dequantizes 16 of every tile's 32 rows (its raw bytes in its own row half of slabs 4..7) and hands
-// its 2 KB of each latent slab to the peer by bulk copies (cp.async.bulk shared::cta -> shared::cluster) that
-// complete on the peer's "full" barrier; a slot is refilled once both CTAs' consumers are done with it, and the
-// epilogue writes over the slots only after a cluster barrier past the last pair (its bulk copies done). The row
-// loads are split there (entries a pair ahead of their pages), so they stay in flight behind the conversions.
+// CTA dequantizes 16 of every tile's 32 rows straight from registers (loaded a tile ahead, before the slot is free)
+// into its own slot and, by st.async completing on the peer's "full" barrier, into the peer's (FlashMLA's sm90 FP8
+// decode moves its halves the same way); no raw bytes pass through shared memory. A slot is refilled once both
+// CTAs' consumers are done with it; the epilogue writes over the slots only after a cluster barrier past the last
+// pair. The row loads are split there (entries a pair ahead of their pages), so they stay in flight behind the
+// conversions.
 // Semantics match sparse_mla_mma.cu exactly (front-packed entries, absent rows zero-filled and masked, bad pages
 // reported, out = 0 and lse = -inf without keys, split-K partials merged by LSE). The layout needs the whole
 // 227 KB from a 1024-byte-aligned base (what the driver gives); a misaligned base is reported (kDevSmemAlign).
@@ -70,8 +71,11 @@ constexpr int kSmemBytes = kOffBar + 2 * kSlots * 8;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
 // Registers a thread after setmaxnreg (the CTA's 168 x 384): bf16 224 / 56; fp8_ds_mla 216 / 72, the producer's
-// in-place dequantization holding a tile's raw chunks and the pair's copies in flight.
+// in-place dequantization holding a tile's raw chunks and the pair's copies in flight; paired 208 / 88, the producer
+// holding two tiles' chunks (the one it converts and the next one's loads).
 constexpr int kFp8ConsumerRegs = 216, kFp8ProducerRegs = 72;
+constexpr int kPairedConsumerRegs = 208, kPairedProducerRegs = 88;
+static_assert(2 * 128 * kPairedConsumerRegs + 128 * kPairedProducerRegs <= 168 * kThreads, "the register file");
 static_assert(2 * 128 * kFp8ConsumerRegs + 128 * kFp8ProducerRegs <= 168 * kThreads, "the register file");
 
 // Named barriers (0 is __syncthreads); each hands data from one party to the other, waited on by the receiver only.
@@ -84,7 +88,7 @@ constexpr int kBarProducer = 12;  // the producer's 128 threads (the row ring)
 // empty[slot]: both consumers' 256 threads arrive after their last read of the pair. Pair k uses slot
 // (k % 2) * 2 + tile for the (k / 2)-th time: "full" phase parity (k / 2) & 1.
 // Paired CTAs (kPaired): full[slot] also waits for the peer's half of the tile, 16 KB of transaction bytes that its
-// bulk copies complete (thread 0 expects them as it arrives); empty[slot] gets the peer consumers' 256 arrivals too
+// st.async stores complete (thread 0 expects them as it arrives); empty[slot] gets the peer consumers' 256 arrivals too
 // (for every pair but the last two, which no producer waits for), since the peer's producer writes this slot.
 constexpr int kFullArrivals = 256;
 __host__ __device__ constexpr int empty_arrivals(bool paired) { return paired ? 512 : 256; }
@@ -114,12 +118,11 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
                : "memory");
 }
 
-// bytes of this CTA's shared memory at src to the peer's at dst (a shared::cluster address), completing as
-// transaction bytes on the peer's barrier at remote_bar.
-__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t remote_bar) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   dst),
-               "r"(src), "r"(bytes), "r"(remote_bar)
+// 16 bytes to the peer CTA's shared memory at dst (a shared::cluster address), completing as transaction bytes on
+// the peer's barrier at remote_bar.
+__device__ __forceinline__ void st_async_to_peer(uint32_t dst, uint4 v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(dst),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
                : "memory");
 }
 
@@ -170,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
 
   if (wg == 2) {
     // ==== producer ====
-    setmaxnreg_dec<kFp8 ? kFp8ProducerRegs : 56>();
+    setmaxnreg_dec<kPaired ? kPairedProducerRegs : kFp8 ? kFp8ProducerRegs : 56>();
     const int p = tid - 256;  // 0..127
     if constexpr (kFp8 && !kPaired) {
       // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63, each record prefetched
@@ -255,14 +258,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
         named_bar_sync(kBarProducer, 128);
       }
     } else if constexpr (kFp8) {
-      // Paired (kPaired): this CTA converts rows rb .. rb + 15 of every tile (rb = 16 * its cluster rank), the peer
-      // the other 16; kKs = 4 rows a warp (rows rb + pw + 4k).
-      constexpr int kKs = 4;
+      // Paired (kPaired): this CTA dequantizes rows rb .. rb + 15 of every tile (rb = 16 * its cluster rank), the
+      // peer the other 16, each straight from registers into both CTAs' slots: warp pw takes own rows pw + 4k
+      // (k < 4), lane pl their 16-value chunk pl (one 512-byte row a warp load), loaded a tile ahead (registers need
+      // no free slot), converted once the slot is free and stored here and, by st.async completing on the peer's
+      // "full" barrier, in the peer's slot. Every row's rope goes into this CTA's slab 8 by cp.async.
       const uint32_t crank = cluster_cta_rank();
       const int rb = 16 * static_cast<int>(crank);
-      // Where own row i's raw 512 bytes land in a slot: in this CTA's row half of latent slabs 4..7 (the peer's
-      // bulk copies fill only the other half).
-      auto raw_off = [&](int i) -> uint32_t { return (4 + (i >> 2)) * kSlabBytes + 2048 * crank + 512 * (i & 3); };
       // The rows of pair k in ring slot k % 4, resolved two pairs ahead by threads 0..63 (all 64 rows: the rope and
       // the consumers' masks need them), this CTA's rows' records prefetched into L2 as they are resolved.
       // In the loop the two loads of a row are split: pair + 3's entries are loaded during pair, their pages during
@@ -281,104 +283,82 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       }
       named_bar_sync(kBarProducer, 128);
       const int pw = p >> 5, pl = p & 31;
-      const int half = pl >> 4, c16 = pl & 15;  // a conversion item's row (of two) and 16-value chunk (of 16)
-      const int sel = (c16 >> 2) & 1;           // which of its two bf16 chunks a lane stores first (bank-conflict free)
-      for (int pair = 0; pair < npairs; ++pair) {
-        const int32_t* ring = sRing + (pair & 3) * 64;
-        // Both tiles' bytes by cp.async: this CTA's e4m3 rows raw into the slot (raw_off), every row's rope into
-        // slab 8; the scale of this lane's (own row pw + 4 (pl % kKs), tile (pl / kKs) % 4) to a register.
-        float sc[2];
+      const int sel = (pl >> 2) & 1;  // which of its two bf16 chunks a lane stores first (bank-conflict free)
+      // Tile n's (pair n / 2, tile n % 2) values of this lane's chunk of own rows pw + 4k, and their tiles' scales
+      // (zeros for an absent row).
+      struct OwnChunks {
+        uint4 v[4];
+        float s[4];
+      };
+      auto load_chunks = [&](int n, OwnChunks& c) {
+        const int32_t* tr = sRing + ((n >> 1) & 3) * 64 + (n & 1) * kBN + rb;
 #pragma unroll
-        for (int tile = 0; tile < 2; ++tile) {
-          const int slot = (pair & 1) * 2 + tile;
-          // pair - 2 is done with it in both CTAs (this producer writes the peer's slot too)
-          if (pair >= 2) mbar_wait_cluster(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);
-          const uint32_t base = sKV + slot * kTileBytes;
-          const int32_t* tr = ring + tile * kBN;
-#pragma unroll
-          for (int k = 0; k < kKs; ++k) {  // warp pw: own rows pw + 4k, one 512-byte row a warp instruction
-            const int i = pw + 4 * k;
-            const int32_t row = tr[rb + i];
-            cp_async_16(base + raw_off(i) + pl * 16, mla_record(a, row) + pl * 16, row >= 0 ? 16 : 0);
-          }
-#pragma unroll
-          for (int pass = 0; pass < 2; ++pass) {  // the rope: 8 chunks a row, 16 rows a pass
-            const int r = (p >> 3) + 16 * pass;
-            const int32_t row = tr[r];
-            cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
-                        row >= 0 ? 16 : 0);
-          }
-          cp_async_commit();
-          cp_async_mbar_arrive_noinc(full_bar(bars, slot));
-          const int32_t srow = tr[rb + pw + 4 * (pl % kKs)];
-          sc[tile] = srow >= 0
-                         ? __ldg(reinterpret_cast<const float*>(mla_record(a, srow) + 512 + ((pl / kKs) & 3) * 4))
-                         : 0.f;
+        for (int k = 0; k < 4; ++k) {
+          const int32_t row = tr[pw + 4 * k];
+          const unsigned char* rec = mla_record(a, row);
+          c.v[k] = row >= 0 ? __ldg(reinterpret_cast<const uint4*>(rec) + pl) : make_uint4(0u, 0u, 0u, 0u);
+          c.s[k] = row >= 0 ? __ldg(reinterpret_cast<const float*>(rec + 512) + (pl >> 3)) : 0.f;
         }
-        // Pair + 2's pages and pair + 3's entries: loads in flight during the conversions.
-        const bool resolving = p < 64 && pair + 2 < npairs;
-        int32_t page_ahead = -1, e_next = -1;
-        if (resolving) {
-          page_ahead = mla_entry_page(a, keys, e_ahead);
-          e_next = entry_of(pair + 3);
-        }
-        // Each tile dequantized in place once its bytes landed: items (own row pw + 4k, chunk c), k = 2j + half;
-        // chunks 0..15 (slabs 0..3, clear of the raw rows) first, then chunks 16..31, whose stores overwrite the
-        // raw rows: read by every producer thread before any of them stores; then bulk-copied to the peer's slot.
-#pragma unroll 1
-        for (int tile = 0; tile < 2; ++tile) {
-          if (tile == 0) {
-            cp_async_wait<1>();
-          } else {
-            cp_async_wait<0>();
-          }
-          named_bar_sync(kBarProducer, 128);  // every producer thread's copies of the tile landed
-          const int slot = (pair & 1) * 2 + tile;
-          const uint32_t base = sKV + slot * kTileBytes;
-          const float st = tile == 0 ? sc[0] : sc[1];
-#pragma unroll
-          for (int j = 0; j < kKs / 2; ++j) {
-            const int k = 2 * j + half, i = pw + 4 * k;
-            const float scale = __shfl_sync(0xffffffffu, st, (c16 >> 3) * kKs + k);
-            store_dequant16(base, rb + i, c16, sel, lds128(base + raw_off(i) + c16 * 16), scale);
-          }
-          uint4 vb[kKs / 2];
-          float sb[kKs / 2];
-#pragma unroll
-          for (int j = 0; j < kKs / 2; ++j) {
-            const int k = 2 * j + half, i = pw + 4 * k;
-            sb[j] = __shfl_sync(0xffffffffu, st, (2 + (c16 >> 3)) * kKs + k);
-            vb[j] = lds128(base + raw_off(i) + (16 + c16) * 16);
-          }
-          named_bar_sync(kBarProducer, 128);  // the raw rows read
-#pragma unroll
-          for (int j = 0; j < kKs / 2; ++j) {
-            store_dequant16(base, rb + pw + 4 * (2 * j + half), 16 + c16, sel, vb[j], sb[j]);
-          }
-          // This CTA's converted rows (2 KB of each latent slab) to the peer's slot by 8 bulk copies that complete
-          // on the peer's "full" barrier; the bytes the peer sends here are expected on this one's by thread 0.
-          fence_proxy_async_smem();
-          named_bar_sync(kBarProducer, 128);  // every producer thread's rows written and fenced
-          if (p == 0) {
-            const uint32_t peer_base = cluster_map(base, crank ^ 1u);
-            const uint32_t peer_full = cluster_map(full_bar(bars, slot), crank ^ 1u);
-#pragma unroll
-            for (int sl = 0; sl < 8; ++sl) {
-              const uint32_t off = sl * kSlabBytes + 2048 * crank;
-              bulk_copy_to_peer(peer_base + off, base + off, 2048, peer_full);
-            }
-            mbar_arrive_expect_tx(full_bar(bars, slot), 8 * 2048);
-          } else {
-            mbar_arrive(full_bar(bars, slot));
+      };
+      const int ntiles = 2 * npairs;
+      OwnChunks cur, nxt;
+      load_chunks(0, cur);
+      bool resolving = false;
+      int32_t page_ahead = -1, e_next = -1;
+      for (int n = 0; n < ntiles; ++n) {
+        const int pair = n >> 1, tile = n & 1, slot = (pair & 1) * 2 + tile;
+        if (n + 1 < ntiles) load_chunks(n + 1, nxt);  // (its ring rows were published a pair or more ago)
+        if (tile == 0) {
+          // Pair + 2's pages and pair + 3's entries: loads in flight during the conversions.
+          resolving = p < 64 && pair + 2 < npairs;
+          if (resolving) {
+            page_ahead = mla_entry_page(a, keys, e_ahead);
+            e_next = entry_of(pair + 3);
           }
         }
-        // Pair + 2's rows (its ring slot held pair - 2's, which both consumers are done with: the empty waits above;
-        // the barrier publishes them).
-        if (resolving) {
-          publish_row(pair + 2, mla_entry_row(a, t, e_ahead, page_ahead));
-          e_ahead = e_next;
+        // pair - 2 is done with the slot in both CTAs (this producer writes the peer's slot too)
+        if (pair >= 2) mbar_wait_cluster(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);
+        const uint32_t base = sKV + slot * kTileBytes;
+        const int32_t* tr = sRing + (pair & 3) * 64 + tile * kBN;
+#pragma unroll
+        for (int pass = 0; pass < 2; ++pass) {  // the rope: 8 chunks a row, 16 rows a pass
+          const int r = (p >> 3) + 16 * pass;
+          const int32_t row = tr[r];
+          cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
+                      row >= 0 ? 16 : 0);
         }
-        named_bar_sync(kBarProducer, 128);
+        cp_async_commit();
+        cp_async_mbar_arrive_noinc(full_bar(bars, slot));
+        const uint32_t peer_base = cluster_map(base, crank ^ 1u);
+        const uint32_t peer_full = cluster_map(full_bar(bars, slot), crank ^ 1u);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int r = rb + pw + 4 * k;
+          const uint4 lo = mla_dequant8(cur.v[k].x, cur.v[k].y, cur.s[k]);
+          const uint4 hi = mla_dequant8(cur.v[k].z, cur.v[k].w, cur.s[k]);
+          const uint32_t first = sw128_chunk_off(r, 2 * pl + sel, kSlabBytes);
+          const uint32_t second = sw128_chunk_off(r, 2 * pl + 1 - sel, kSlabBytes);
+          sts128(base + first, sel ? hi : lo);
+          sts128(base + second, sel ? lo : hi);
+          st_async_to_peer(peer_base + first, sel ? hi : lo, peer_full);
+          st_async_to_peer(peer_base + second, sel ? lo : hi, peer_full);
+        }
+        fence_proxy_async_smem();  // the bf16 rows, to the consumers' wgmma (the async proxy)
+        if (p == 0) {
+          mbar_arrive_expect_tx(full_bar(bars, slot), 16 * 1024);  // the peer's 16 rows of bf16 latent
+        } else {
+          mbar_arrive(full_bar(bars, slot));
+        }
+        if (tile == 1) {
+          // Pair + 2's rows (its ring slot held pair - 2's, which both consumers are done with: the empty waits
+          // above; the barrier publishes them).
+          if (resolving) {
+            publish_row(pair + 2, mla_entry_row(a, t, e_ahead, page_ahead));
+            e_ahead = e_next;
+          }
+          named_bar_sync(kBarProducer, 128);
+        }
+        if (n + 1 < ntiles) cur = nxt;
       }
     } else {
       // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
@@ -419,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
       }
     }
     cp_async_wait<0>();
-    // kPaired: this CTA's last bulk copies read its slots until the peer's consumers have them; the epilogue's rows
+    // kPaired: the peer's last stores land in this CTA's slots until its consumers have them; the epilogue's rows
     // (smem_part, the peer merge's stage) go over the slots only after both CTAs are past their last pair.
     if constexpr (kPaired) cluster_sync();
     mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, kFp8 ? mla_cta_heads(a, 64) : 64);
@@ -433,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
   const int nh = kFp8 ? mla_cta_heads(a, 64) : 64;  // rows stored (a partial group: FP8 records only)
   mla_load_q<64, 256>(a, t, h0, tid, sQ, [](int r, int c) { return sw128_chunk_off(r, c, kQSlabBytes); }, nh);
   cp_async_commit();
-  setmaxnreg_inc<kFp8 ? kFp8ConsumerRegs : 224>();
+  setmaxnreg_inc<kPaired ? kPairedConsumerRegs : kFp8 ? kFp8ConsumerRegs : 224>();
   const int other = wg ^ 1;
   const int wt = tid & 127;                          // this thread's index in its warpgroup
   const int r0 = wl * 16 + (lane >> 2), r1 = r0 + 8;  // this thread's two rows (heads) of the 64
@@ -568,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
 
   // ---- epilogue ----
   wgmma_wait<0>();  // nothing is in flight here; said so the compiler need not infer it
-  if constexpr (kPaired) cluster_sync();  // (the producer's, above: the slots are free of the bulk copies)
+  if constexpr (kPaired) cluster_sync();  // (the producer's, above: the peer's stores into the slots are done)
   store_wgmma64_rows(a, t, h0, split, wg, lane, r0, r1, o, l0, l1, sL, [] { named_bar_sync(kBarConsumers, 256); }, m0,
                      m1, smem_part, nh);
   mla_cluster_merge<64, kThreads>(a, t, h0, smem_part, nh);
