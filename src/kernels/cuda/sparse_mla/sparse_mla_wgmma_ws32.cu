@@ -88,10 +88,11 @@ constexpr int kBarProducer = 12;  // the producer's 128 threads (the row ring)
 // empty[slot]: both consumers' 256 threads arrive after their last read of the pair. Pair k uses slot
 // (k % 2) * 2 + tile for the (k / 2)-th time: "full" phase parity (k / 2) & 1.
 // Paired CTAs (kPaired): full[slot] also waits for the peer's half of the tile, 16 KB of transaction bytes that its
-// st.async stores complete (thread 0 expects them as it arrives); empty[slot] gets the peer consumers' 256 arrivals too
-// (for every pair but the last two, which no producer waits for), since the peer's producer writes this slot.
+// st.async stores complete (thread 0 expects them as it arrives); empty[slot] gets one arrival from each of the peer's
+// 8 consumer warps too (for every pair but the last two, which no producer waits for), since the peer's producer
+// writes this slot.
 constexpr int kFullArrivals = 256;
-__host__ __device__ constexpr int empty_arrivals(bool paired) { return paired ? 512 : 256; }
+__host__ __device__ constexpr int empty_arrivals(bool paired) { return paired ? 256 + 8 : 256; }
 __device__ __forceinline__ uint32_t full_bar(uint32_t bars, int slot) { return bars + 8 * slot; }
 __device__ __forceinline__ uint32_t empty_bar(uint32_t bars, int slot) { return bars + 8 * (kSlots + slot); }
 
@@ -540,8 +541,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     mbar_arrive(empty_bar(bars, other_slot));
     if constexpr (kPaired) {  // the peer's producer writes these slots of this CTA too, after its own empty wait
       if (pair + 2 < npairs) {
-        mbar_arrive_remote(cluster_map(empty_bar(bars, own_slot), cluster_cta_rank() ^ 1u));
-        mbar_arrive_remote(cluster_map(empty_bar(bars, other_slot), cluster_cta_rank() ^ 1u));
+        __syncwarp();  // one arrival a warp: every lane's reads are done (wgmma_wait above)
+        if (lane == 0) {
+          mbar_arrive_remote(cluster_map(empty_bar(bars, own_slot), cluster_cta_rank() ^ 1u));
+          mbar_arrive_remote(cluster_map(empty_bar(bars, other_slot), cluster_cta_rank() ^ 1u));
+        }
       }
     }
   }
