@@ -510,11 +510,14 @@ def padded_pages(pool, pad_bytes, fill):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_padded_pages_on_cuda_equal_dense_pools(fp8):
     """Pages padded to a larger size (vLLM's page_size_padded: a dim-0 stride wider than a page) on the GPU:
-    run_layer's results and the pages it writes equal the dense pools' bit for bit; the padding stays."""
+    run_layer's results and the pages it writes equal the dense pools' bit for bit; the padding stays. The records
+    padded by 1040 bytes (not a whole record), separate bf16 latent and rope pools by one row each; pools padded
+    unlike are refused."""
     (ql, cl, bt), kw, caches, x, idx = plan_case(fp8)
     gc, gx, gi = on(DEV, caches, x, idx)
     dense = [None if c is None else c.clone() for c in gc]
-    padded = [None if c is None else padded_pages(c, 16 * (k + 3), 7 if fp8 else 3.0) for k, c in enumerate(gc)]
+    pads = [1040, None, 80] if fp8 else [1024, 128, 80]
+    padded = [None if c is None else padded_pages(c, pad, 7 if fp8 else 3.0) for c, pad in zip(gc, pads)]
     p = dsacp.plan(ql, cl, bt, device=DEV, device_block_table=bt.to(DEV), **kw)
     ref = dsacp.run_layer(p, dense, *gx, **gi)
     got = dsacp.run_layer(p, [None if v is None else v[1] for v in padded], *gx, **gi)
@@ -527,3 +530,7 @@ def test_padded_pages_on_cuda_equal_dense_pools(fp8):
         buf, view = v
         assert torch.equal(view, d)
         assert bool((buf[:, d[0].numel():] == (7 if fp8 else 3.0)).all())
+    if not fp8:
+        _, unlike = padded_pages(dense[1], 48, 3.0)  # the rope padded by 48 bytes, the latent by a row
+        with pytest.raises(ValueError, match=r"the latent and rope pools' pages are padded unlike"):
+            dsacp.run_layer(p, [padded[0][1], unlike, padded[2][1]], *gx, **gi)
