@@ -137,6 +137,18 @@ __device__ __forceinline__ void store_dequant16(uint32_t base, int r, int c, int
   sts128(base + sw128_chunk_off(r, 2 * c + 1 - sel, kSlabBytes), sel ? lo : hi);
 }
 
+// The rope of a tile's 32 records (tile_rows: their cache rows, -1 absent: zero-filled) into the slot at base's slab
+// 8 by cp.async, from the producer's thread p: 8 chunks a row, 16 rows a pass.
+__device__ __forceinline__ void copy_record_ropes(const MlaArgs& a, const int32_t* tile_rows, uint32_t base, int p) {
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int r = (p >> 3) + 16 * pass;
+    const int32_t row = tile_rows[r];
+    cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
+                row >= 0 ? 16 : 0);
+  }
+}
+
 template <bool kFp8, bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(const MlaArgs a) {
   static_assert(kFp8 || !kPaired, "only fp8_ds_mla records share the dequantization");
@@ -208,13 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
             const int32_t row = tr[r];
             cp_async_16(base + kRawOff + r * 512 + pl * 16, mla_record(a, row) + pl * 16, row >= 0 ? 16 : 0);
           }
-#pragma unroll
-          for (int pass = 0; pass < 2; ++pass) {  // the rope: 8 chunks a row, 16 rows a pass
-            const int r = (p >> 3) + 16 * pass;
-            const int32_t row = tr[r];
-            cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
-                        row >= 0 ? 16 : 0);
-          }
+          copy_record_ropes(a, tr, base, p);
           cp_async_commit();
           cp_async_mbar_arrive_noinc(full_bar(bars, slot));
           const int32_t srow = tr[pw + 4 * (pl & 7)];
@@ -321,13 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
         if (pair >= 2) mbar_wait_cluster(empty_bar(bars, slot), ((pair >> 1) - 1) & 1);
         const uint32_t base = sKV + slot * kTileBytes;
         const int32_t* tr = sRing + (pair & 3) * 64 + tile * kBN;
-#pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {  // the rope: 8 chunks a row, 16 rows a pass
-          const int r = (p >> 3) + 16 * pass;
-          const int32_t row = tr[r];
-          cp_async_16(base + sw128_chunk_off(r, 64 + (p & 7), kSlabBytes), mla_record(a, row) + 528 + (p & 7) * 16,
-                      row >= 0 ? 16 : 0);
-        }
+        copy_record_ropes(a, tr, base, p);
         cp_async_commit();
         cp_async_mbar_arrive_noinc(full_bar(bars, slot));
         const uint32_t peer_base = cluster_map(base, crank ^ 1u);
