@@ -26,7 +26,7 @@
 // (cp.async.bulk.prefetch) when its rows are resolved. A partial head group (block_heads < 64) runs on zero query
 // rows that are never stored (sparse_mla_shape picks this kernel for 64-head groups).
 // Paired (MlaArgs::pair_dequant, a cluster of the token's head groups 2i, 2i + 1, which read the same keys): each
-// CTA dequantizes 16 of every tile's 32 rows straight from registers (loaded a tile ahead, before the slot is free)
+// CTA dequantizes 16 of every tile's 32 rows straight from registers (loaded two tiles ahead, before the slot is free)
 // into its own slot and, by st.async completing on the peer's "full" barrier, into the peer's (FlashMLA's sm90 FP8
 // decode moves its halves the same way); no raw bytes pass through shared memory. A slot is refilled once both
 // CTAs' consumers are done with it; the epilogue writes over the slots only after a cluster barrier past the last
@@ -71,10 +71,11 @@ constexpr int kSmemBytes = kOffBar + 2 * kSlots * 8;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
 // Registers a thread after setmaxnreg (the CTA's 168 x 384): bf16 224 / 56; fp8_ds_mla 216 / 72, the producer's
-// in-place dequantization holding a tile's raw chunks and the pair's copies in flight; paired 208 / 88, the producer
-// holding two tiles' chunks (the one it converts and the next one's loads).
+// in-place dequantization holding a tile's raw chunks and the pair's copies in flight; paired 200 / 104, the producer
+// holding three tiles' chunks (the one it converts and the next two's loads: an L2 round trip is about two tiles'
+// conversions; one tile ahead was 10 % slower).
 constexpr int kFp8ConsumerRegs = 216, kFp8ProducerRegs = 72;
-constexpr int kPairedConsumerRegs = 208, kPairedProducerRegs = 88;
+constexpr int kPairedConsumerRegs = 200, kPairedProducerRegs = 104;
 static_assert(2 * 128 * kPairedConsumerRegs + 128 * kPairedProducerRegs <= 168 * kThreads, "the register file");
 static_assert(2 * 128 * kFp8ConsumerRegs + 128 * kFp8ProducerRegs <= 168 * kThreads, "the register file");
 
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
     } else if constexpr (kFp8) {
       // Paired (kPaired): this CTA dequantizes rows rb .. rb + 15 of every tile (rb = 16 * its cluster rank), the
       // peer the other 16, each straight from registers into both CTAs' slots: warp pw takes own rows pw + 4k
-      // (k < 4), lane pl their 16-value chunk pl (one 512-byte row a warp load), loaded a tile ahead (registers need
+      // (k < 4), lane pl their 16-value chunk pl (one 512-byte row a warp load), loaded two tiles ahead (registers need
       // no free slot), converted once the slot is free and stored here and, by st.async completing on the peer's
       // "full" barrier, in the peer's slot. Every row's rope goes into this CTA's slab 8 by cp.async.
       const uint32_t crank = cluster_cta_rank();
@@ -308,13 +309,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
         }
       };
       const int ntiles = 2 * npairs;
-      OwnChunks cur, nxt;
+      OwnChunks cur, nxt, nxt2;  // tiles n, n + 1, n + 2
       load_chunks(0, cur);
+      if (ntiles > 1) load_chunks(1, nxt);
       bool resolving = false;
       int32_t page_ahead = -1, e_next = -1;
       for (int n = 0; n < ntiles; ++n) {
         const int pair = n >> 1, tile = n & 1, slot = (pair & 1) * 2 + tile;
-        if (n + 1 < ntiles) load_chunks(n + 1, nxt);  // (its ring rows were published a pair or more ago)
+        if (n + 2 < ntiles) load_chunks(n + 2, nxt2);  // (its ring rows were published a pair or more ago)
         if (tile == 0) {
           // Pair + 2's pages and pair + 3's entries: loads in flight during the conversions.
           resolving = p < 64 && pair + 2 < npairs;
@@ -359,7 +361,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_ws32_kernel(cons
           }
           named_bar_sync(kBarProducer, 128);
         }
-        if (n + 1 < ntiles) cur = nxt;
+        cur = nxt;
+        nxt = nxt2;
       }
     } else {
       // The rows of pair k (64 keys: tile 0 then tile 1) in ring slot k % 4, resolved a pair ahead by threads 0..63.
