@@ -26,8 +26,10 @@ struct CmdResult {
   std::string output;  // stdout and stderr together
 };
 
-CmdResult run_cli(const std::string& args) {
-  const std::string cmd = std::string(DSACP_CLI_PATH) + " " + args + " 2>&1";
+// Runs the CLI through /bin/sh; `env` (env(1)'s arguments: NAME=VALUE assignments, -u NAME) changes the child's
+// environment only, never the test process's.
+CmdResult run_cli(const std::string& args, const std::string& env = "") {
+  const std::string cmd = (env.empty() ? std::string() : "env " + env + " ") + DSACP_CLI_PATH + " " + args + " 2>&1";
   CmdResult r{-1, ""};
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
@@ -129,8 +131,12 @@ TEST_F(Cli, MpiLauncherChecksTheWorldSize) {
   // Outside mpirun the MPI world is this one process (an MPI singleton): a 2-rank layout is refused in one
   // line. Built without MPI, the launcher is refused as unsupported. Either way nothing waits.
   const char* asan = std::getenv("ASAN_OPTIONS");  // OpenMPI keeps memory until exit: no leak report
-  ::setenv("ASAN_OPTIONS", (std::string(asan ? asan : "") + (asan ? ":" : "") + "detect_leaks=0").c_str(), 1);
-  CmdResult r = run_cli("replay no_such_case.safetensors --out x.safetensors --pcp 2 --launcher mpi");
+  const std::string no_leaks =
+      "'ASAN_OPTIONS=" + std::string(asan ? asan : "") + (asan ? ":" : "") + "detect_leaks=0'";
+  auto cli = [&](const std::string& args, const std::string& more_env = "") {
+    return run_cli(args, more_env + (more_env.empty() ? "" : " ") + no_leaks);
+  };
+  CmdResult r = cli("replay no_such_case.safetensors --out x.safetensors --pcp 2 --launcher mpi");
   EXPECT_EQ(r.code, 2) << r.output;
   if (mpi_available()) {
     EXPECT_NE(r.output.find("the MPI world has 1 processes, the layout P=2 x D=1 needs 2"), std::string::npos)
@@ -139,17 +145,16 @@ TEST_F(Cli, MpiLauncherChecksTheWorldSize) {
     EXPECT_NE(r.output.find("unsupported: built without MPI"), std::string::npos) << r.output;
   }
   // --launcher env: GPU ranks only, and the torchrun-style variables must be set.
-  r = run_cli("replay c.safetensors --out x.safetensors --launcher env");
+  r = cli("replay c.safetensors --out x.safetensors --launcher env");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--launcher env runs GPU ranks"), std::string::npos) << r.output;
-  ::unsetenv("RANK");
-  r = run_cli("replay c.safetensors --out x.safetensors --launcher env --device cuda");
+  r = cli("replay c.safetensors --out x.safetensors --launcher env --device cuda", "-u RANK");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("RANK is not set"), std::string::npos) << r.output;
-  r = run_cli("replay c.safetensors --out x.safetensors --nccl-id-file /tmp/id");
+  r = cli("replay c.safetensors --out x.safetensors --nccl-id-file /tmp/id");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--nccl-id-file applies to --launcher env"), std::string::npos) << r.output;
-  EXPECT_EQ(run_cli("replay c.safetensors --out x.safetensors --launcher slurm").code, 2);
+  EXPECT_EQ(cli("replay c.safetensors --out x.safetensors --launcher slurm").code, 2);
 }
 
 TEST_F(Cli, GpusOptionIsCheckedInOneLine) {
