@@ -149,23 +149,6 @@ int64_t index_elements(const PagedCacheConfig& config) {
 
 }  // namespace
 
-size_t PagedKvCache::latent_bytes(const PagedCacheConfig& config) {
-  const int64_t rows = config.num_pages * config.page_size;
-  if (config.fp8_latent()) return static_cast<size_t>(rows * fp8_ds_mla_record_bytes(config.Dl, config.Dr));
-  return static_cast<size_t>(rows) * config.Dl * dtype_size(config.dtype);
-}
-
-size_t PagedKvCache::rope_bytes(const PagedCacheConfig& config) {
-  if (config.fp8_latent()) return 0;
-  return static_cast<size_t>(config.num_pages * config.page_size) * config.Dr * dtype_size(config.dtype);
-}
-
-size_t PagedKvCache::kv_bytes(const PagedCacheConfig& config, int32_t kv_row) {
-  if (config.fp8_latent() || kv_row <= 0) return 0;
-  return static_cast<size_t>(config.num_pages * config.page_size) * static_cast<size_t>(kv_row) *
-         dtype_size(config.dtype);
-}
-
 int64_t PagedKvCache::latent_page_bytes(const PagedCacheConfig& config) {
   return config.fp8_latent() ? int64_t{config.page_size} * fp8_ds_mla_record_bytes(config.Dl, config.Dr)
                              : int64_t{config.page_size} * config.Dl * static_cast<int64_t>(dtype_size(config.dtype));
@@ -186,8 +169,21 @@ int64_t PagedKvCache::kv_page_bytes(const PagedCacheConfig& config, int32_t kv_r
   return int64_t{config.page_size} * kv_row * static_cast<int64_t>(dtype_size(config.dtype));
 }
 
+// A pool's bytes: its pages, each of the dense page's bytes.
+size_t PagedKvCache::latent_bytes(const PagedCacheConfig& config) {
+  return static_cast<size_t>(config.num_pages * latent_page_bytes(config));
+}
+
+size_t PagedKvCache::rope_bytes(const PagedCacheConfig& config) {
+  return static_cast<size_t>(config.num_pages * rope_page_bytes(config));
+}
+
+size_t PagedKvCache::kv_bytes(const PagedCacheConfig& config, int32_t kv_row) {
+  return static_cast<size_t>(config.num_pages * kv_page_bytes(config, kv_row));
+}
+
 size_t PagedKvCache::index_keys_bytes(const PagedCacheConfig& config) {
-  return static_cast<size_t>(index_elements(config)) * dtype_size(config.index_key_dtype());
+  return static_cast<size_t>(config.num_pages * config.index_page_factor * index_keys_page_bytes(config));
 }
 
 Result<PagedKvCache> PagedKvCache::create(Backend& backend, const PagedCacheConfig& config, bool poison_unused) {
