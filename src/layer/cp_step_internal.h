@@ -125,10 +125,11 @@ inline const void* offset_bytes(const void* p, int64_t bytes) {
 }
 
 // Rows src[index[i]] -> dst (with dtype conversion), rows of `dim` elements; the index in device memory.
-// src_stride: elements from one source row to the next (0: dim).
+// src_stride: elements from one source row to the next (0: dim); src_page_pad more elements after every
+// src_page_rows rows (a padded pool's pages; GatherRowsParams).
 Status gather_dev(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
                   const int64_t* d_index, int64_t n, void* dst, DType dst_dtype, const char* what,
-                  int64_t src_stride = 0);
+                  int64_t src_stride = 0, int64_t src_page_rows = 0, int64_t src_page_pad = 0);
 
 // Orders the backend's later work after the collective: on the device when the transport can (the host then
 // waits for it at the step's end, bounded), else by waiting now.

@@ -10,10 +10,12 @@ namespace dsacp {
 
 Status gather_dev(Backend& backend, const void* src, DType src_dtype, int64_t src_rows, int32_t dim,
                   const int64_t* d_index, int64_t n, void* dst, DType dst_dtype, const char* what,
-                  int64_t src_stride) {
+                  int64_t src_stride, int64_t src_page_rows, int64_t src_page_pad) {
   if (n == 0) return Status();
   GatherRowsParams g;
   g.src_stride = src_stride;
+  g.src_page_rows = src_page_rows;
+  g.src_page_pad = src_page_pad;
   g.src = src;
   g.src_dtype = src_dtype;
   g.src_rows = src_rows;
@@ -52,19 +54,10 @@ Result<PendingView> pack_view(RankStep& s, Communicator& comm, const PagedPoolVi
   const int64_t n = v.host.rows_per_rank;
   if (n < 1) return internal_error("gathered view with no rows");
   DSACP_ASSIGN_OR_RETURN(pv.pack, s.take(n * u.row_bytes()));
-  GatherRowsParams g;
-  g.src = own.data;
-  g.src_dtype = u.dtype;
-  g.src_rows = own.num_pages * own.page_size;
-  g.dim = u.dim;
-  g.src_stride = own.records() ? 0 : own.row_stride;
-  g.src_page_rows = own.page_size;
-  g.src_page_pad = pool_page_pad_bytes(own) / static_cast<int64_t>(dtype_size(u.dtype));
-  g.index = v.pack_slots;
-  g.num_rows = n;
-  g.dst = pv.pack.get();
-  g.dst_dtype = u.dtype;
-  DSACP_RETURN_IF_ERROR(gather_rows_run(backend, g).with_context("pack for a gathered view"));
+  DSACP_RETURN_IF_ERROR(gather_dev(backend, own.data, u.dtype, own.num_pages * own.page_size, u.dim, v.pack_slots, n,
+                                   pv.pack.get(), u.dtype, "pack for a gathered view",
+                                   own.records() ? 0 : own.row_stride, own.page_size,
+                                   pool_page_pad_bytes(own) / static_cast<int64_t>(dtype_size(u.dtype))));
   DSACP_ASSIGN_OR_RETURN(pv.gathered, s.take(pv.ranks * n * u.row_bytes()));
   return pv;
 }
