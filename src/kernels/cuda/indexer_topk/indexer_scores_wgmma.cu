@@ -201,6 +201,31 @@ __device__ __forceinline__ void epilogue_any(float (&acc)[kPN / 2], const Unit& 
   }
 }
 
+// A math warpgroup starts group (t0, nt): its tokens' key lengths and score rows (per pass: the lane's token),
+// loaded before load_group_q's first barrier so that all of the group's loads share one round trip; then Q and
+// w * q_scale (hoisted into registers where they fit).
+template <int kHi, int kNT, int kPN, bool kHoist>
+__device__ __forceinline__ void enter_group(V6State<kPN, kHoist, kHi * kNT / kPN>& s, const WgArgs& a, int32_t t0,
+                                            int32_t nt, uint32_t sQ, float* sWq, int bar, int wt) {
+  constexpr int kN = kHi * kNT, kPT = kPN / kHi, kNP = kN / kPN;
+  const int tq = wt & 3;
+  s.np = min(kNP, (nt + kPT - 1) / kPT);
+#pragma unroll
+  for (int p = 0; p < kNP; ++p) {
+    const int tok = p * kPT + lane_token<kPT>(tq);
+    s.my_len[p] = tok < nt ? __ldg(a.key_len + t0 + tok) : 0;
+    s.my_row[p] = a.scores + (tok < nt ? plan_score_offset(a.inl, a.score_offset, t0 + tok) : 0);
+  }
+  load_group_q<kHi, kN>(a, t0, nt, sQ, sWq, bar, wt, s.gv);
+  if constexpr (kHoist) {
+#pragma unroll
+    for (int i = 0; i < kPN / 8; ++i) {
+      s.wr[2 * i] = sWq[8 * i + 2 * tq];
+      s.wr[2 * i + 1] = sWq[8 * i + 2 * tq + 1];
+    }
+  }
+}
+
 // One step: issue the next unit into `an`, finish the pending one (in `ao`). False at the ring's end marker (the
 // pending unit finished).
 template <int kHi, int kNT, int kPN, bool kHoist, int kVer, int kFl>
@@ -222,21 +247,7 @@ __device__ __forceinline__ bool step_v6(float (&an)[kPN / 2], float (&ao)[kPN / 
       if (s.has_pend) epilogue_any<kHi, kPN, kHoist, kNP, kVer, kFl>(ao, s.pend, s, sWq, tq, row0);
       s.has_pend = false;
       if (info.z < 0) return false;
-      load_group_q<kHi, kN>(a, info.x, info.y, sQ, sWq, bar, wt, s.gv);
-      s.np = min(kNP, (info.y + kPT - 1) / kPT);
-#pragma unroll
-      for (int p = 0; p < kNP; ++p) {
-        const int tok = p * kPT + lane_token<kPT>(tq);
-        s.my_len[p] = tok < info.y ? a.key_len[info.x + tok] : 0;
-        s.my_row[p] = a.scores + (tok < info.y ? plan_score_offset(a.inl, a.score_offset, info.x + tok) : 0);
-      }
-      if constexpr (kHoist) {
-#pragma unroll
-        for (int i = 0; i < kPN / 8; ++i) {
-          s.wr[2 * i] = sWq[8 * i + 2 * tq];
-          s.wr[2 * i + 1] = sWq[8 * i + 2 * tq + 1];
-        }
-      }
+      enter_group<kHi, kNT, kPN, kHoist>(s, a, info.x, info.y, sQ, sWq, bar, wt);
     }
     constexpr bool kSw = kVer == 7 && (kFl & kFlTma);
     const RawRows rr = kSw ? load_rows_sw(ring.stage + slot * kStageBytes, row0, g, tq)
@@ -276,12 +287,17 @@ __device__ __forceinline__ bool step_v6(float (&an)[kPN / 2], float (&ao)[kPN / 
 
 template <int kHi, int kNT, int kMW, int kVer, int kFl>
 __device__ __forceinline__ void math_v6(const WgArgs& a, const Ring& ring, uint32_t sQ, float* sWq, int bar,
-                                        int wt) {
+                                        int wt, int64_t first_item) {
   constexpr int kN = kHi * kNT, kPN = kN < kPassN ? kN : kPassN;
   // w * q_scale in registers where they fit: N <= 32, or N = 64 with 2 math warpgroups (3 x 144 registers do not
   // hold them next to two accumulator sets and the fragments)
   constexpr bool kHoist = kPN <= 32 || (kPN <= 64 && kMW == 2);
   V6State<kPN, kHoist, kN / kPN> s;
+  // the first group's Q straight from the plan, while the producer brings the first stages
+  if (first_item >= 0) {
+    const ScoreItem x = plan_item(a.inl, a.items, first_item);
+    enter_group<kHi, kNT, kPN, kHoist>(s, a, x.t0, x.nt, sQ, sWq, bar, wt);
+  }
   float acc0[kPN / 2], acc1[kPN / 2];
   for (;;) {
     if (!step_v6<kHi, kNT, kPN, kHoist, kVer, kFl>(acc0, acc1, s, a, ring, sQ, sWq, bar, wt)) break;
@@ -330,11 +346,11 @@ __device__ __forceinline__ void wgmma_scores_body(const WgArgs& a) {
     const int lane = tid & 31;
     RingPos pos;
     if constexpr ((kFl & kFlTma) != 0) {
-      produce_paged64<true>(a, ring, pos, lane, i0 + c, kMW, nc);  // (launched only at page sizes % 64 == 0)
+      produce_paged64<kHi, true>(a, ring, pos, lane, i0 + c, kMW, nc);  // (launched only at page sizes % 64 == 0)
     } else if (a.page_size % kBK == 0) {
-      produce_paged64<false>(a, ring, pos, lane, i0 + c, kMW, nc);
+      produce_paged64<kHi, false>(a, ring, pos, lane, i0 + c, kMW, nc);
     } else {
-      produce_segments(a, ring, pos, lane, i0 + c, kMW, nc);
+      produce_segments<kHi>(a, ring, pos, lane, i0 + c, kMW, nc);
     }
     // the end marker
     begin_stage(ring, pos, lane, make_int4(-1, 0, -1, 0), 0);
@@ -346,7 +362,7 @@ __device__ __forceinline__ void wgmma_scores_body(const WgArgs& a) {
   float* sWq = reinterpret_cast<float*>(smem + L.wq_off()) + c * kN;
   if constexpr (kVer >= 6) {
     setmaxnreg_inc<kMathRegs<kMW>>();
-    math_v6<kHi, kNT, kMW, kVer, kFl>(a, ring, sQ, sWq, 1 + c, tid & 127);
+    math_v6<kHi, kNT, kMW, kVer, kFl>(a, ring, sQ, sWq, 1 + c, tid & 127, nc > 0 ? i0 + c : -1);
   } else {
     math_v5<kHi, kNT>(a, ring, sQ, sWq, 1 + c, tid & 127);
   }

@@ -178,17 +178,38 @@ __device__ __forceinline__ Batch resolve_batch(const WgArgs& a, int64_t it, bool
   return r;
 }
 
+// L2 prefetch of a group's Q rows, w and q_scale (its math warpgroup's load_group_q then hits L2): lane l's
+// item's group, by the first lane of a run of lanes with the same group. Bulk prefetches; w and q_scale widened to
+// their 16-byte granules (prefetches never fault, and the granules hold the tensors' own bytes).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* p, uint32_t bytes) {
+  const uintptr_t b = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{15};
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes + 15) & ~uintptr_t{15};
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(b), "r"(static_cast<uint32_t>(e - b)) : "memory");
+}
+template <int kHi>
+__device__ __forceinline__ void prefetch_group_q(const WgArgs& a, int32_t t0, int32_t nt, int lane) {
+  const int32_t prev = __shfl_up_sync(0xffffffffu, t0, 1);
+  if (nt > 0 && (lane == 0 || prev != t0)) {
+    const int64_t at = static_cast<int64_t>(t0) * kHi;
+    bulk_prefetch_l2(a.q + at * kDi, static_cast<uint32_t>(nt) * kHi * kDi);
+    bulk_prefetch_l2(a.w + at, static_cast<uint32_t>(nt) * kHi * 4);
+    bulk_prefetch_l2(a.q_scale + at, static_cast<uint32_t>(nt) * kHi * 4);
+  }
+}
+
 // Producer c's items: first + stride n, n < nc. Batches of 32 resolved one batch ahead; per block, the record
 // comes from lane q of the batch by shuffle and lane 0 issues the two copies (rows, scales; n rounded up to 4 rows:
 // 16-byte scale groups, still inside the page).
-template <bool kTma>
+template <int kHi, bool kTma>
 __device__ __forceinline__ void produce_paged64(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
                                                 int64_t first, int64_t stride, int64_t nc) {
   const int32_t P = a.page_size, bpp = P / kBK;
   const int64_t page_bytes = a.page_stride;
   Batch cur = resolve_batch(a, first + stride * lane, lane < nc, bpp);
+  prefetch_group_q<kHi>(a, cur.t0, cur.nt, lane);
   for (int64_t nb = 0; nb < nc; nb += 32) {
     const Batch nxt = resolve_batch(a, first + stride * (nb + 32 + lane), nb + 32 + lane < nc, bpp);
+    prefetch_group_q<kHi>(a, nxt.t0, nxt.nt, lane);
     const int nq = static_cast<int>(min(int64_t{32}, nc - nb));
     for (int q = 0; q < nq; ++q) {
       const int32_t t0 = __shfl_sync(0xffffffffu, cur.t0, q), nt = __shfl_sync(0xffffffffu, cur.nt, q);
@@ -232,10 +253,12 @@ struct ItemRes {
 
 // Item it's record and block-table entries (the loads are issued here and used one item later). The group's
 // request and key lengths are cached while consecutive items share the group.
+template <int kHi>
 __device__ __forceinline__ ItemRes resolve_item(const WgArgs& a, int64_t it, int lane, int32_t& seg_t0,
                                                 int32_t& seg_b, int32_t& seg_len) {
   const ScoreItem x = plan_item(a.inl, a.items, it);
   if (x.t0 != seg_t0) {
+    prefetch_group_q<kHi>(a, x.t0, lane == 0 ? x.nt : 0, lane);
     seg_t0 = x.t0;
     seg_b = a.request[x.t0];
     int32_t m = 0;
@@ -260,16 +283,17 @@ __device__ __forceinline__ ItemRes resolve_item(const WgArgs& a, int64_t it, int
 
 // Producer c's items (first + stride n, n < nc) one item ahead; per block, lane j copies the block's j-th page segment (rows [s0, s1) of its
 // page, rounded up to 4 rows: still inside the page, page sizes being multiples of 4).
+template <int kHi>
 __device__ __forceinline__ void produce_segments(const WgArgs& a, const Ring& ring, RingPos& pos, int lane,
                                                  int64_t first, int64_t stride, int64_t nc) {
   const int32_t P = a.page_size;
   const int64_t page_bytes = a.page_stride;
   int32_t seg_t0 = -1, seg_b = 0, seg_len = 0;
   ItemRes cur{};
-  if (nc > 0) cur = resolve_item(a, first, lane, seg_t0, seg_b, seg_len);
+  if (nc > 0) cur = resolve_item<kHi>(a, first, lane, seg_t0, seg_b, seg_len);
   for (int64_t n = 0; n < nc; ++n) {
     ItemRes nxt{};
-    if (n + 1 < nc) nxt = resolve_item(a, first + stride * (n + 1), lane, seg_t0, seg_b, seg_len);
+    if (n + 1 < nc) nxt = resolve_item<kHi>(a, first + stride * (n + 1), lane, seg_t0, seg_b, seg_len);
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       const int32_t kb = cur.k0 + j * kBK, kend = min(kb + kBK, cur.len);
@@ -306,32 +330,65 @@ struct GroupView {
 
 // Loads group (t0, nt)'s Q into the warpgroup's shared copy (f16, permuted, 128B-swizzled: [2 slabs][kN x 128 B])
 // and w * q_scale (sWq[kN]); the caller has waited for every wgmma that read the old Q (the first barrier then
-// also orders the epilogues' reads of sWq before the writes).
+// also orders the epilogues' reads of sWq before the writes). Every global load of a batch is issued before any
+// is used, and the first batch and the epilogue values before the first barrier: one round trip for N <= 64 (four
+// for N = 256), where a load-then-store loop paid one an iteration (the producer has prefetched the lines into L2:
+// prefetch_group_q).
 template <int kHi, int kN>
 __device__ __forceinline__ void load_group_q(const WgArgs& a, int32_t t0, int32_t nt, uint32_t sQ, float* sWq,
                                              int bar, int wt, GroupView& gv) {
-  const int tq = wt & 3;
-  named_bar_sync(bar, 128);
-  for (int idx = wt; idx < nt * kHi * 8; idx += 128) {
-    const int r = idx >> 3, ks = idx & 7;
-    const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + (static_cast<int64_t>(t0) * kHi + r) * kDi);
-    uint32_t wv[4];
+  constexpr int kIt = kN / 16;               // (row, k-step) pairs a thread: kN x 8 over 128 threads
+  constexpr int kB = kIt < 4 ? kIt : 4;      // pairs a batch (16 words in flight a thread)
+  constexpr int kCols = (kN + 127) / 128;    // w * q_scale columns a thread
+  const int tq = wt & 3, n_idx = nt * kHi * 8;
+  uint32_t wv[kB][4];
+  auto issue = [&](int b) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wv[j] = __ldg(qrow + 8 * j + ks);
-    const uint32_t q0 = sQ + sw128_chunk_off(r, 2 * ks, kN * 128), q1 = sQ + sw128_chunk_off(r, 2 * ks + 1, kN * 128);
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q0), "r"(e4m3x2_to_f16x2(wv[0], false)),
-                 "r"(e4m3x2_to_f16x2(wv[1], false)), "r"(e4m3x2_to_f16x2(wv[2], false)),
-                 "r"(e4m3x2_to_f16x2(wv[3], false)));
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q1), "r"(e4m3x2_to_f16x2(wv[0], true)),
-                 "r"(e4m3x2_to_f16x2(wv[1], true)), "r"(e4m3x2_to_f16x2(wv[2], true)),
-                 "r"(e4m3x2_to_f16x2(wv[3], true)));
-  }
-  for (int col = wt; col < kN; col += 128) {
+    for (int i = 0; i < kB; ++i) {
+      const int idx = wt + 128 * (b * kB + i), r = idx >> 3, ks = idx & 7;
+      const uint32_t* qrow = reinterpret_cast<const uint32_t*>(a.q + (static_cast<int64_t>(t0) * kHi + r) * kDi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wv[i][j] = idx < n_idx ? __ldg(qrow + 8 * j + ks) : 0u;
+    }
+  };
+  auto store = [&](int b) {
+#pragma unroll
+    for (int i = 0; i < kB; ++i) {
+      const int idx = wt + 128 * (b * kB + i), r = idx >> 3, ks = idx & 7;
+      if (idx < n_idx) {
+        const uint32_t q0 = sQ + sw128_chunk_off(r, 2 * ks, kN * 128), q1 = sQ + sw128_chunk_off(r, 2 * ks + 1, kN * 128);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q0), "r"(e4m3x2_to_f16x2(wv[i][0], false)),
+                     "r"(e4m3x2_to_f16x2(wv[i][1], false)), "r"(e4m3x2_to_f16x2(wv[i][2], false)),
+                     "r"(e4m3x2_to_f16x2(wv[i][3], false)));
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(q1), "r"(e4m3x2_to_f16x2(wv[i][0], true)),
+                     "r"(e4m3x2_to_f16x2(wv[i][1], true)), "r"(e4m3x2_to_f16x2(wv[i][2], true)),
+                     "r"(e4m3x2_to_f16x2(wv[i][3], true)));
+      }
+    }
+  };
+  issue(0);
+  float wq[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int col = wt + 128 * c;
     const int64_t at = static_cast<int64_t>(t0) * kHi + col;
-    sWq[col] = col < nt * kHi ? a.w[at] * a.q_scale[at] : 0.f;
+    wq[c] = col < nt * kHi ? __ldg(a.w + at) * __ldg(a.q_scale + at) : 0.f;
   }
-  gv.my_len = tq < nt ? a.key_len[t0 + tq] : 0;
-  gv.my_row = a.scores + (tq < nt ? plan_score_offset(a.inl, a.score_offset, t0 + tq) : 0);
+  const int32_t my_len = tq < nt ? __ldg(a.key_len + t0 + tq) : 0;
+  const int64_t my_off = tq < nt ? plan_score_offset(a.inl, a.score_offset, t0 + tq) : 0;
+  named_bar_sync(bar, 128);
+  store(0);
+#pragma unroll
+  for (int b = 1; b < kIt / kB; ++b) {
+    issue(b);
+    store(b);
+  }
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    if (wt + 128 * c < kN) sWq[wt + 128 * c] = wq[c];
+  }
+  gv.my_len = my_len;
+  gv.my_row = a.scores + my_off;
   gv.t0 = t0;
   gv.nt = nt;
   fence_proxy_async_smem();  // Q's generic writes -> the async proxy (wgmma)
